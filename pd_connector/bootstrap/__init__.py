@@ -1,0 +1,1 @@
+"""Control plane: the prefill deployment's bootstrap server and its HTTP client."""

@@ -1,0 +1,99 @@
+"""HTTP client of the bootstrap server (P ranks register; D ranks read routes)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+import msgspec
+
+from pd_connector.protocol import RegisterRank, Route
+
+logger = logging.getLogger(__name__)
+
+
+class BootstrapError(RuntimeError):
+    """The bootstrap server could not be reached or refused the call."""
+
+
+def register_rank(addr: str, info: RegisterRank, retries: int, interval_s: float, timeout_s: float) -> bool:
+    """PUT this rank into the rank table, retrying while the server comes up.
+
+    Returns False (after logging an error) if every try failed: a late rank
+    must not take the whole instance down.
+    """
+    url = f"http://{addr}/bootstrap/register_rank"
+    body = msgspec.json.encode(info)
+    last = ""
+    for attempt in range(1, retries + 1):
+        try:
+            resp = httpx.put(url, content=body, headers={"content-type": "application/json"}, timeout=timeout_s)
+            if resp.status_code == 200:
+                logger.info(
+                    "registered rank dp=%d tp=%d with bootstrap %s",
+                    info.attn_dp_rank,
+                    info.attn_tp_rank,
+                    addr,
+                )
+                return True
+            last = f"HTTP {resp.status_code}: {resp.text[:300]}"
+            if 400 <= resp.status_code < 500:
+                break  # refused: retrying will not help
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        if attempt < retries:
+            time.sleep(interval_s)
+    logger.error("could not register with bootstrap server %s after %d tries: %s", addr, retries, last)
+    return False
+
+
+class RouteCache:
+    """GET /bootstrap/route once per prefill deployment, cached until invalidated."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout = timeout_s
+        self._routes: dict[str, Route] = {}
+        self._lock = threading.Lock()
+
+    def get(self, addr: str) -> Route:
+        with self._lock:
+            route = self._routes.get(addr)
+        if route is not None:
+            return route
+        try:
+            resp = httpx.get(f"http://{addr}/bootstrap/route", timeout=self._timeout)
+        except httpx.HTTPError as exc:
+            raise BootstrapError(f"bootstrap server {addr} unreachable: {exc!r}") from None
+        if resp.status_code != 200:
+            raise BootstrapError(f"bootstrap server {addr} answered HTTP {resp.status_code}: {resp.text[:200]}")
+        try:
+            route = msgspec.json.decode(resp.content, type=Route)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BootstrapError(f"bootstrap server {addr} sent a bad route: {exc}") from None
+        if not route.is_ready:
+            raise BootstrapError(
+                f"prefill deployment at {addr} is not ready: {len(route.ranks)} of "
+                f"{route.attn_tp_size * route.attn_cp_size * route.dp_size} ranks registered"
+            )
+        with self._lock:
+            self._routes[addr] = route
+        return route
+
+    def invalidate(self, addr: str) -> None:
+        with self._lock:
+            self._routes.pop(addr, None)
+
+    def query_dp_rank(self, addr: str, room: int) -> int | None:
+        try:
+            resp = httpx.post(
+                f"http://{addr}/bootstrap/query_dp_ranks",
+                json={"bootstrap_rooms": [room]},
+                timeout=self._timeout,
+            )
+            resp.raise_for_status()
+            value = resp.json().get("dp_ranks", {}).get(str(room))
+        except (httpx.HTTPError, ValueError) as exc:
+            raise BootstrapError(f"query_dp_ranks on {addr} failed: {exc!r}") from None
+        return int(value) if value is not None else None

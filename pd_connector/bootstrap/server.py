@@ -1,0 +1,227 @@
+"""Bootstrap server (seed 000 §3): topology, rank table and room -> dp-rank routes.
+
+One per prefill deployment, run by P's leader rank (dp 0, tp 0) in a daemon
+thread. Prefill ranks register here; decode ranks read `/bootstrap/route` once
+per prefill deployment. It holds no transfer state.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pd_connector.protocol import RankInfo, RegisterRank, Route, rank_key
+
+logger = logging.getLogger(__name__)
+
+MAX_ROOMS = 1_000_000  # room -> dp-rank entries kept before the oldest are dropped
+
+
+class RegisterDpRank(msgspec.Struct, frozen=True):
+    bootstrap_room: int
+    dp_rank: int
+
+
+class QueryDpRanks(msgspec.Struct, frozen=True):
+    bootstrap_rooms: list[int]
+
+
+@dataclass
+class BootstrapState:
+    """Topology of one prefill deployment and who serves which room."""
+
+    attn_tp_size: int
+    attn_dp_size: int
+    attn_cp_size: int = 1
+    block_size: int = 0
+    kv_cache_dtype: str = ""
+    num_layers: int = 0
+    rank_table: dict[tuple[int, int, int], RankInfo] = field(default_factory=dict)
+    room_to_dp_rank: dict[int, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def expected_count(self) -> int:
+        return self.attn_tp_size * self.attn_cp_size * self.attn_dp_size
+
+    @property
+    def is_ready(self) -> bool:
+        return len(self.rank_table) >= self.expected_count
+
+    def register_rank(self, req: RegisterRank) -> None:
+        if (req.attn_tp_size, req.attn_dp_size, req.attn_cp_size) != (
+            self.attn_tp_size,
+            self.attn_dp_size,
+            self.attn_cp_size,
+        ):
+            raise ValueError(
+                f"rank reports tp/dp/cp sizes {req.attn_tp_size}/{req.attn_dp_size}/{req.attn_cp_size}, "
+                f"this deployment has {self.attn_tp_size}/{self.attn_dp_size}/{self.attn_cp_size}"
+            )
+        key = (req.attn_dp_rank, req.attn_cp_rank, req.attn_tp_rank)
+        if not (
+            0 <= key[0] < self.attn_dp_size and 0 <= key[1] < self.attn_cp_size and 0 <= key[2] < self.attn_tp_size
+        ):
+            raise ValueError(f"rank (dp, cp, tp) = {key} is outside the deployment's topology")
+        with self.lock:
+            if self.block_size and (req.block_size, req.kv_cache_dtype) != (
+                self.block_size,
+                self.kv_cache_dtype,
+            ):
+                raise ValueError(
+                    f"rank has block_size/kv_cache_dtype {req.block_size}/{req.kv_cache_dtype}, "
+                    f"others registered {self.block_size}/{self.kv_cache_dtype}"
+                )
+            self.block_size, self.kv_cache_dtype = req.block_size, req.kv_cache_dtype
+            self.num_layers = req.num_layers or self.num_layers
+            self.rank_table[key] = RankInfo(rank_ip=req.rank_ip, rank_port=req.rank_port)
+
+    def route(self) -> Route:
+        with self.lock:
+            ranks = {rank_key(*k): v for k, v in self.rank_table.items()}
+            return Route(
+                attn_tp_size=self.attn_tp_size,
+                attn_cp_size=self.attn_cp_size,
+                dp_size=self.attn_dp_size,
+                block_size=self.block_size,
+                kv_cache_dtype=self.kv_cache_dtype,
+                num_layers=self.num_layers,
+                is_ready=self.is_ready,
+                ranks=ranks,
+            )
+
+    def register_dp_rank(self, room: int, dp_rank: int) -> None:
+        if not 0 <= dp_rank < self.attn_dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside 0..{self.attn_dp_size - 1}")
+        with self.lock:
+            self.room_to_dp_rank[room] = dp_rank
+            while len(self.room_to_dp_rank) > MAX_ROOMS:
+                self.room_to_dp_rank.pop(next(iter(self.room_to_dp_rank)))
+
+    def query_dp_ranks(self, rooms: list[int]) -> dict[str, int]:
+        with self.lock:
+            return {str(r): self.room_to_dp_rank[r] for r in rooms if r in self.room_to_dp_rank}
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def create_app(state: BootstrapState) -> FastAPI:
+    """The bootstrap HTTP API (JSON bodies; bad JSON -> 400 with a message)."""
+    app = FastAPI(title="PDConnector bootstrap")
+
+    async def body_as(request: Request, typ: type) -> object:
+        raw = await request.body()
+        try:
+            return msgspec.json.decode(raw, type=typ)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _BadRequest(f"invalid {typ.__name__} body: {exc}") from None
+
+    @app.exception_handler(Exception)
+    async def _on_error(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, _BadRequest):
+            return _error(400, str(exc))
+        logger.exception("bootstrap: %s %s failed", request.method, request.url.path)
+        return _error(500, f"internal error: {exc}")
+
+    @app.put("/bootstrap/register_rank")
+    async def register_rank(request: Request) -> JSONResponse:
+        req = await body_as(request, RegisterRank)
+        assert isinstance(req, RegisterRank)
+        try:
+            state.register_rank(req)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        logger.info(
+            "bootstrap: registered rank dp=%d cp=%d tp=%d at %s:%d (%d/%d)",
+            req.attn_dp_rank,
+            req.attn_cp_rank,
+            req.attn_tp_rank,
+            req.rank_ip,
+            req.rank_port,
+            len(state.rank_table),
+            state.expected_count,
+        )
+        return JSONResponse({"status": "ok", "is_ready": state.is_ready})
+
+    @app.get("/bootstrap/route")
+    async def route() -> Response:
+        return Response(msgspec.json.encode(state.route()), media_type="application/json")
+
+    @app.post("/bootstrap/register_dp_rank")
+    async def register_dp_rank(request: Request) -> JSONResponse:
+        req = await body_as(request, RegisterDpRank)
+        assert isinstance(req, RegisterDpRank)
+        try:
+            state.register_dp_rank(req.bootstrap_room, req.dp_rank)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/bootstrap/query_dp_ranks")
+    async def query_dp_ranks(request: Request) -> JSONResponse:
+        req = await body_as(request, QueryDpRanks)
+        assert isinstance(req, QueryDpRanks)
+        return JSONResponse({"dp_ranks": state.query_dp_ranks(req.bootstrap_rooms)})
+
+    @app.get("/bootstrap/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "is_ready": state.is_ready,
+                "registered": len(state.rank_table),
+                "expected": state.expected_count,
+            }
+        )
+
+    return app
+
+
+class _BadRequest(Exception):
+    pass
+
+
+class BootstrapServer:
+    """Runs the bootstrap app with uvicorn in a daemon thread."""
+
+    def __init__(self, state: BootstrapState, host: str, port: int) -> None:
+        self.state = state
+        self.host, self.port = host, port
+        config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        # Fail fast with a clear message if the port is taken (uvicorn would only log it).
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((self.host, self.port))
+            except OSError as exc:
+                raise RuntimeError(
+                    f"bootstrap server cannot bind {self.host}:{self.port}: {exc}; "
+                    "set kv_connector_extra_config.bootstrap_port to a free port"
+                ) from exc
+        self._thread = threading.Thread(target=self._server.run, name="pd-bootstrap", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"bootstrap server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        logger.info("bootstrap server listening on %s:%d", self.host, self.port)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=5)

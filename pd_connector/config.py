@@ -1,0 +1,152 @@
+"""DisaggConfig: PDConnector settings, parsed and validated in one place.
+
+Everything comes from vLLM's `--kv-transfer-config`: `kv_role` decides the
+instance's side (producer = prefill, consumer = decode) and
+`kv_connector_extra_config` holds the keys below. Unknown keys and bad values
+raise `ConfigError` with a message that names the key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, fields
+from typing import Any
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+PROTOCOLS = ("tcp", "rdma", "ascend")
+
+
+class ConfigError(ValueError):
+    """A PDConnector setting is missing or invalid."""
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Validated PDConnector settings (see README "Configuration")."""
+
+    mode: str
+    # Bootstrap server of the prefill deployment (hosted by P's leader rank).
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 18800
+    # Address this rank advertises to peers (ZMQ and Mooncake). Never probed.
+    local_ip: str = "127.0.0.1"
+    # Mooncake transport: tcp (CPU), rdma, ascend (HIXL on NPUs).
+    protocol: str = "tcp"
+    device_name: str = ""
+    # P: how long a finished prefill holds its KV blocks waiting for D.
+    room_timeout_s: float = 120.0
+    # D: how long a request waits for its KV before the load counts as failed.
+    kv_wait_timeout_s: float = 120.0
+    # Bootstrap registration retries (P ranks), seed 000 §5.3.
+    register_retries: int = 10
+    register_interval_s: float = 1.0
+    http_timeout_s: float = 5.0
+    # Worker threads that run Mooncake writes on P.
+    transfer_threads: int = 4
+    # Largest batch of (src, dst, len) entries handed to Mooncake in one call.
+    max_batch_entries: int = 1024
+    # Start the bootstrap server in this instance's leader (P only).
+    start_bootstrap_server: bool = True
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.mode == PREFILL
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode == DECODE
+
+
+_FIELD_TYPES: dict[str, type] = {
+    "bootstrap_host": str,
+    "bootstrap_port": int,
+    "local_ip": str,
+    "protocol": str,
+    "device_name": str,
+    "room_timeout_s": float,
+    "kv_wait_timeout_s": float,
+    "register_retries": int,
+    "register_interval_s": float,
+    "http_timeout_s": float,
+    "transfer_threads": int,
+    "max_batch_entries": int,
+    "start_bootstrap_server": bool,
+}
+assert set(_FIELD_TYPES) == {f.name for f in fields(DisaggConfig)} - {"mode"}
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+            return value.lower() in ("1", "true", "yes")
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a boolean, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"kv_connector_extra_config.{key} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"kv_connector_extra_config.{key} must be an integer, got {value!r}") from None
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"kv_connector_extra_config.{key} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"kv_connector_extra_config.{key} must be a number, got {value!r}") from None
+    if not isinstance(value, str):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a string, got {value!r}")
+    return value
+
+
+def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggConfig:
+    """Build a DisaggConfig from vLLM's kv_role and kv_connector_extra_config."""
+    if kv_role == "kv_producer":
+        mode = PREFILL
+    elif kv_role == "kv_consumer":
+        mode = DECODE
+    else:
+        raise ConfigError(
+            f"PDConnector needs kv_role 'kv_producer' (prefill) or 'kv_consumer' (decode), got {kv_role!r}"
+        )
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_FIELD_TYPES))
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {sorted(_FIELD_TYPES)}")
+    values = {key: _coerce(key, val, _FIELD_TYPES[key]) for key, val in extra.items()}
+    cfg = DisaggConfig(mode=mode, **values)
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: DisaggConfig) -> None:
+    if not 1 <= cfg.bootstrap_port <= 65535:
+        raise ConfigError(f"kv_connector_extra_config.bootstrap_port must be in 1..65535, got {cfg.bootstrap_port}")
+    if cfg.protocol not in PROTOCOLS:
+        raise ConfigError(f"kv_connector_extra_config.protocol must be one of {PROTOCOLS}, got {cfg.protocol!r}")
+    try:
+        ip = ipaddress.ip_address(cfg.local_ip)
+    except ValueError:
+        raise ConfigError(
+            f"kv_connector_extra_config.local_ip must be an IP address peers can reach, got {cfg.local_ip!r}"
+        ) from None
+    if ip.is_unspecified:
+        raise ConfigError("kv_connector_extra_config.local_ip must not be 0.0.0.0: it is advertised to peers")
+    if not cfg.bootstrap_host:
+        raise ConfigError("kv_connector_extra_config.bootstrap_host must not be empty")
+    for key in ("room_timeout_s", "kv_wait_timeout_s", "register_interval_s", "http_timeout_s"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"kv_connector_extra_config.{key} must be > 0, got {getattr(cfg, key)}")
+    if cfg.register_retries < 1:
+        raise ConfigError(f"kv_connector_extra_config.register_retries must be >= 1, got {cfg.register_retries}")
+    if cfg.transfer_threads < 1:
+        raise ConfigError(f"kv_connector_extra_config.transfer_threads must be >= 1, got {cfg.transfer_threads}")
+    if not 1 <= cfg.max_batch_entries <= 1024:
+        raise ConfigError(
+            f"kv_connector_extra_config.max_batch_entries must be in 1..1024 (Mooncake's per-peer queue), "
+            f"got {cfg.max_batch_entries}"
+        )

@@ -1,0 +1,169 @@
+"""PDConnector: vLLM KVConnectorBase_V1 entry point; dispatches to the role object.
+
+vLLM builds this class twice per instance: once with role SCHEDULER in the
+EngineCore process (-> `PDScheduler`, pure bookkeeping) and once with role
+WORKER per rank (-> `PDWorker`, sockets and transfers).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from pd_connector.config import parse_config
+from pd_connector.metadata import PDConnectorMetadata
+from pd_connector.scheduler import PDScheduler
+from pd_connector.worker import PDWorker
+
+try:  # vLLM >= 0.32 reports failed receives by request id.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # vLLM-Ascend 0.23 line: failed loads go through invalid block ids.
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class PDConnector(KVConnectorBase_V1):
+    """Prefill/decode disaggregation: P pushes the prompt KV into D's blocks over Mooncake."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None
+        self.cfg = parse_config(kv.kv_role, kv.kv_connector_extra_config)
+        self._scheduler: PDScheduler | None = None
+        self._worker: PDWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PDScheduler(self.cfg, vllm_config.cache_config.block_size)
+        else:
+            self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)
+        logger.info("PDConnector %s side up as %s", role.name.lower(), self.cfg.mode)
+
+    # ================================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Called once per worker after vLLM allocated the KV cache.
+
+        Derives this rank's region table from the tensors, registers the memory
+        with Mooncake, opens the ZMQ socket and, on P, joins the bootstrap
+        server (the leader rank starts it first).
+        """
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Called every engine step, around the forward pass, with this step's metadata bound.
+
+        Hands the step's work to the transfer manager: P rooms whose prefill
+        finished (push when D asks), dropped rooms, and D requests whose KV
+        should be fetched. Never blocks: the transfers run on background threads.
+        """
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PDConnectorMetadata)
+        self._worker.start_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Called before each attention layer; loads are async between steps, so nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Called after each attention layer; P pushes whole requests after prefill, not per layer."""
+
+    def wait_for_save(self) -> None:
+        """Called at the end of the forward pass; pushes are async (reported via get_finished)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Called every step after the forward pass.
+
+        Returns (requests whose KV push finished on P, so vLLM may free their
+        blocks; requests whose KV arrived on D, or failed to, so vLLM may
+        schedule them).
+        """
+        assert self._worker is not None
+        sending, recving, _failed = self._worker.get_finished()
+        return sending or None, recving or None
+
+    if KVConnectorTransferResults is not None:
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            """Called every step (vLLM >= 0.32) instead of get_finished: adds the failed loads by id.
+
+            vLLM then recomputes or fails them per kv_load_failure_policy.
+            """
+            assert self._worker is not None
+            sending, recving, failed = self._worker.get_finished()
+            self._worker.take_failed_blocks()  # reported by id here, not by block
+            return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Called every step after get_finished: D blocks whose load failed (older vLLM)."""
+        assert self._worker is not None
+        return self._worker.take_failed_blocks()
+
+    def shutdown(self) -> None:
+        """Called when the engine shuts down: closes sockets, Mooncake and the bootstrap server."""
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ============================================================= scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Called when the scheduler considers a waiting request (maybe several times).
+
+        On D, a request with `do_remote_prefill` gets all prompt tokens past the
+        local prefix hit as an async external load, so vLLM parks it in
+        WAITING_FOR_REMOTE_KVS. Otherwise (and on P): (0, False).
+        """
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Called after vLLM allocated blocks for the request.
+
+        On D, records which of the new blocks P must fill (first call only).
+        """
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Called at the end of every schedule(): the work the workers pick up this step."""
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Called with the workers' aggregated results: forget pushes that finished."""
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request finishes, before its blocks are freed.
+
+        On P, a prefill with `do_remote_decode` that finished normally keeps its
+        blocks (True) until the push is done; an aborted one drops its room.
+        """
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        """Polled by the engine loop: keep stepping while P holds blocks for a push."""
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()

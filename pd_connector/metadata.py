@@ -1,0 +1,43 @@
+"""Scheduler -> worker messages of one engine step (KVConnectorMetadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class SendJob:
+    """P: request `req_id` (room) finished prefill; its KV sits in `block_ids`."""
+
+    req_id: str
+    room: int
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class RecvJob:
+    """D: fetch the prompt KV of room into dst_block_ids (P block index start_block on)."""
+
+    req_id: str
+    room: int
+    bootstrap_host: str
+    bootstrap_port: int
+    prefill_dp_rank: int | None
+    dst_block_ids: list[int]
+    start_block: int
+    num_tokens: int
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return f"{self.bootstrap_host}:{self.bootstrap_port}"
+
+
+@dataclass
+class PDConnectorMetadata(KVConnectorMetadata):
+    sends: list[SendJob] = field(default_factory=list)
+    # P: rooms whose request ended without KV to hand over (aborted, error).
+    dropped_rooms: list[int] = field(default_factory=list)
+    recvs: list[RecvJob] = field(default_factory=list)

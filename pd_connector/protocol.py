@@ -1,0 +1,208 @@
+"""Wire formats: per-request kv_transfer_params and the ZMQ messages between ranks.
+
+ZMQ frames carry msgspec msgpack structs, tagged so one decoder reads them all.
+A frame that does not decode is reported as `ProtocolError` and dropped by the
+caller; it is never fatal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+MAX_ROOM = 2**63
+
+
+class KVParamsError(ValueError):
+    """kv_transfer_params of a request are malformed."""
+
+
+@dataclass(frozen=True)
+class PrefillParams:
+    """P side: compute the prompt, then push its KV to the D that asks for `room`."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """D side: the prompt's KV comes from the prefill deployment at bootstrap_host:port."""
+
+    room: int
+    bootstrap_host: str
+    bootstrap_port: int
+    prefill_dp_rank: int | None
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return f"{self.bootstrap_host}:{self.bootstrap_port}"
+
+
+def _int_field(params: dict[str, Any], key: str, lo: int, hi: int, required: bool = True) -> int | None:
+    value = params.get(key)
+    if value is None:
+        if required:
+            raise KVParamsError(f"kv_transfer_params.{key} is required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        else:
+            raise KVParamsError(f"kv_transfer_params.{key} must be an integer, got {value!r}")
+    if not lo <= value < hi:
+        raise KVParamsError(f"kv_transfer_params.{key} must be in [{lo}, {hi}), got {value}")
+    return value
+
+
+def _flag(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise KVParamsError(f"kv_transfer_params.{key} must be true or false, got {value!r}")
+    return value
+
+
+def parse_kv_params(params: Any) -> PrefillParams | DecodeParams | None:
+    """Parse a request's kv_transfer_params; None if it asks for no PD transfer.
+
+    Raises KVParamsError with a message naming the bad field.
+    """
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise KVParamsError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
+    remote_decode = _flag(params, "do_remote_decode")
+    remote_prefill = _flag(params, "do_remote_prefill")
+    if remote_decode and remote_prefill:
+        raise KVParamsError("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
+    if remote_decode:
+        room = _int_field(params, "bootstrap_room", 0, MAX_ROOM)
+        assert room is not None
+        return PrefillParams(room=room)
+    if remote_prefill:
+        room = _int_field(params, "bootstrap_room", 0, MAX_ROOM)
+        host = params.get("bootstrap_host")
+        if not isinstance(host, str) or not host:
+            raise KVParamsError(f"kv_transfer_params.bootstrap_host must be a non-empty string, got {host!r}")
+        port = _int_field(params, "bootstrap_port", 1, 65536)
+        dp_rank = _int_field(params, "prefill_dp_rank", 0, 1 << 16, required=False)
+        assert room is not None and port is not None
+        return DecodeParams(room=room, bootstrap_host=host, bootstrap_port=port, prefill_dp_rank=dp_rank)
+    return None
+
+
+# ---------------------------------------------------------------- ZMQ messages
+
+
+class PeerHello(msgspec.Struct, tag="hello", frozen=True):
+    """D rank -> P rank, once per peer: where to write and how D's KV is laid out."""
+
+    peer_id: str
+    session: str  # Mooncake session "ip:rpc_port"
+    endpoint: str  # D's ZMQ PULL endpoint for replies, "tcp://ip:port"
+    tp_rank: int
+    tp_size: int
+    block_size: int
+    kv_dtype: str
+    num_layers: int
+    # One region per (layer, K/V part): [base_addr, block_stride_bytes, block_bytes]
+    regions: list[tuple[int, int, int]]
+
+
+class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
+    """D rank -> P rank: write room's KV from P block index `start_block` on into dst_block_ids.
+
+    An empty dst_block_ids means D needs nothing (full local prefix hit): P frees the room.
+    """
+
+    room: int
+    request_id: str
+    peer_id: str
+    dst_block_ids: list[int]
+    start_block: int
+
+
+class TransferDone(msgspec.Struct, tag="done", frozen=True):
+    """P rank -> D rank: the KV of `room` is in place (ok) or will never be (error)."""
+
+    room: int
+    request_id: str
+    tp_rank: int
+    ok: bool
+    error: str = ""
+
+
+class TransferCancel(msgspec.Struct, tag="cancel", frozen=True):
+    """D rank -> P rank: D gave up on room (timeout); do not write into its blocks."""
+
+    room: int
+    request_id: str
+
+
+Message = PeerHello | TransferRequest | TransferDone | TransferCancel
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class ProtocolError(ValueError):
+    """A ZMQ frame that is not a PDConnector message."""
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Message:
+    try:
+        return _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable frame ({len(frame)} bytes): {exc}") from None
+
+
+# ------------------------------------------------------------ bootstrap schemas
+
+
+class RankInfo(msgspec.Struct, frozen=True):
+    rank_ip: str
+    rank_port: int
+
+
+class RegisterRank(msgspec.Struct, frozen=True):
+    """Body of PUT /bootstrap/register_rank."""
+
+    attn_tp_size: int
+    attn_tp_rank: int
+    attn_dp_size: int
+    attn_dp_rank: int
+    rank_ip: str
+    rank_port: int
+    block_size: int
+    kv_cache_dtype: str
+    attn_cp_size: int = 1
+    attn_cp_rank: int = 0
+    num_layers: int = 0
+
+
+class Route(msgspec.Struct, frozen=True):
+    """Body of GET /bootstrap/route: the prefill deployment's topology."""
+
+    attn_tp_size: int
+    attn_cp_size: int
+    dp_size: int
+    block_size: int
+    kv_cache_dtype: str
+    num_layers: int
+    is_ready: bool
+    # key "dp,cp,tp"
+    ranks: dict[str, RankInfo]
+
+    def rank(self, dp: int, cp: int, tp: int) -> RankInfo | None:
+        return self.ranks.get(rank_key(dp, cp, tp))
+
+
+def rank_key(dp: int, cp: int, tp: int) -> str:
+    return f"{dp},{cp},{tp}"

@@ -1,0 +1,138 @@
+"""Scheduler side of PDConnector (runs in vLLM's EngineCore process; no I/O).
+
+It decides, per request, what moves: D asks vLLM to hold the uncomputed prompt
+tokens for an async load; P keeps a finished prefill's blocks (delay free)
+until its worker reports the push done. Everything it decides reaches the
+workers as `PDConnectorMetadata`, once per engine step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from pd_connector.config import DisaggConfig
+from pd_connector.metadata import PDConnectorMetadata, RecvJob, SendJob
+from pd_connector.protocol import DecodeParams, KVParamsError, PrefillParams, parse_kv_params
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _params_of(request: Request) -> PrefillParams | DecodeParams | None:
+    """Parsed kv_transfer_params; malformed ones are logged and ignored (served locally)."""
+    try:
+        return parse_kv_params(request.kv_transfer_params)
+    except KVParamsError as exc:
+        logger.error("req=%s: ignoring malformed kv_transfer_params: %s", request.request_id, exc)
+        return None
+
+
+class PDScheduler:
+    def __init__(self, cfg: DisaggConfig, block_size: int) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        # D: local (block-aligned) prefix hit seen by get_num_new_matched_tokens.
+        self._local_hits: dict[str, int] = {}
+        self._recv_planned: set[str] = set()
+        self._recvs: list[RecvJob] = []
+        # P: rooms to hand over / drop, and requests whose blocks we hold.
+        self._sends: list[SendJob] = []
+        self._dropped: list[int] = []
+        self._holding: set[str] = set()
+        self._parsed: dict[str, PrefillParams | DecodeParams | None] = {}
+
+    def _params(self, request: Request) -> PrefillParams | DecodeParams | None:
+        rid = request.request_id
+        if rid not in self._parsed:
+            self._parsed[rid] = _params_of(request)
+        return self._parsed[rid]
+
+    # -------------------------------------------------------------- decode side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.cfg.is_decode or request.request_id in self._recv_planned:
+            return 0, False
+        params = self._params(request)
+        if not isinstance(params, DecodeParams):
+            return 0, False
+        self._local_hits[request.request_id] = num_computed_tokens
+        missing = request.num_prompt_tokens - num_computed_tokens
+        if missing <= 0:
+            return 0, False
+        return missing, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if not self.cfg.is_decode or rid in self._recv_planned:
+            return
+        params = self._params(request)
+        if not isinstance(params, DecodeParams):
+            return
+        self._recv_planned.add(rid)
+        local = self._local_hits.pop(rid, 0)
+        start_block = local // self.block_size
+        num_blocks = -(-request.num_prompt_tokens // self.block_size)
+        if num_external_tokens > 0:
+            dst = list(blocks.get_block_ids()[0][start_block:num_blocks])
+        else:
+            dst = []  # the whole prompt was a local hit: P only has to free the room
+        self._recvs.append(
+            RecvJob(
+                req_id=rid,
+                room=params.room,
+                bootstrap_host=params.bootstrap_host,
+                bootstrap_port=params.bootstrap_port,
+                prefill_dp_rank=params.prefill_dp_rank,
+                dst_block_ids=dst,
+                start_block=start_block,
+                num_tokens=request.num_prompt_tokens,
+            )
+        )
+        logger.info(
+            "room=%d req=%s: loading %d prompt tokens (%d blocks from block %d) from prefill %s",
+            params.room,
+            rid,
+            num_external_tokens,
+            len(dst),
+            start_block,
+            params.bootstrap_addr,
+        )
+
+    # ------------------------------------------------------------- prefill side
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        params = self._parsed.pop(rid) if rid in self._parsed else _params_of(request)
+        self._local_hits.pop(rid, None)
+        self._recv_planned.discard(rid)
+        if not self.cfg.is_prefill or not isinstance(params, PrefillParams):
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) and block_ids:
+            self._sends.append(SendJob(rid, params.room, list(block_ids), request.num_prompt_tokens))
+            self._holding.add(rid)
+            return True, {"bootstrap_room": params.room, "prefill_done": True}
+        logger.warning("room=%d req=%s: prefill ended as %s; no KV to hand over", params.room, rid, request.status.name)
+        self._dropped.append(params.room)
+        return False, None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self._holding.discard(rid)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._holding or self._sends)
+
+    # -------------------------------------------------------------------- both
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
+        meta = PDConnectorMetadata(sends=self._sends, dropped_rooms=self._dropped, recvs=self._recvs)
+        self._sends, self._dropped, self._recvs = [], [], []
+        return meta

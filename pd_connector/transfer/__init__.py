@@ -1,0 +1,1 @@
+"""Data plane: Mooncake TransferEngine wrapper and the per-rank KVTransferManager."""

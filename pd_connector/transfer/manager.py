@@ -1,0 +1,515 @@
+"""KVTransferManager: one per worker rank; owns the ZMQ sockets and the transfers.
+
+P ranks: a room becomes sendable when both halves are here, in either order:
+the scheduler's `SendJob` (prefill done, KV in these blocks) and D's
+`TransferRequest` (write into those blocks). The write runs on a thread pool,
+then `TransferDone` goes to D and the request is reported in finished_sending
+so vLLM frees P's blocks. A room nobody asks for is freed after room_timeout_s.
+
+D ranks: each `RecvJob` resolves P's topology (bootstrap route, cached), sends
+`PeerHello` once per P rank and a `TransferRequest` per request, then waits for
+`TransferDone` from every P rank it needs. Errors and kv_wait_timeout_s end the
+wait as a failed load; vLLM then recomputes or fails the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import zmq
+
+from pd_connector import protocol as proto
+from pd_connector.bootstrap.client import BootstrapError, RouteCache
+from pd_connector.config import DisaggConfig
+from pd_connector.layout import (
+    LayoutError,
+    Region,
+    block_runs,
+    check_compatible,
+    target_prefill_tp_ranks,
+    transfer_entries,
+)
+from pd_connector.metadata import RecvJob, SendJob
+from pd_connector.transfer.engine import MooncakeEngine, TransferError
+
+logger = logging.getLogger(__name__)
+
+CLOSED_ROOMS_KEPT = 100_000
+POLL_MS = 50
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where this worker sits in its instance and how its KV looks."""
+
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    block_size: int
+    kv_dtype: str
+    num_layers: int
+
+
+@dataclass
+class TransferStats:
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    bytes_sent: int = 0
+    entries_sent: int = 0
+    recvs_ok: int = 0
+    recvs_failed: int = 0
+    rooms_expired: int = 0
+    bad_frames: int = 0
+
+
+@dataclass
+class _ReadyRoom:
+    job: SendJob
+    deadline: float
+
+
+@dataclass
+class _WaitingRequest:
+    req: proto.TransferRequest
+    deadline: float
+
+
+@dataclass
+class _RecvState:
+    job: RecvJob
+    deadline: float
+    expected: int = -1  # P ranks to hear from; -1 while the handshake is running
+    done: int = 0
+    endpoints: list[str] = field(default_factory=list)
+
+
+class KVTransferManager:
+    def __init__(
+        self,
+        cfg: DisaggConfig,
+        spec: RankSpec,
+        regions: Sequence[Region],
+        engine: MooncakeEngine,
+    ) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.regions = list(regions)
+        self.engine = engine
+        self.stats = TransferStats()
+        self.peer_id = f"{cfg.local_ip}:{engine.session}:dp{spec.dp_rank}:tp{spec.tp_rank}"
+
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        port = self._pull.bind_to_random_port("tcp://0.0.0.0")
+        self.endpoint = f"tcp://{cfg.local_ip}:{port}"
+        self.rank_port = port
+        self._push: dict[str, zmq.Socket] = {}
+        self._push_lock = threading.Lock()
+
+        self._lock = threading.Lock()
+        # P side
+        self._ready: dict[int, _ReadyRoom] = {}
+        self._waiting: dict[int, _WaitingRequest] = {}
+        self._peers: dict[str, proto.PeerHello] = {}
+        self._peer_errors: dict[str, str] = {}
+        self._closed_rooms: OrderedDict[int, str] = OrderedDict()
+        self._finished_sending: set[str] = set()
+        # D side
+        self._recvs: dict[str, _RecvState] = {}
+        self._hello_sent: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: dict[str, list[int]] = {}
+        self._routes = RouteCache(cfg.http_timeout_s)
+
+        self._pool = ThreadPoolExecutor(max_workers=cfg.transfer_threads, thread_name_prefix="pd-xfer")
+        self._stop = threading.Event()
+        self._listener = threading.Thread(target=self._listen, name="pd-listener", daemon=True)
+        self._listener.start()
+        logger.info("KV transfer manager (%s) listening on %s, peer %s", cfg.mode, self.endpoint, self.peer_id)
+
+    # ------------------------------------------------------------ public API
+
+    def add_sends(self, jobs: Sequence[SendJob]) -> None:
+        """P: these rooms finished prefill; send each as soon as its D asks."""
+        now = time.monotonic()
+        for job in jobs:
+            with self._lock:
+                waiting = self._waiting.pop(job.room, None)
+                if waiting is None:
+                    self._ready[job.room] = _ReadyRoom(job, now + self.cfg.room_timeout_s)
+            logger.debug("room=%d req=%s: prefill done, %d blocks ready", job.room, job.req_id, len(job.block_ids))
+            if waiting is not None:
+                self._submit_send(job, waiting.req)
+
+    def drop_rooms(self, rooms: Sequence[int]) -> None:
+        """P: these rooms will never have KV (request aborted); tell their D if it asks."""
+        for room in rooms:
+            with self._lock:
+                self._close_room(room, "prefill request was aborted before its KV was ready")
+                waiting = self._waiting.pop(room, None)
+            if waiting is not None:
+                self._reply(waiting.req, ok=False, error="prefill request was aborted")
+
+    def add_recvs(self, jobs: Sequence[RecvJob]) -> None:
+        """D: start fetching these requests' KV (handshake runs off the step loop)."""
+        now = time.monotonic()
+        for job in jobs:
+            with self._lock:
+                self._recvs[job.req_id] = _RecvState(job, now + self.cfg.kv_wait_timeout_s)
+            self._pool.submit(self._start_recv, job)
+
+    def take_finished(self) -> tuple[set[str], set[str], dict[str, list[int]]]:
+        """(finished_sending, finished_recving incl. failed, failed -> their dst blocks)."""
+        with self._lock:
+            sending, self._finished_sending = self._finished_sending, set()
+            recving, self._finished_recving = self._finished_recving, set()
+            failed, self._failed_recving = self._failed_recving, {}
+        return sending, recving, failed
+
+    def has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._ready or self._recvs or self._finished_sending or self._finished_recving)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.join(timeout=2)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._push_lock:
+            for sock in self._push.values():
+                sock.close(linger=0)
+            self._push.clear()
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    # -------------------------------------------------------------- listener
+
+    def _listen(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(POLL_MS))
+                if self._pull in events:
+                    while True:
+                        try:
+                            frame = self._pull.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frame(frame)
+                self._expire(time.monotonic())
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # noqa: BLE001 - the listener must survive anything
+                logger.exception("KV transfer listener error (continuing)")
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            msg = proto.decode(frame)
+        except proto.ProtocolError as exc:
+            self.stats.bad_frames += 1
+            logger.warning("dropping malformed ZMQ frame on %s: %s", self.endpoint, exc)
+            return
+        handler: dict[type, Callable] = {
+            proto.PeerHello: self._on_hello,
+            proto.TransferRequest: self._on_transfer_request,
+            proto.TransferDone: self._on_done,
+            proto.TransferCancel: self._on_cancel,
+        }
+        handler[type(msg)](msg)
+
+    # ------------------------------------------------------------------ P side
+
+    def _on_hello(self, hello: proto.PeerHello) -> None:
+        if not self.cfg.is_prefill:
+            logger.warning("decode rank got a PeerHello from %s; ignored", hello.peer_id)
+            return
+        error = ""
+        try:
+            if hello.block_size != self.spec.block_size:
+                raise LayoutError(f"block size mismatch: prefill {self.spec.block_size}, decode {hello.block_size}")
+            if hello.kv_dtype != self.spec.kv_dtype:
+                raise LayoutError(f"KV dtype mismatch: prefill {self.spec.kv_dtype}, decode {hello.kv_dtype}")
+            if hello.num_layers != self.spec.num_layers:
+                raise LayoutError(f"layer count mismatch: prefill {self.spec.num_layers}, decode {hello.num_layers}")
+            check_compatible(self.regions, [Region(*r) for r in hello.regions])
+        except LayoutError as exc:
+            error = f"incompatible decode instance {hello.peer_id}: {exc}"
+            logger.error("%s", error)
+        with self._lock:
+            self._peers[hello.peer_id] = hello
+            if error:
+                self._peer_errors[hello.peer_id] = error
+            else:
+                self._peer_errors.pop(hello.peer_id, None)
+        logger.info("decode peer %s registered (session %s)", hello.peer_id, hello.session)
+
+    def _on_transfer_request(self, req: proto.TransferRequest) -> None:
+        if not self.cfg.is_prefill:
+            return
+        with self._lock:
+            ready = self._ready.pop(req.room, None)
+            closed = self._closed_rooms.get(req.room) if ready is None else None
+            if ready is None and closed is None:
+                self._waiting[req.room] = _WaitingRequest(req, time.monotonic() + self.cfg.room_timeout_s)
+        if ready is not None:
+            self._submit_send(ready.job, req)
+        elif closed is not None:
+            self._reply(req, ok=False, error=closed)
+        else:
+            logger.debug("room=%d req=%s: decode asked before prefill finished", req.room, req.request_id)
+
+    def _on_cancel(self, cancel: proto.TransferCancel) -> None:
+        with self._lock:
+            waiting = self._waiting.pop(cancel.room, None)
+            if waiting is None:
+                self._close_room(cancel.room, "decode cancelled the transfer")
+        logger.warning("room=%d req=%s: decode cancelled the transfer", cancel.room, cancel.request_id)
+
+    def _submit_send(self, job: SendJob, req: proto.TransferRequest) -> None:
+        self._pool.submit(self._send, job, req)
+
+    def _send(self, job: SendJob, req: proto.TransferRequest) -> None:
+        t0 = time.perf_counter()
+        error = ""
+        nbytes = entries = 0
+        try:
+            with self._lock:
+                peer = self._peers.get(req.peer_id)
+                peer_error = self._peer_errors.get(req.peer_id)
+            if peer is None:
+                raise TransferError(f"unknown decode peer {req.peer_id} (no PeerHello received)")
+            if peer_error:
+                raise TransferError(peer_error)
+            if req.dst_block_ids:
+                end = req.start_block + len(req.dst_block_ids)
+                if req.start_block < 0 or end > len(job.block_ids):
+                    raise TransferError(
+                        f"decode asks for blocks {req.start_block}..{end - 1} but prefill holds "
+                        f"{len(job.block_ids)} blocks ({job.num_tokens} tokens): prompts differ?"
+                    )
+                runs = block_runs(job.block_ids[req.start_block : end], req.dst_block_ids)
+                peer_regions = [Region(*r) for r in peer.regions]
+                src, dst, lengths = transfer_entries(self.regions, peer_regions, runs)
+                self.engine.write(peer.session, src, dst, lengths, self.cfg.max_batch_entries)
+                nbytes, entries = sum(lengths), len(lengths)
+        except (TransferError, LayoutError) as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - report, never leak the room
+            logger.exception("room=%d req=%s: unexpected send error", job.room, job.req_id)
+            error = f"internal error: {exc!r}"
+        ms = (time.perf_counter() - t0) * 1e3
+        if error:
+            self.stats.transfers_failed += 1
+            logger.error("room=%d req=%s: KV push to %s failed: %s", job.room, job.req_id, req.peer_id, error)
+        else:
+            self.stats.transfers_ok += 1
+            self.stats.bytes_sent += nbytes
+            self.stats.entries_sent += entries
+            logger.info(
+                "room=%d req=%s: pushed %d blocks (%d bytes, %d entries) to %s in %.2f ms",
+                job.room,
+                job.req_id,
+                len(req.dst_block_ids),
+                nbytes,
+                entries,
+                req.peer_id,
+                ms,
+            )
+        self._reply(req, ok=not error, error=error)
+        with self._lock:
+            self._close_room(job.room, "KV of this room was already sent" if not error else error)
+            self._finished_sending.add(job.req_id)
+
+    def _reply(self, req: proto.TransferRequest, ok: bool, error: str = "") -> None:
+        with self._lock:
+            peer = self._peers.get(req.peer_id)
+        if peer is None:
+            logger.error("room=%d req=%s: cannot answer unknown peer %s", req.room, req.request_id, req.peer_id)
+            return
+        done = proto.TransferDone(
+            room=req.room, request_id=req.request_id, tp_rank=self.spec.tp_rank, ok=ok, error=error
+        )
+        self._send_msg(peer.endpoint, done)
+
+    def _close_room(self, room: int, reason: str) -> None:
+        """Remember a room that will not (again) be sent. Caller holds the lock."""
+        self._closed_rooms[room] = reason
+        self._closed_rooms.move_to_end(room)
+        while len(self._closed_rooms) > CLOSED_ROOMS_KEPT:
+            self._closed_rooms.popitem(last=False)
+
+    # ------------------------------------------------------------------ D side
+
+    def _start_recv(self, job: RecvJob) -> None:
+        try:
+            route = self._routes.get(job.bootstrap_addr)
+            if route.block_size != self.spec.block_size:
+                raise LayoutError(
+                    f"block size mismatch: prefill at {job.bootstrap_addr} uses {route.block_size}, "
+                    f"this decode instance {self.spec.block_size}"
+                )
+            if route.kv_cache_dtype != self.spec.kv_dtype:
+                raise LayoutError(f"KV dtype mismatch: prefill {route.kv_cache_dtype}, decode {self.spec.kv_dtype}")
+            if route.num_layers and route.num_layers != self.spec.num_layers:
+                raise LayoutError(f"layer count mismatch: prefill {route.num_layers}, decode {self.spec.num_layers}")
+            dp_rank = self._prefill_dp_rank(job, route)
+            tp_ranks = target_prefill_tp_ranks(route.attn_tp_size, self.spec.tp_size, self.spec.tp_rank)
+            endpoints = []
+            for tp in tp_ranks:
+                info = route.rank(dp_rank, 0, tp)
+                if info is None:
+                    raise BootstrapError(f"prefill rank dp={dp_rank} tp={tp} is not registered at {job.bootstrap_addr}")
+                endpoints.append(f"tcp://{info.rank_ip}:{info.rank_port}")
+        except (BootstrapError, LayoutError) as exc:
+            self._routes.invalidate(job.bootstrap_addr)
+            self._fail_recv(job.req_id, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("room=%d req=%s: handshake error", job.room, job.req_id)
+            self._fail_recv(job.req_id, f"internal error: {exc!r}")
+            return
+        request = proto.TransferRequest(
+            room=job.room,
+            request_id=job.req_id,
+            peer_id=self.peer_id,
+            dst_block_ids=list(job.dst_block_ids),
+            start_block=job.start_block,
+        )
+        with self._lock:
+            state = self._recvs.get(job.req_id)
+            if state is None:  # already failed (timeout) while resolving
+                return
+            state.expected = len(endpoints)
+            state.endpoints = endpoints
+        for endpoint in endpoints:
+            if endpoint not in self._hello_sent:
+                self._send_msg(endpoint, self._hello())
+                self._hello_sent.add(endpoint)
+            self._send_msg(endpoint, request)
+        logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, endpoints, len(job.dst_block_ids))
+
+    def _prefill_dp_rank(self, job: RecvJob, route: proto.Route) -> int:
+        if job.prefill_dp_rank is not None:
+            if job.prefill_dp_rank >= route.dp_size:
+                raise BootstrapError(f"prefill_dp_rank {job.prefill_dp_rank} but prefill has dp_size {route.dp_size}")
+            return job.prefill_dp_rank
+        if route.dp_size == 1:
+            return 0
+        deadline = time.monotonic() + min(self.cfg.kv_wait_timeout_s, 30.0)
+        while time.monotonic() < deadline:
+            dp = self._routes.query_dp_rank(job.bootstrap_addr, job.room)
+            if dp is not None:
+                return dp
+            time.sleep(0.05)
+        raise BootstrapError(f"prefill never registered a dp rank for room {job.room}")
+
+    def _hello(self) -> proto.PeerHello:
+        return proto.PeerHello(
+            peer_id=self.peer_id,
+            session=self.engine.session,
+            endpoint=self.endpoint,
+            tp_rank=self.spec.tp_rank,
+            tp_size=self.spec.tp_size,
+            block_size=self.spec.block_size,
+            kv_dtype=self.spec.kv_dtype,
+            num_layers=self.spec.num_layers,
+            regions=[r.as_tuple() for r in self.regions],
+        )
+
+    def _on_done(self, done: proto.TransferDone) -> None:
+        if not done.ok:
+            if "unknown decode peer" in done.error:
+                self._hello_sent.clear()  # P restarted: introduce ourselves again next time
+            self._fail_recv(done.request_id, f"prefill rank tp={done.tp_rank}: {done.error}", room=done.room)
+            return
+        with self._lock:
+            state = self._recvs.get(done.request_id)
+            if state is None or state.job.room != done.room:
+                logger.warning("room=%d req=%s: late or unknown TransferDone ignored", done.room, done.request_id)
+                return
+            state.done += 1
+            finished = state.done >= state.expected > 0
+            if finished:
+                del self._recvs[done.request_id]
+                self._finished_recving.add(done.request_id)
+        if finished:
+            self.stats.recvs_ok += 1
+            logger.info(
+                "room=%d req=%s: KV received (%d blocks)",
+                done.room,
+                done.request_id,
+                len(state.job.dst_block_ids),
+            )
+
+    def _fail_recv(self, req_id: str, reason: str, room: int | None = None) -> None:
+        with self._lock:
+            state = self._recvs.pop(req_id, None)
+            if state is None:
+                return
+            self._finished_recving.add(req_id)
+            self._failed_recving[req_id] = list(state.job.dst_block_ids)
+        self.stats.recvs_failed += 1
+        logger.error("room=%d req=%s: KV load failed: %s", state.job.room, req_id, reason)
+
+    # ---------------------------------------------------------------- timeouts
+
+    def _expire(self, now: float) -> None:
+        expired_rooms: list[_ReadyRoom] = []
+        stale_requests: list[_WaitingRequest] = []
+        timed_out: list[_RecvState] = []
+        with self._lock:
+            for room, ready in list(self._ready.items()):
+                if ready.deadline <= now:
+                    del self._ready[room]
+                    self._close_room(
+                        room, f"prefill freed the KV after waiting {self.cfg.room_timeout_s:g} s for decode"
+                    )
+                    self._finished_sending.add(ready.job.req_id)
+                    expired_rooms.append(ready)
+            for room, waiting in list(self._waiting.items()):
+                if waiting.deadline <= now:
+                    del self._waiting[room]
+                    stale_requests.append(waiting)
+            for state in list(self._recvs.values()):
+                if state.deadline <= now:
+                    timed_out.append(state)
+        for ready in expired_rooms:
+            self.stats.rooms_expired += 1
+            logger.warning(
+                "room=%d req=%s: no decode asked for this KV within %g s; freeing its blocks",
+                ready.job.room,
+                ready.job.req_id,
+                self.cfg.room_timeout_s,
+            )
+        for waiting in stale_requests:
+            self._reply(waiting.req, ok=False, error=f"prefill did not produce room {waiting.req.room} in time")
+        for state in timed_out:
+            for endpoint in state.endpoints:
+                self._send_msg(endpoint, proto.TransferCancel(room=state.job.room, request_id=state.job.req_id))
+            self._routes.invalidate(state.job.bootstrap_addr)
+            self._fail_recv(state.job.req_id, f"no KV from prefill within {self.cfg.kv_wait_timeout_s:g} s")
+
+    # ------------------------------------------------------------------- ZMQ out
+
+    def _send_msg(self, endpoint: str, msg: proto.Message) -> None:
+        frame = proto.encode(msg)
+        with self._push_lock:
+            sock = self._push.get(endpoint)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 10_000)
+                sock.connect(endpoint)
+                self._push[endpoint] = sock
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                logger.error("ZMQ send queue to %s is full; %s dropped", endpoint, type(msg).__name__)

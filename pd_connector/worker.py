@@ -1,0 +1,173 @@
+"""Worker side of PDConnector (one per TP rank, in vLLM's worker process).
+
+It owns this rank's KVTransferManager (ZMQ + Mooncake), registers P ranks with
+the bootstrap server (the leader, dp 0 / tp 0, also hosts that server) and
+turns each step's metadata into transfer work.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pd_connector.bootstrap.client import register_rank
+from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
+from pd_connector.config import DisaggConfig
+from pd_connector.layout import memory_ranges, regions_of_kv_caches
+from pd_connector.metadata import PDConnectorMetadata
+from pd_connector.protocol import RegisterRank
+from pd_connector.transfer.engine import MooncakeEngine
+from pd_connector.transfer.manager import KVTransferManager, RankSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _prepare_cpu_device() -> None:
+    """On CPU, ask the kernel for AMX tiles before any attention kernel runs.
+
+    A cold decode worker whose first step attends over KV loaded from P died
+    with SIGILL otherwise (DESIGN §7).
+    """
+    cpu = getattr(torch._C, "_cpu", None)
+    if cpu is None:
+        return
+    try:
+        if cpu._is_amx_tile_supported():
+            cpu._init_amx()
+    except AttributeError:
+        pass
+
+
+def _kv_dtype_name(vllm_config: VllmConfig) -> str:
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype and cache_dtype != "auto":
+        return str(cache_dtype)
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
+
+
+def _tp_rank_and_size() -> tuple[int, int]:
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+class PDWorker:
+    def __init__(self, cfg: DisaggConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.block_size = vllm_config.cache_config.block_size
+        par = vllm_config.parallel_config
+        self.dp_rank, self.dp_size = par.data_parallel_rank, par.data_parallel_size
+        self.manager: KVTransferManager | None = None
+        self.bootstrap: BootstrapServer | None = None
+        self._failed_blocks: set[int] = set()
+        if torch.accelerator.current_accelerator() is None:
+            _prepare_cpu_device()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        tp_rank, tp_size = _tp_rank_and_size()
+        num_blocks = self._num_blocks(kv_caches)
+        regions = regions_of_kv_caches(kv_caches, num_blocks)
+        first = next(iter(kv_caches.values()))
+        first = first[0] if isinstance(first, (list, tuple)) else first
+        logger.info(
+            "PDConnector %s rank dp=%d tp=%d/%d: %d layers, KV tensor %s %s, %d blocks, %d regions of %d bytes/block",
+            self.cfg.mode,
+            self.dp_rank,
+            tp_rank,
+            tp_size,
+            len(kv_caches),
+            tuple(first.shape),
+            first.dtype,
+            num_blocks,
+            len(regions),
+            regions[0].block_bytes if regions else 0,
+        )
+        engine = MooncakeEngine(self.cfg.local_ip, self.cfg.protocol, self.cfg.device_name)
+        engine.register(memory_ranges(kv_caches))
+        spec = RankSpec(
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            block_size=self.block_size,
+            kv_dtype=_kv_dtype_name(self.vllm_config),
+            num_layers=len(kv_caches),
+        )
+        self.manager = KVTransferManager(self.cfg, spec, regions, engine)
+        if self.cfg.is_prefill:
+            self._join_prefill_deployment(spec)
+
+    def _num_blocks(self, kv_caches: dict[str, Any]) -> int:
+        if self.kv_cache_config is not None and getattr(self.kv_cache_config, "num_blocks", 0):
+            return int(self.kv_cache_config.num_blocks)
+        num_gpu_blocks = self.vllm_config.cache_config.num_gpu_blocks
+        if num_gpu_blocks:
+            return int(num_gpu_blocks)
+        raise RuntimeError("PDConnector cannot tell the number of KV blocks of this worker")
+
+    def _join_prefill_deployment(self, spec: RankSpec) -> None:
+        assert self.manager is not None
+        if spec.dp_rank == 0 and spec.tp_rank == 0 and self.cfg.start_bootstrap_server:
+            state = BootstrapState(attn_tp_size=spec.tp_size, attn_dp_size=spec.dp_size)
+            self.bootstrap = BootstrapServer(state, "0.0.0.0", self.cfg.bootstrap_port)
+            self.bootstrap.start()
+        register_rank(
+            f"{self.cfg.bootstrap_host}:{self.cfg.bootstrap_port}",
+            RegisterRank(
+                attn_tp_size=spec.tp_size,
+                attn_tp_rank=spec.tp_rank,
+                attn_dp_size=spec.dp_size,
+                attn_dp_rank=spec.dp_rank,
+                rank_ip=self.cfg.local_ip,
+                rank_port=self.manager.rank_port,
+                block_size=spec.block_size,
+                kv_cache_dtype=spec.kv_dtype,
+                num_layers=spec.num_layers,
+            ),
+            retries=self.cfg.register_retries,
+            interval_s=self.cfg.register_interval_s,
+            timeout_s=self.cfg.http_timeout_s,
+        )
+
+    def start_step(self, meta: PDConnectorMetadata) -> None:
+        if self.manager is None:
+            return
+        if meta.sends:
+            self.manager.add_sends(meta.sends)
+        if meta.dropped_rooms:
+            self.manager.drop_rooms(meta.dropped_rooms)
+        if meta.recvs:
+            self.manager.add_recvs(meta.recvs)
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving); failed blocks kept for load errors."""
+        if self.manager is None:
+            return set(), set(), set()
+        sending, recving, failed = self.manager.take_finished()
+        for blocks in failed.values():
+            self._failed_blocks.update(blocks)
+        return sending, recving, set(failed)
+
+    def take_failed_blocks(self) -> set[int]:
+        blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+            self.manager.engine.close()
+            self.manager = None
+        if self.bootstrap is not None:
+            self.bootstrap.stop()
+            self.bootstrap = None

@@ -1,0 +1,16 @@
+"""The PDConnector Router: an OpenAI-compatible reverse proxy for prefill/decode disaggregation.
+
+Each completion or chat request is sent at the same time to one prefill instance (P), which
+computes the prompt's KV cache and pushes it to the decode instance, and to one decode
+instance (D), which waits for that KV cache and generates the answer. The Router returns
+D's answer and makes sure a failure on either side reaches the client as an error, and
+that the other side's request is closed so the backend aborts it.
+
+Run it with ``python -m proxy --prefiller-hosts ... --prefiller-ports ... --decoder-hosts ...
+--decoder-ports ...``; see :mod:`proxy.cli` for the flags.
+"""
+
+from proxy.app import create_app
+from proxy.config import Backend, RouterConfig
+
+__all__ = ["Backend", "RouterConfig", "create_app"]

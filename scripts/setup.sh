@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Set up this checkout on a fresh CPU machine of the development kind (idempotent):
+#   - libibverbs1 (Mooncake's engine.so links it even for the TCP transport)
+#   - .venv (Python 3.11) with this package installed editable, extras cpu + test
+#   - torchvision/torchaudio/torchcodec removed (they break transformers beside torch 2.13 CPU)
+# Usage: bash scripts/setup.sh        (env PYTHON=python3.11 picks the interpreter)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '[setup] %s\n' "$*"; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+has_libibverbs() {
+    ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' && return 0
+    local d
+    for d in /lib/x86_64-linux-gnu /usr/lib/x86_64-linux-gnu /lib64 /usr/lib64 /usr/lib; do
+        [ -e "$d/libibverbs.so.1" ] && return 0
+    done
+    return 1
+}
+
+# 1. System library for Mooncake.
+if has_libibverbs; then
+    log "libibverbs.so.1 present"
+else
+    log "installing libibverbs1"
+    export DEBIAN_FRONTEND=noninteractive
+    if ! as_root apt-get install -y libibverbs1; then
+        as_root apt-get update
+        as_root apt-get install -y libibverbs1
+    fi
+fi
+
+# 2. Virtual environment.
+PYTHON="${PYTHON:-python3.11}"
+if [ ! -x .venv/bin/python ]; then
+    log "creating .venv with $PYTHON"
+    "$PYTHON" -m venv .venv
+else
+    log ".venv exists ($(.venv/bin/python --version 2>&1))"
+fi
+VPY=.venv/bin/python
+
+# 3. Packages: pip finds the torch 2.13.0+cpu wheel through its configured find-links.
+log "installing the package with extras cpu,test"
+"$VPY" -m pip install -q -U pip
+"$VPY" -m pip install -q -e ".[cpu,test]"
+
+# 4. These fail to import beside torch 2.13.0+cpu and make transformers fail with them.
+log "removing torchvision, torchaudio, torchcodec if present"
+"$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
+
+# 5. Import check.
+"$VPY" -c "import vllm, mooncake.engine, pd_connector, transformers; print('[setup] ok: vllm', vllm.__version__)"

@@ -1,0 +1,76 @@
+"""End-to-end fixtures: real `vllm serve` processes of the tiny model on loopback ports.
+
+- `colocated_server`: one plain vLLM server (no connector, CPU 0), the reference answer.
+- `pd_stack`: a prefill instance (CPU 0), a decode instance (CPU 1) and the Router.
+
+Both are session-scoped (each start-up costs about a minute here) and owned by a
+`ProcessGroup`, which stops every process by process group when the session ends, whether
+the tests passed or failed, and also on SIGINT/SIGTERM. Tests using them must be marked
+`pytest.mark.e2e`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from launch.processes import (
+    ManagedProcess,
+    PDStack,
+    ProcessGroup,
+    free_port,
+    start_pd_stack,
+    vllm_env,
+    vllm_serve_cmd,
+    wait_http_ok,
+)
+
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Server:
+    """One running vLLM server."""
+
+    url: str
+    port: int
+    model: str
+    process: ManagedProcess
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def colocated_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A plain `vllm serve` of the tiny model (no KV connector), bound to CPU 0."""
+    log_dir = tmp_path_factory.mktemp("colocated-logs")
+    with ProcessGroup(log_dir) as group:
+        port = free_port()
+        proc = group.start("colocated", vllm_serve_cmd(tiny_model, port), env=vllm_env("0"))
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{url}/health", START_TIMEOUT_S, proc)
+        yield Server(url=url, port=port, model=str(tiny_model), process=proc)
+
+
+@pytest.fixture(scope="session")
+def pd_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
+    """Prefill (kv_producer, CPU 0) + decode (kv_consumer, CPU 1) + Router, all healthy."""
+    for module in ("pd_connector.connector", "proxy.__main__"):
+        if not _module_exists(module):
+            pytest.fail(f"{module} does not exist: the P/D stack cannot start")
+    log_dir = tmp_path_factory.mktemp("pd-logs")
+    with ProcessGroup(log_dir) as group:
+        yield start_pd_stack(group, tiny_model, timeout=START_TIMEOUT_S)

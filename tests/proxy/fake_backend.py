@@ -1,0 +1,186 @@
+"""A stand-in for a vLLM OpenAI server, for testing the Router with real HTTP processes.
+
+Run: ``python tests/proxy/fake_backend.py --port 9001 --mode ok``. Modes:
+
+- ``ok``: answers ``/v1/completions`` and ``/v1/chat/completions`` like vLLM (JSON, or an
+  SSE stream of ``data: {...}`` chunks ending with ``data: [DONE]`` when ``stream`` is true),
+  echoing the ``kv_transfer_params`` it received in its JSON;
+- ``fail500``: answers HTTP 500 with an OpenAI-style error body (after ``--delay`` seconds);
+- ``hang``: never answers; notices when the caller closes the connection;
+- ``slow_stream``: streams ``--chunks`` chunks, one every ``--chunk-interval`` seconds.
+
+``--stream-delay`` holds a stream's first chunk back after its headers were sent (vLLM sends
+the headers of a stream at once and its first chunk once D has the KV and a token).
+
+Every generation request is recorded; ``GET /stats`` returns the counts of started,
+completed and disconnected requests and the records (path, X-Request-Id, Authorization,
+body, state), so tests can check what the Router sent and whether it closed a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+MODES = ("ok", "fail500", "hang", "slow_stream")
+TOKENS = ("Hello", ",", " world", "!")
+POLL_S = 0.02
+
+
+def _completion(path: str, rid: str, text: str, kv: Any, port: int) -> dict[str, Any]:
+    base = {"id": f"cmpl-{rid}", "created": int(time.time()), "model": "fake-model", "kv_transfer_params": kv}
+    usage = {"prompt_tokens": 3, "completion_tokens": len(TOKENS), "total_tokens": 3 + len(TOKENS)}
+    if path.endswith("/chat/completions"):
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+        return {**base, "object": "chat.completion", "choices": [choice], "usage": usage, "served_by": port}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+    return {**base, "object": "text_completion", "choices": [choice], "usage": usage, "served_by": port}
+
+
+def _chunk(path: str, rid: str, index: int, token: str | None, kv: Any) -> bytes:
+    chat = path.endswith("/chat/completions")
+    finish = None if token is not None else "length"
+    if chat:
+        delta: dict[str, Any] = {"content": token} if token is not None else {}
+        if index == 0:
+            delta["role"] = "assistant"
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": token or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    payload: dict[str, Any] = {"id": f"cmpl-{rid}", "object": obj, "model": "fake-model", "choices": [choice]}
+    if index == 0:
+        payload["kv_transfer_params"] = kv
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def build_app(
+    mode: str, port: int, delay: float, chunks: int, chunk_interval: float, stream_delay: float = 0.0
+) -> FastAPI:
+    """The fake server for one behaviour ``mode``."""
+    app = FastAPI()
+    records: list[dict[str, Any]] = []
+
+    async def sleep_or_disconnect(request: Request, seconds: float | None) -> bool:
+        """Sleep (forever when ``seconds`` is None); return True early if the client went away."""
+        end = None if seconds is None else time.monotonic() + seconds
+        while end is None or time.monotonic() < end:
+            if await request.is_disconnected():
+                return True
+            await asyncio.sleep(POLL_S)
+        return await request.is_disconnected()
+
+    async def generate(request: Request) -> Response:
+        path = request.url.path
+        body = await request.json()
+        rid = request.headers.get("x-request-id", "")
+        record: dict[str, Any] = {
+            "path": path,
+            "request_id": rid,
+            "authorization": request.headers.get("authorization"),
+            "body": body,
+            "state": "started",
+        }
+        records.append(record)
+        kv = body.get("kv_transfer_params")
+        stream = body.get("stream") is True
+
+        if mode == "hang":
+            await sleep_or_disconnect(request, None)
+            record["state"] = "disconnected"
+            return Response(status_code=499)
+
+        if mode == "fail500":
+            if await sleep_or_disconnect(request, delay):
+                record["state"] = "disconnected"
+                return Response(status_code=499)
+            record["state"] = "completed"
+            error = {"message": f"fake backend {port} failed on purpose", "type": "InternalServerError", "code": 500}
+            return JSONResponse({"error": error, "object": "error"}, status_code=500)
+
+        if await sleep_or_disconnect(request, delay):
+            record["state"] = "disconnected"
+            return Response(status_code=499)
+
+        if not stream:
+            if mode == "slow_stream" and await sleep_or_disconnect(request, chunks * chunk_interval):
+                record["state"] = "disconnected"
+                return Response(status_code=499)
+            record["state"] = "completed"
+            return JSONResponse(_completion(path, rid, "".join(TOKENS), kv, port))
+
+        if mode == "slow_stream":
+            tokens = [f"tok{i} " for i in range(chunks)]
+            interval = chunk_interval
+        else:
+            tokens = list(TOKENS)
+            interval = 0.005
+
+        async def events() -> AsyncIterator[bytes]:
+            finished = False
+            try:
+                # Like vLLM: the status line and headers go out at once, data once tokens exist.
+                if stream_delay and await sleep_or_disconnect(request, stream_delay):
+                    return
+                for index, token in enumerate(tokens):
+                    if index and await sleep_or_disconnect(request, interval):
+                        return
+                    yield _chunk(path, rid, index, token, kv)
+                yield _chunk(path, rid, len(tokens), None, kv)
+                yield b"data: [DONE]\n\n"
+                finished = True
+            finally:
+                record["state"] = "completed" if finished else "disconnected"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": f"fake-{port}"}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        counts = {state: sum(1 for r in records if r["state"] == state) for state in ("completed", "disconnected")}
+        return {"mode": mode, "started": len(records), **counts, "requests": records}
+
+    return app
+
+
+def main() -> None:
+    """Parse the flags and serve."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", choices=MODES, default="ok")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds to wait before answering")
+    parser.add_argument("--chunks", type=int, default=100, help="slow_stream: number of chunks")
+    parser.add_argument("--chunk-interval", type=float, default=0.2, help="slow_stream: seconds between chunks")
+    parser.add_argument("--stream-delay", type=float, default=0.0, help="seconds between headers and first chunk")
+    args = parser.parse_args()
+    app = build_app(args.mode, args.port, args.delay, args.chunks, args.chunk_interval, args.stream_delay)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

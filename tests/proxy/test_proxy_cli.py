@@ -1,0 +1,93 @@
+"""The Router's command line: defaults, validation, one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from proxy_testlib import REPO_ROOT
+
+from proxy.cli import parse_config
+
+BASE = ["--prefiller-hosts", "p1", "--prefiller-ports", "8100", "--decoder-hosts", "d1", "--decoder-ports", "8200"]
+
+
+def test_defaults() -> None:
+    config = parse_config(BASE)
+    assert (config.host, config.port) == ("127.0.0.1", 8000)
+    assert config.max_retries == 3
+    assert config.retry_delay == 0.001
+    assert config.request_timeout == 600
+    assert config.connect_timeout == 5
+    assert config.log_level == "INFO"
+    (prefiller,) = config.prefillers
+    assert (prefiller.host, prefiller.port, prefiller.bootstrap_port) == ("p1", 8100, 18800)
+    (decoder,) = config.decoders
+    assert (decoder.host, decoder.port, decoder.bootstrap_port) == ("d1", 8200, None)
+
+
+def test_several_backends_and_bootstrap_ports() -> None:
+    config = parse_config(
+        [
+            "--prefiller-hosts", "a", "b",
+            "--prefiller-ports", "1", "2",
+            "--prefiller-bootstrap-ports", "9001", "9002",
+            "--decoder-hosts", "c", "d", "e",
+            "--decoder-ports", "3", "4", "5",
+            "--log-level", "debug",
+        ]
+    )  # fmt: skip
+    assert [(b.host, b.port, b.bootstrap_port) for b in config.prefillers] == [("a", 1, 9001), ("b", 2, 9002)]
+    assert [(b.host, b.port) for b in config.decoders] == [("c", 3), ("d", 4), ("e", 5)]
+    assert config.log_level == "DEBUG"
+
+
+def test_one_bootstrap_port_applies_to_all() -> None:
+    config = parse_config(
+        ["--prefiller-hosts", "a", "b", "--prefiller-ports", "1", "2", "--prefiller-bootstrap-ports", "7000"]
+        + ["--decoder-hosts", "c", "--decoder-ports", "3"]
+    )
+    assert [b.bootstrap_port for b in config.prefillers] == [7000, 7000]
+
+
+BAD_FLAGS = {
+    "host/port count": ["--prefiller-hosts", "a", "b", "--prefiller-ports", "1", "--decoder-hosts", "c"]
+    + ["--decoder-ports", "3"],
+    "decoder port range": BASE[:6] + ["--decoder-ports", "70000"],
+    "no decoders": BASE[:4],
+    "no prefillers": BASE[4:],
+    "router port 0": [*BASE, "--port", "0"],
+    "bootstrap count": [*BASE, "--prefiller-bootstrap-ports", "1", "2"],
+    "bootstrap range": [*BASE, "--prefiller-bootstrap-ports", "0"],
+    "retries": [*BASE, "--max-retries", "0"],
+    "timeout": [*BASE, "--request-timeout", "-1"],
+    "timeout nan": [*BASE, "--connect-timeout", "nan"],
+    "not an int": [*BASE, "--port", "http"],
+    "unknown flag": [*BASE, "--bogus"],
+}
+
+
+@pytest.mark.parametrize("argv", BAD_FLAGS.values(), ids=BAD_FLAGS.keys())
+def test_bad_flags_exit_2_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_config(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err, err
+
+
+@pytest.mark.parametrize("case", ["host/port count", "decoder port range", "no prefillers"])
+def test_bad_flags_exit_2_as_a_process(case: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", *BAD_FLAGS[case]],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("python -m proxy: error: ")
+    assert result.stdout == ""

@@ -1,0 +1,108 @@
+"""Unit tests of the bodies the Router builds for P and D (no processes)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from proxy.config import Backend
+from proxy.errors import RouterError
+from proxy.payloads import decode_body, prefill_body, resolve_room, wants_stream
+
+PREFILLER = Backend("prefill", "10.0.0.7", 8100, 18800)
+
+
+def test_prefill_body_is_one_token_no_stream() -> None:
+    client = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 64,
+        "max_completion_tokens": 64,
+        "min_tokens": 8,
+        "bootstrap_room": 5,
+        "temperature": 0.3,
+    }
+    body = prefill_body(client, 5)
+    assert body == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "ignore_eos": True,
+        "temperature": 0.3,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "bootstrap_room": 5},
+    }
+    assert client["stream"] is True and client["max_tokens"] == 64  # the client's body is not modified
+
+
+def test_prefill_body_adds_max_completion_tokens_only_if_given() -> None:
+    assert "max_completion_tokens" not in prefill_body({"prompt": "x"}, 1)
+
+
+def test_decode_body_keeps_the_request_and_adds_kv_params() -> None:
+    client = {"prompt": "x", "max_tokens": 9, "stream": True, "bootstrap_room": 3, "kv_transfer_params": {"a": 1}}
+    body = decode_body(client, 3, PREFILLER)
+    assert body == {
+        "prompt": "x",
+        "max_tokens": 9,
+        "stream": True,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "bootstrap_room": 3,
+            "bootstrap_host": "10.0.0.7",
+            "bootstrap_port": 18800,
+            "prefill_dp_rank": 0,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "room"),
+    [
+        ({"bootstrap_room": 0}, 0),
+        ({"bootstrap_room": 2**63 - 1}, 2**63 - 1),
+        ({"kv_transfer_params": {"bootstrap_room": 42}}, 42),
+        ({"bootstrap_room": 7, "kv_transfer_params": {"bootstrap_room": 7}}, 7),
+    ],
+)
+def test_client_room(body: dict[str, Any], room: int) -> None:
+    assert resolve_room(body) == room
+
+
+def test_random_room_is_63_bits() -> None:
+    rng = random.Random(1)
+    rooms = {resolve_room({"prompt": "x"}, rng) for _ in range(200)}
+    assert len(rooms) == 200
+    assert all(0 <= r < 2**63 for r in rooms)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"bootstrap_room": -1},
+        {"bootstrap_room": 2**63},
+        {"bootstrap_room": "1"},
+        {"bootstrap_room": 1.0},
+        {"bootstrap_room": False},
+        {"kv_transfer_params": {"bootstrap_room": [1]}},
+        {"kv_transfer_params": "room=1"},
+        {"bootstrap_room": 1, "kv_transfer_params": {"bootstrap_room": 2}},
+    ],
+)
+def test_bad_room_is_400(body: dict[str, Any]) -> None:
+    with pytest.raises(RouterError) as info:
+        resolve_room(body)
+    assert info.value.status == 400
+    assert info.value.error_type == "invalid_request_error"
+
+
+def test_wants_stream() -> None:
+    assert wants_stream({"stream": True})
+    assert not wants_stream({"stream": False})
+    assert not wants_stream({})

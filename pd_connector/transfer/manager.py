@@ -103,7 +103,7 @@ class KVTransferManager:
         self.regions = list(regions)
         self.engine = engine
         self.stats = TransferStats()
-        self.peer_id = f"{cfg.local_ip}:{engine.session}:dp{spec.dp_rank}:tp{spec.tp_rank}"
+        self.peer_id = f"{engine.session}/dp{spec.dp_rank}/tp{spec.tp_rank}"
 
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)

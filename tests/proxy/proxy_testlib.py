@@ -6,9 +6,11 @@ pytest puts this folder on ``sys.path``).
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,16 @@ HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 40.0
 #: Hard limit for one test's own body (fixtures that start processes have their own deadlines).
 TEST_TIMEOUT_S = 45
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, get SIGTERM if pytest dies without its finalizers."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
 
 def free_port() -> int:
@@ -62,7 +74,9 @@ class Proc:
 
     def start(self) -> Proc:
         log = self.log_path.open("wb")
-        self.popen = subprocess.Popen(self.args, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.popen = subprocess.Popen(
+            self.args, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
         log.close()
         return self
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -222,6 +223,30 @@ def test_invalid_bootstrap_room_is_400(router_ok: Router, room: Any) -> None:
     assert "bootstrap_room" in error["message"]
 
 
+def test_concurrent_requests(router_ok: Router) -> None:
+    """Many requests at once, streamed and not, through the one shared client; each gets its own room."""
+
+    async def one(client: httpx.AsyncClient, index: int) -> tuple[str, bytes, int]:
+        rid = _rid(f"many{index}")
+        stream = index % 2 == 0
+        path = PATHS[index % len(PATHS)]
+        response = await client.post(
+            f"{router_ok.url}{path}", json=_body(path, stream=stream), headers={"X-Request-Id": rid}
+        )
+        return rid, response.content, response.status_code
+
+    async def run_all() -> list[tuple[str, bytes, int]]:
+        async with httpx.AsyncClient(timeout=20, trust_env=False) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(24)))
+
+    results = asyncio.run(run_all())
+    assert all(status == 200 and content for _, content, status in results)
+    rooms = {
+        _record(router_ok.decode_port, rid)["body"]["kv_transfer_params"]["bootstrap_room"] for rid, _, _ in results
+    }
+    assert len(rooms) == len(results)
+
+
 def test_models_forwarded_to_decoder(router_ok: Router) -> None:
     with _client() as client:
         response = client.get(f"{router_ok.url}/v1/models")
@@ -366,6 +391,12 @@ def test_decoder_down_gives_503_and_cancels_prefill(router_d_down: Router, strea
     error = _assert_openai_error(response, 503, "decode_failed")
     assert f"decoder {HOST}:{router_d_down.decode_port}" in error["message"]
     _wait_state(router_d_down.prefill_port, rid, "disconnected")
+
+
+def test_models_with_decoder_down_is_503(router_d_down: Router) -> None:
+    with _client() as client:
+        response = client.get(f"{router_d_down.url}/v1/models")
+    _assert_openai_error(response, 503, "decode_failed")
 
 
 def test_decoder_timeout_gives_504_and_closes_decode(router_timeout: Router) -> None:

@@ -78,7 +78,7 @@ def stream_completion(
                 continue
             data = line[len("data:") :].strip()
             if data == "[DONE]":
-                break
+                continue  # read on to the end of the body, so the Router sees a clean finish
             event = json.loads(data)
             if "error" in event:
                 raise RuntimeError(f"error in stream: {event['error']}")
@@ -134,13 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", help="name P and D serve the model under")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the sample request")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument(
-        "--log-dir", type=Path, help="where the process logs go (default: ./logs/local-<time>)"
-    )
+    parser.add_argument("--log-dir", type=Path, help="where the process logs go (default: ./logs/local-<time>)")
     parser.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT_S)
-    parser.add_argument(
-        "--keep-running", action="store_true", help="keep P, D and the Router up until Ctrl-C"
-    )
+    parser.add_argument("--keep-running", action="store_true", help="keep P, D and the Router up until Ctrl-C")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 
@@ -168,7 +164,6 @@ def _run(args: argparse.Namespace, group: ProcessGroup) -> int:
     try:
         model = resolve_model(args.model)
         print(f"logs: {group.log_dir}", flush=True)
-        t0 = time.monotonic()
         stack = start_pd_stack(
             group,
             model,
@@ -176,10 +171,8 @@ def _run(args: argparse.Namespace, group: ProcessGroup) -> int:
             timeout=args.start_timeout,
             on_progress=lambda msg: print(msg, flush=True),
         )
-        print(f"stack up in {time.monotonic() - t0:.1f} s; router at {stack.router_url}", flush=True)
-        result = stream_completion(
-            stack.router_url, args.served_model_name or model, args.prompt, args.max_tokens
-        )
+        print(f"sending a request to the router at {stack.router_url}", flush=True)
+        result = stream_completion(stack.router_url, args.served_model_name or model, args.prompt, args.max_tokens)
         print(f"prompt: {args.prompt!r}")
         print(f"text:   {result.text!r}")
         print(f"time to first token: {result.ttft_ms:.1f} ms; total: {result.total_ms:.1f} ms")

@@ -39,6 +39,8 @@ STOP_GRACE_S = 10.0
 #: vLLM instances on this machine start in ~30-60 s each; leave room for a slow, loaded box.
 DEFAULT_START_TIMEOUT_S = 300.0
 LOG_TAIL_LINES = 40
+#: ASGI middleware that answers HTTP 400 to malformed `kv_transfer_params` (pd_connector).
+KV_PARAMS_MIDDLEWARE = "pd_connector.http_validation.KVParamsValidationMiddleware"
 
 #: Repository root: launch/.. . Child processes run here so `python -m launch.vllm_cli`
 #: and `python -m proxy` import this checkout.
@@ -159,48 +161,16 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def wait_http_ok(
-    url: str,
-    timeout: float = DEFAULT_START_TIMEOUT_S,
-    proc: ManagedProcess | None = None,
-    interval: float = 0.5,
-) -> None:
-    """Poll `url` with GET until it answers 200.
-
-    Raises `ProcessFailed` (with the tail of the process's log when `proc` is given) if `proc`
-    exits first or if `timeout` seconds pass.
-    """
-    deadline = time.monotonic() + timeout
-    last_error = "no answer yet"
-    with httpx.Client(timeout=5.0, trust_env=False) as client:
-        while True:
-            if proc is not None and not proc.is_running():
-                raise ProcessFailed(
-                    proc.describe_failure(f"exited with code {proc.poll()} before {url} was ready")
-                )
-            try:
-                resp = client.get(url)
-                if resp.status_code == 200:
-                    return
-                last_error = f"HTTP {resp.status_code}"
-            except httpx.HTTPError as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() >= deadline:
-                reason = f"not ready at {url} after {timeout:.0f} s ({last_error})"
-                if proc is not None:
-                    raise ProcessFailed(proc.describe_failure(reason))
-                raise ProcessFailed(reason)
-            time.sleep(interval)
-
-
 class ProcessGroup:
     """Context manager owning a set of child processes; stops them all on the way out.
 
     Each process is started with `start_new_session=True`, so its pid is also its process-group
     id, and stopping it signals the whole group (vLLM's EngineCore and worker children included).
     Stopping happens on `__exit__` (normal exit or exception), on SIGINT/SIGTERM while the
-    context is active (handlers are installed only when entered from the main thread; SIGTERM is
-    turned into `SystemExit(143)` so the context unwinds), and at interpreter exit as a last resort.
+    context is active, and at interpreter exit as a last resort. The signal handlers (installed
+    only when entered from the main thread) stop the processes at once, hand the signal on to the
+    handler they replaced (an outer `ProcessGroup`'s, say), then raise `KeyboardInterrupt`
+    (SIGINT) or `SystemExit(143)` (SIGTERM) so the caller unwinds.
     """
 
     def __init__(
@@ -293,6 +263,9 @@ class ProcessGroup:
         name = signal.Signals(signum).name
         logger.warning("received %s; stopping %d process(es)", name, len(self.processes))
         self.stop_all()
+        previous = self._old_handlers.get(signum)
+        if callable(previous):
+            previous(signum, frame)  # an outer group's handler, or Python's SIGINT default: both raise
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
@@ -327,11 +300,14 @@ def vllm_serve_cmd(
     extra_args: Sequence[str] = (),
     served_model_name: str | None = None,
     host: str = LOOPBACK,
+    validate_kv_params: bool = True,
 ) -> list[str]:
     """Command line of one `vllm serve` of `model` on this CPU machine (via `launch.vllm_cli`).
 
     With `kv_role` ("kv_producer" for P, "kv_consumer" for D) it adds a PDConnector
-    `--kv-transfer-config`; `extra_config` entries are merged into `kv_connector_extra_config`.
+    `--kv-transfer-config` (`extra_config` entries are merged into `kv_connector_extra_config`)
+    and, unless `validate_kv_params` is False, the `--middleware` that rejects malformed
+    `kv_transfer_params` with HTTP 400.
     """
     cmd = [
         sys.executable,
@@ -359,6 +335,8 @@ def vllm_serve_cmd(
         extra.update(extra_config or {})
         kv_config = {"kv_connector": "PDConnector", "kv_role": kv_role, "kv_connector_extra_config": extra}
         cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        if validate_kv_params:
+            cmd += ["--middleware", KV_PARAMS_MIDDLEWARE]
     cmd += list(extra_args)
     return cmd
 
@@ -444,42 +422,58 @@ class PDStack:
 
 
 def wait_all_healthy(
-    targets: Sequence[tuple[str, ManagedProcess]],
+    targets: Sequence[tuple[str, ManagedProcess | None]],
     timeout: float = DEFAULT_START_TIMEOUT_S,
+    *,
+    watch: Sequence[ManagedProcess] = (),
+    interval: float = 0.5,
 ) -> None:
-    """Wait for every (url, process) pair at once; fail fast on the first process that fails.
+    """Poll every (url, process) target with GET until each has answered 200 once.
 
-    The first failure is raised as soon as it is seen (the others are not waited for).
+    Raises `ProcessFailed` as soon as a target's process, or one of `watch`, exits (with the
+    tail of its log), or when `timeout` seconds pass with a target still not ready.
     """
-    errors: list[BaseException] = []
-    done = threading.Event()
-    remaining = [len(targets)]
-    lock = threading.Lock()
+    deadline = time.monotonic() + timeout
+    pending = list(targets)
+    last_error: dict[str, str] = {}
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while True:
+            for proc in [p for _, p in pending if p is not None] + list(watch):
+                if not proc.is_running():
+                    waiting_for = ", ".join(url for url, _ in pending)
+                    reason = f"exited with code {proc.poll()} while waiting for {waiting_for}"
+                    raise ProcessFailed(proc.describe_failure(reason))
+            for url, proc in list(pending):
+                try:
+                    resp = client.get(url)
+                except httpx.HTTPError as exc:
+                    last_error[url] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if resp.status_code == 200:
+                    pending.remove((url, proc))
+                else:
+                    last_error[url] = f"HTTP {resp.status_code}"
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                url, proc = pending[0]
+                reason = f"not ready at {url} after {timeout:.0f} s ({last_error.get(url, 'no answer')})"
+                raise ProcessFailed(proc.describe_failure(reason) if proc is not None else reason)
+            time.sleep(interval)
 
-    def _one(url: str, proc: ManagedProcess) -> None:
-        try:
-            wait_http_ok(url, timeout, proc)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            with lock:
-                errors.append(exc)
-            done.set()
-            return
-        with lock:
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                done.set()
 
-    threads = [
-        threading.Thread(target=_one, args=(url, proc), name=f"wait-{proc.name}", daemon=True)
-        for url, proc in targets
-    ]
-    for t in threads:
-        t.start()
-    # Wake periodically so Ctrl-C reaches the main thread promptly.
-    while not done.wait(0.5):
-        pass
-    if errors:
-        raise errors[0]
+def wait_http_ok(
+    url: str,
+    timeout: float = DEFAULT_START_TIMEOUT_S,
+    proc: ManagedProcess | None = None,
+    interval: float = 0.5,
+) -> None:
+    """Poll `url` with GET until it answers 200.
+
+    Raises `ProcessFailed` (with the tail of the process's log when `proc` is given) if `proc`
+    exits first or if `timeout` seconds pass.
+    """
+    wait_all_healthy([(url, proc)], timeout, interval=interval)
 
 
 def start_pd_stack(
@@ -497,7 +491,7 @@ def start_pd_stack(
     """Start P (kv_producer, CPU 0), D (kv_consumer, CPU 1) and the Router; wait until all are healthy.
 
     P and D start together and are waited on in parallel; the Router starts right after them
-    (it only needs their addresses) and is waited on too. Raises `ProcessFailed` with the tail
+    (it only needs their addresses) and is waited on once P and D are up. Raises `ProcessFailed` with the tail
     of the failing process's log. The processes belong to `group`, which stops them.
     """
     say = on_progress or logger.info
@@ -529,13 +523,15 @@ def start_pd_stack(
     router_env = dict(os.environ, PYTHONUNBUFFERED="1")
     router = group.start("router", r_cmd, env=router_env)
     t0 = time.monotonic()
+    # P and D first (the Router is watched meanwhile: polling its health, which checks P and D,
+    # would only fill its log with "unhealthy" lines), then the Router.
     wait_all_healthy(
-        [
-            (f"http://{host}:{p_port}/health", prefill),
-            (f"http://{host}:{d_port}/health", decode),
-            (f"http://{host}:{router_port}{router_health_path}", router),
-        ],
+        [(f"http://{host}:{p_port}/health", prefill), (f"http://{host}:{d_port}/health", decode)],
         timeout,
+        watch=[router],
+    )
+    wait_http_ok(
+        f"http://{host}:{router_port}{router_health_path}", max(30.0, timeout - (time.monotonic() - t0)), router
     )
     say(f"prefill, decode and router healthy after {time.monotonic() - t0:.1f} s")
     return PDStack(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from launch.processes import (
+    KV_PARAMS_MIDDLEWARE,
     ProcessFailed,
     ProcessGroup,
     free_port,
@@ -124,11 +126,38 @@ def test_sigterm_stops_children(tmp_path: Path) -> None:
             holder.kill()
 
 
+def test_nested_groups_all_stop_on_sigterm(tmp_path: Path) -> None:
+    """SIGTERM reaches the outer group's processes too, not only the innermost group's."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from launch.processes import ProcessGroup
+        sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+        with ProcessGroup({str(tmp_path / "outer")!r}) as outer:
+            a = outer.start("a", sleep)
+            with ProcessGroup({str(tmp_path / "inner")!r}) as inner:
+                b = inner.start("b", sleep)
+                print(a.pid, b.pid, flush=True)
+                time.sleep(600)
+        """
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        pids = [int(x) for x in holder.stdout.readline().split()]
+        assert all(_alive(pid) for pid in pids)
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(timeout=30) == 128 + signal.SIGTERM
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+
+
 def test_wait_http_ok_reports_exited_process(tmp_path: Path) -> None:
     with ProcessGroup(tmp_path) as group:
-        proc = group.start(
-            "crasher", [sys.executable, "-c", "import sys; print('about to fail'); sys.exit(3)"]
-        )
+        proc = group.start("crasher", [sys.executable, "-c", "import sys; print('about to fail'); sys.exit(3)"])
         with pytest.raises(ProcessFailed) as info:
             wait_http_ok(f"http://127.0.0.1:{free_port()}/health", timeout=20, proc=proc)
     message = str(info.value)
@@ -157,6 +186,7 @@ def test_vllm_serve_cmd_plain() -> None:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--kv-transfer-config" not in cmd
     assert "--served-model-name" not in cmd
+    assert "--middleware" not in cmd
 
 
 def test_vllm_serve_cmd_kv_config() -> None:
@@ -181,7 +211,15 @@ def test_vllm_serve_cmd_kv_config() -> None:
         },
     }
     assert cmd[cmd.index("--served-model-name") + 1] == "tiny"
+    assert cmd[cmd.index("--middleware") + 1] == KV_PARAMS_MIDDLEWARE
     assert cmd[-1] == "--enforce-eager"
+    no_check = vllm_serve_cmd("/m", 8100, kv_role="kv_consumer", bootstrap_port=1, validate_kv_params=False)
+    assert "--middleware" not in no_check
+
+
+def test_kv_params_middleware_importable() -> None:
+    module, name = KV_PARAMS_MIDDLEWARE.rsplit(".", 1)
+    assert hasattr(importlib.import_module(module), name)
 
 
 def test_vllm_serve_cmd_rejects_unknown_role() -> None:

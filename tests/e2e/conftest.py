@@ -1,7 +1,8 @@
 """End-to-end fixtures: real `vllm serve` processes of the tiny model on loopback ports.
 
 - `colocated_server`: one plain vLLM server (no connector, CPU 0), the reference answer.
-- `pd_stack`: a prefill instance (CPU 0), a decode instance (CPU 1) and the Router.
+- `pd_stack`: a prefill instance (CPU 0), a decode instance (CPU 1) and the Router, with
+  short connector timeouts (`P_ROOM_TIMEOUT_S`, `D_KV_WAIT_TIMEOUT_S`).
 
 Both are session-scoped (each start-up costs about a minute here) and owned by a
 `ProcessGroup`, which stops every process by process group when the session ends, whether
@@ -30,6 +31,11 @@ from launch.processes import (
 )
 
 START_TIMEOUT_S = 300.0
+#: Short connector timeouts of the session's P/D stack, so failure tests finish quickly.
+#: P: how long a finished prefill keeps its KV blocks for a D that never asks for them.
+P_ROOM_TIMEOUT_S = 20.0
+#: D: how long a request waits for its KV from P before the load counts as failed.
+D_KV_WAIT_TIMEOUT_S = 15.0
 
 
 @dataclass
@@ -73,4 +79,10 @@ def pd_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             pytest.fail(f"{module} does not exist: the P/D stack cannot start")
     log_dir = tmp_path_factory.mktemp("pd-logs")
     with ProcessGroup(log_dir) as group:
-        yield start_pd_stack(group, tiny_model, timeout=START_TIMEOUT_S)
+        yield start_pd_stack(
+            group,
+            tiny_model,
+            extra_p_config={"room_timeout_s": P_ROOM_TIMEOUT_S},
+            extra_d_config={"kv_wait_timeout_s": D_KV_WAIT_TIMEOUT_S},
+            timeout=START_TIMEOUT_S,
+        )

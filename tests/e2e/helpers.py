@@ -1,0 +1,116 @@
+"""Shared helpers of the end-to-end tests: prompts, OpenAI calls, KV usage checks."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+
+BLOCK_SIZE = 32  # launch.processes serves with --block-size 32
+# Prompt lengths in tokens (the tiny model's tokenizer is byte-level: one ASCII char = one token),
+# from 1 token to more than 4 KV blocks, around every block boundary.
+PROMPT_LENGTHS = [1, 2, 3, 5, 8, 13, 21, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 160, 200, 257, 300]
+TEXT = (
+    "Prefill and decode run on separate vLLM instances; the KV cache moves from P to D over "
+    "Mooncake so that each side can use the parallel layout that suits it best. "
+)
+MAX_TOKENS = 12
+
+
+def prompt_of_length(n: int, salt: int = 0) -> str:
+    text = (TEXT * (n // len(TEXT) + 2))[salt : salt + n]
+    assert len(text) == n
+    return text
+
+
+def prompts() -> list[str]:
+    return [prompt_of_length(n, salt=i) for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def complete(url: str, model: str, prompt: str, *, stream: bool, max_tokens: int = MAX_TOKENS, **extra) -> dict:
+    """One greedy /v1/completions call; returns {"text", "token_ids", "finish_reason"}."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "stream": stream,
+        **extra,
+    }
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        if not stream:
+            resp = client.post(f"{url}/v1/completions", json=body)
+            assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.text[:500]}"
+            choice = resp.json()["choices"][0]
+            return {"text": choice["text"], "token_ids": choice["token_ids"], "finish_reason": choice["finish_reason"]}
+        text, token_ids, finish = [], [], None
+        with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.read()[:500]!r}"
+            done = False
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                assert "error" not in chunk, chunk
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("text") or "")
+                    token_ids.extend(choice.get("token_ids") or [])
+                    finish = choice.get("finish_reason") or finish
+            assert done, "stream ended without [DONE]"
+        return {"text": "".join(text), "token_ids": token_ids, "finish_reason": finish}
+
+
+def chat(url: str, model: str, content: str, *, stream: bool, max_tokens: int = MAX_TOKENS) -> str:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        if not stream:
+            resp = client.post(f"{url}/v1/chat/completions", json=body)
+            assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.text[:500]}"
+            return resp.json()["choices"][0]["message"]["content"]
+        parts = []
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.read()[:500]!r}"
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        parts.append(choice.get("delta", {}).get("content") or "")
+        return "".join(parts)
+
+
+_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+
+
+def kv_usage(url: str) -> float:
+    """vLLM's own KV cache usage gauge (0.0 = no block held by any request)."""
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    values = [float(v) for v in _USAGE.findall(text)]
+    assert values, "vllm:kv_cache_usage_perc not found in /metrics"
+    return max(values)
+
+
+def wait_kv_free(url: str, timeout: float = 30.0) -> float:
+    """Wait until the server holds no KV block; returns the last usage seen."""
+    deadline = time.monotonic() + timeout
+    usage = kv_usage(url)
+    while usage > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        usage = kv_usage(url)
+    return usage
+
+
+def count_in_log(path: Path, pattern: str) -> int:
+    return len(re.findall(pattern, Path(path).read_text(errors="replace")))

@@ -1,0 +1,76 @@
+"""P + D + Router give token-identical greedy outputs to one colocated vLLM, and free all KV.
+
+Real processes only: a colocated `vllm serve` (reference, stopped before the P/D
+stack starts, so the two never compete for this machine's two cores), then P and
+D `vllm serve` with PDConnector, the bootstrap server in P, Mooncake TCP, and the
+Router.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch.processes import ProcessGroup, free_port, vllm_env, vllm_serve_cmd, wait_http_ok
+from tests.e2e.helpers import (
+    BLOCK_SIZE,
+    PROMPT_LENGTHS,
+    chat,
+    complete,
+    count_in_log,
+    kv_usage,
+    prompts,
+    wait_kv_free,
+)
+
+pytestmark = pytest.mark.e2e
+
+CHAT_PROMPTS = ["Hi", "Tell me about prefill/decode disaggregation in one long sentence, please."]
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Greedy outputs of a colocated server for every prompt, stream and non-stream."""
+    assert len(PROMPT_LENGTHS) >= 20 and max(PROMPT_LENGTHS) > 4 * BLOCK_SIZE and min(PROMPT_LENGTHS) == 1
+    with ProcessGroup(tmp_path_factory.mktemp("reference-logs")) as group:
+        port = free_port()
+        proc = group.start("colocated", vllm_serve_cmd(tiny_model, port), env=vllm_env("0"))
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{url}/health", 300, proc)
+        model = str(tiny_model)
+        out = {
+            "completions": {s: [complete(url, model, p, stream=s) for p in prompts()] for s in (False, True)},
+            "chat": {s: [chat(url, model, c, stream=s) for c in CHAT_PROMPTS] for s in (False, True)},
+        }
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_equivalence_completions(reference: dict, pd_stack, stream: bool) -> None:
+    model = pd_stack.model
+    pushed_before = count_in_log(pd_stack.prefill.log_path, r"pushed \d+ blocks")
+    mismatches = []
+    for i, prompt in enumerate(prompts()):
+        got = complete(pd_stack.router_url, model, prompt, stream=stream)
+        want = reference["completions"][stream][i]
+        assert len(got["token_ids"]) > 0
+        if got["token_ids"] != want["token_ids"] or got["text"] != want["text"]:
+            mismatches.append((PROMPT_LENGTHS[i], want["token_ids"], got["token_ids"]))
+    assert not mismatches, f"PD output differs from colocated for prompt lengths {[m[0] for m in mismatches]}: {mismatches}"
+    # Every request went Router -> P -> KV push -> D.
+    pushed = count_in_log(pd_stack.prefill.log_path, r"pushed \d+ blocks") - pushed_before
+    assert pushed >= len(PROMPT_LENGTHS), f"only {pushed} KV pushes logged by P for {len(PROMPT_LENGTHS)} requests"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_equivalence_chat(reference: dict, pd_stack, stream: bool) -> None:
+    for i, content in enumerate(CHAT_PROMPTS):
+        assert chat(pd_stack.router_url, pd_stack.model, content, stream=stream) == reference["chat"][stream][i]
+
+
+def test_equivalence_no_kv_left(reference: dict, pd_stack) -> None:
+    """After the equivalence runs neither P nor D holds a KV block (vLLM's own gauge)."""
+    complete(pd_stack.router_url, pd_stack.model, prompts()[-1], stream=False)
+    assert wait_kv_free(pd_stack.prefill_url) == 0.0, f"P still holds KV: {kv_usage(pd_stack.prefill_url)}"
+    assert wait_kv_free(pd_stack.decode_url) == 0.0, f"D still holds KV: {kv_usage(pd_stack.decode_url)}"

@@ -148,12 +148,3 @@ def transfer_entries(
                     dst_addrs.append(d.base + (d0 + k) * d.block_stride)
                     lengths.append(s.block_bytes)
     return src_addrs, dst_addrs, lengths
-
-
-def target_prefill_tp_ranks(prefill_tp: int, decode_tp: int, decode_rank: int) -> list[int]:
-    """Prefill TP ranks a decode rank receives from (equal TP sizes: the same rank)."""
-    if prefill_tp != decode_tp:
-        raise LayoutError(
-            f"prefill TP {prefill_tp} and decode TP {decode_tp} differ; heterogeneous TP is not supported yet"
-        )
-    return [decode_rank]

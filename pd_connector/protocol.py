@@ -47,10 +47,13 @@ def _int_field(params: dict[str, Any], key: str, lo: int, hi: int, required: boo
             raise KVParamsError(f"kv_transfer_params.{key} is required")
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        try:
+            # The gate alone is not enough: "²" and "--3" pass it, and int() rejects them.
+            if not (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+                raise ValueError
             value = int(value)
-        else:
-            raise KVParamsError(f"kv_transfer_params.{key} must be an integer, got {value!r}")
+        except ValueError:
+            raise KVParamsError(f"kv_transfer_params.{key} must be an integer, got {value!r}") from None
     if not lo <= value < hi:
         raise KVParamsError(f"kv_transfer_params.{key} must be in [{lo}, {hi}), got {value}")
     return value
@@ -110,6 +113,10 @@ class PeerHello(msgspec.Struct, tag="hello", frozen=True):
     num_layers: int
     # One region per (layer, K/V part): [base_addr, block_stride_bytes, block_bytes]
     regions: list[tuple[int, int, int]]
+    total_kv_heads: int = 1  # the model's KV heads (1 for MLA)
+    local_kv_heads: int = 1  # KV heads in this rank's blocks
+    use_mla: bool = False
+    heads_outermost: bool = True  # a run of heads is one byte range per block
 
 
 class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):

@@ -18,6 +18,7 @@ from pd_connector.config import DisaggConfig
 from pd_connector.layout import memory_ranges, regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.protocol import RegisterRank
+from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.engine import MooncakeEngine
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 
@@ -60,6 +61,19 @@ def _tp_rank_and_size() -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
+def _heads_outermost(kv_caches: dict[str, Any], num_blocks: int, local: int) -> bool:
+    """Whether a run of KV heads is one byte range per block in every KV tensor (needed for mixed TP)."""
+    try:
+        return all(
+            is_head_major(t.shape, num_blocks, local, strides=t.stride())
+            for value in kv_caches.values()
+            for t in (value if isinstance(value, (list, tuple)) else [value])
+        )
+    except MappingError as exc:
+        logger.warning("cannot tell the KV head layout (%s); mixed prefill/decode TP sizes will be refused", exc)
+        return False
+
+
 class PDWorker:
     def __init__(self, cfg: DisaggConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
         self.cfg = cfg
@@ -93,6 +107,10 @@ class PDWorker:
             len(regions),
             regions[0].block_bytes if regions else 0,
         )
+        model = self.vllm_config.model_config
+        use_mla = bool(getattr(model, "use_mla", False))
+        total_heads = 1 if use_mla else model.get_total_num_kv_heads()
+        local = len(local_heads(total_heads, tp_size, tp_rank))
         engine = MooncakeEngine(self.cfg.local_ip, self.cfg.protocol, self.cfg.device_name)
         engine.register(memory_ranges(kv_caches))
         spec = RankSpec(
@@ -103,6 +121,10 @@ class PDWorker:
             block_size=self.block_size,
             kv_dtype=_kv_dtype_name(self.vllm_config),
             num_layers=len(kv_caches),
+            total_kv_heads=total_heads,
+            local_kv_heads=local,
+            use_mla=use_mla,
+            heads_outermost=_heads_outermost(kv_caches, num_blocks, local),
         )
         self.manager = KVTransferManager(self.cfg, spec, regions, engine)
         if self.cfg.is_prefill:

@@ -27,15 +27,18 @@ import zmq
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import BootstrapError, RouteCache
 from pd_connector.config import DisaggConfig
-from pd_connector.layout import (
-    LayoutError,
-    Region,
-    block_runs,
-    check_compatible,
-    target_prefill_tp_ranks,
-    transfer_entries,
-)
+from pd_connector.layout import LayoutError, Region, block_runs
 from pd_connector.metadata import RecvJob, SendJob
+from pd_connector.tp_mapping import (
+    MappingError,
+    check_head_regions,
+    decode_contacts,
+    expected_requests,
+    needs_head_split,
+    plan_decode_rank,
+    slices_from,
+    tp_transfer_entries,
+)
 from pd_connector.transfer.engine import MooncakeEngine, TransferError
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,15 @@ class RankSpec:
     block_size: int
     kv_dtype: str
     num_layers: int
+    total_kv_heads: int = 1  # 1 for MLA
+    local_kv_heads: int = 1
+    use_mla: bool = False
+    heads_outermost: bool = True
+
+    @property
+    def heads(self) -> int:
+        """Head count the TP mapping works with (MLA's latent is one replicated head)."""
+        return 1 if self.use_mla else self.total_kv_heads
 
 
 @dataclass
@@ -71,8 +83,19 @@ class TransferStats:
 
 @dataclass
 class _ReadyRoom:
+    """A finished prefill on this P rank; D ranks ask for (parts of) it, possibly several."""
+
     job: SendJob
     deadline: float
+    expected: int = 0  # requests this rank will get for the room (0: unknown yet)
+    submitted: int = 0
+    finished: int = 0
+    expired: bool = False
+
+    @property
+    def complete(self) -> bool:
+        idle = self.finished == self.submitted
+        return idle and (self.expired or (self.expected > 0 and self.submitted >= self.expected))
 
 
 @dataclass
@@ -86,7 +109,7 @@ class _RecvState:
     job: RecvJob
     deadline: float
     expected: int = -1  # P ranks to hear from; -1 while the handshake is running
-    done: int = 0
+    done: set[int] = field(default_factory=set)  # P tp ranks that reported DONE
     endpoints: list[str] = field(default_factory=list)
 
 
@@ -117,7 +140,7 @@ class KVTransferManager:
         self._lock = threading.Lock()
         # P side
         self._ready: dict[int, _ReadyRoom] = {}
-        self._waiting: dict[int, _WaitingRequest] = {}
+        self._waiting: dict[int, list[_WaitingRequest]] = {}
         self._peers: dict[str, proto.PeerHello] = {}
         self._peer_errors: dict[str, str] = {}
         self._closed_rooms: OrderedDict[int, str] = OrderedDict()
@@ -138,25 +161,25 @@ class KVTransferManager:
     # ------------------------------------------------------------ public API
 
     def add_sends(self, jobs: Sequence[SendJob]) -> None:
-        """P: these rooms finished prefill; send each as soon as its D asks."""
+        """P: these rooms finished prefill; send each as soon as its D ranks ask."""
         now = time.monotonic()
         for job in jobs:
+            ready = _ReadyRoom(job, now + self.cfg.room_timeout_s)
             with self._lock:
-                waiting = self._waiting.pop(job.room, None)
-                if waiting is None:
-                    self._ready[job.room] = _ReadyRoom(job, now + self.cfg.room_timeout_s)
+                waiting = self._waiting.pop(job.room, [])
+                self._ready[job.room] = ready
             logger.debug("room=%d req=%s: prefill done, %d blocks ready", job.room, job.req_id, len(job.block_ids))
-            if waiting is not None:
-                self._submit_send(job, waiting.req)
+            for w in waiting:
+                self._accept(ready, w.req)
 
     def drop_rooms(self, rooms: Sequence[int]) -> None:
         """P: these rooms will never have KV (request aborted); tell their D if it asks."""
         for room in rooms:
             with self._lock:
                 self._close_room(room, "prefill request was aborted before its KV was ready")
-                waiting = self._waiting.pop(room, None)
-            if waiting is not None:
-                self._reply(waiting.req, ok=False, error="prefill request was aborted")
+                waiting = self._waiting.pop(room, [])
+            for w in waiting:
+                self._reply(w.req, ok=False, error="prefill request was aborted")
 
     def add_recvs(self, jobs: Sequence[RecvJob]) -> None:
         """D: start fetching these requests' KV (handshake runs off the step loop)."""
@@ -239,7 +262,24 @@ class KVTransferManager:
                 raise LayoutError(f"KV dtype mismatch: prefill {self.spec.kv_dtype}, decode {hello.kv_dtype}")
             if hello.num_layers != self.spec.num_layers:
                 raise LayoutError(f"layer count mismatch: prefill {self.spec.num_layers}, decode {hello.num_layers}")
-            check_compatible(self.regions, [Region(*r) for r in hello.regions])
+            if (hello.total_kv_heads, hello.use_mla) != (self.spec.total_kv_heads, self.spec.use_mla):
+                raise LayoutError(
+                    f"model mismatch: prefill has {self.spec.total_kv_heads} KV heads (MLA {self.spec.use_mla}), "
+                    f"decode {hello.total_kv_heads} (MLA {hello.use_mla})"
+                )
+            check_head_regions(
+                self.regions, [Region(*r) for r in hello.regions], self.spec.local_kv_heads, hello.local_kv_heads
+            )
+            plan = plan_decode_rank(
+                self.spec.heads, self.spec.tp_size, hello.tp_size, hello.tp_rank, is_mla=self.spec.use_mla
+            )
+            if needs_head_split(plan, self.spec.local_kv_heads, hello.local_kv_heads) and not (
+                self.spec.heads_outermost and hello.heads_outermost
+            ):
+                raise MappingError(
+                    f"prefill TP {self.spec.tp_size} / decode TP {hello.tp_size} split KV heads inside a block, "
+                    "but the KV layout keeps heads inside tokens (NHD); use equal TP sizes"
+                )
         except LayoutError as exc:
             error = f"incompatible decode instance {hello.peer_id}: {exc}"
             logger.error("%s", error)
@@ -255,28 +295,60 @@ class KVTransferManager:
         if not self.cfg.is_prefill:
             return
         with self._lock:
-            ready = self._ready.pop(req.room, None)
+            ready = self._ready.get(req.room)
             closed = self._closed_rooms.get(req.room) if ready is None else None
             if ready is None and closed is None:
-                self._waiting[req.room] = _WaitingRequest(req, time.monotonic() + self.cfg.room_timeout_s)
+                deadline = time.monotonic() + self.cfg.room_timeout_s
+                self._waiting.setdefault(req.room, []).append(_WaitingRequest(req, deadline))
         if ready is not None:
-            self._submit_send(ready.job, req)
+            self._accept(ready, req)
         elif closed is not None:
             self._reply(req, ok=False, error=closed)
         else:
             logger.debug("room=%d req=%s: decode asked before prefill finished", req.room, req.request_id)
 
+    def _expected_requests(self, room: int, peer: proto.PeerHello | None) -> int:
+        if peer is None:
+            return 1
+        try:
+            return expected_requests(
+                self.spec.heads,
+                self.spec.tp_size,
+                peer.tp_size,
+                self.spec.tp_rank,
+                is_mla=self.spec.use_mla,
+                spread=room % self.spec.tp_size,
+            )
+        except LayoutError:
+            return 1
+
+    def _accept(self, ready: _ReadyRoom, req: proto.TransferRequest) -> None:
+        """Take one D rank's request for a ready room: submit its write, or refuse an extra one."""
+        with self._lock:
+            if ready.expected == 0:
+                ready.expected = self._expected_requests(ready.job.room, self._peers.get(req.peer_id))
+            extra = ready.submitted >= ready.expected or ready.expired
+            if not extra:
+                ready.submitted += 1
+        if extra:
+            self._reply(req, ok=False, error=f"room {req.room} was already served")
+            return
+        self._pool.submit(self._send, ready, req)
+
     def _on_cancel(self, cancel: proto.TransferCancel) -> None:
         with self._lock:
-            waiting = self._waiting.pop(cancel.room, None)
-            if waiting is None:
+            self._waiting.pop(cancel.room, None)
+            ready = self._ready.get(cancel.room)
+            if ready is None:
                 self._close_room(cancel.room, "decode cancelled the transfer")
+            else:
+                # Nothing more will come for this room: free it once in-flight writes end.
+                ready.expired = True
+                self._finish_room_if_done(ready)
         logger.warning("room=%d req=%s: decode cancelled the transfer", cancel.room, cancel.request_id)
 
-    def _submit_send(self, job: SendJob, req: proto.TransferRequest) -> None:
-        self._pool.submit(self._send, job, req)
-
-    def _send(self, job: SendJob, req: proto.TransferRequest) -> None:
+    def _send(self, ready: _ReadyRoom, req: proto.TransferRequest) -> None:
+        job = ready.job
         t0 = time.perf_counter()
         error = ""
         nbytes = entries = 0
@@ -295,11 +367,23 @@ class KVTransferManager:
                         f"decode asks for blocks {req.start_block}..{end - 1} but prefill holds "
                         f"{len(job.block_ids)} blocks ({job.num_tokens} tokens): prompts differ?"
                     )
-                runs = block_runs(job.block_ids[req.start_block : end], req.dst_block_ids)
-                peer_regions = [Region(*r) for r in peer.regions]
-                src, dst, lengths = transfer_entries(self.regions, peer_regions, runs)
-                self.engine.write(peer.session, src, dst, lengths, self.cfg.max_batch_entries)
-                nbytes, entries = sum(lengths), len(lengths)
+                plan = plan_decode_rank(
+                    self.spec.heads,
+                    self.spec.tp_size,
+                    peer.tp_size,
+                    peer.tp_rank,
+                    is_mla=self.spec.use_mla,
+                    spread=job.room % self.spec.tp_size,
+                )
+                slices = slices_from(plan, self.spec.tp_rank)
+                if slices:  # else this rank only frees the room (no D rank reads from it)
+                    runs = block_runs(job.block_ids[req.start_block : end], req.dst_block_ids)
+                    peer_regions = [Region(*r) for r in peer.regions]
+                    src, dst, lengths = tp_transfer_entries(
+                        self.regions, peer_regions, slices, self.spec.local_kv_heads, peer.local_kv_heads, runs
+                    )
+                    self.engine.write(peer.session, src, dst, lengths, self.cfg.max_batch_entries)
+                    nbytes, entries = sum(lengths), len(lengths)
         except (TransferError, LayoutError) as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - report, never leak the room
@@ -325,8 +409,15 @@ class KVTransferManager:
             )
         self._reply(req, ok=not error, error=error)
         with self._lock:
-            self._close_room(job.room, "KV of this room was already sent" if not error else error)
-            self._finished_sending.add(job.req_id)
+            ready.finished += 1
+            self._finish_room_if_done(ready)
+
+    def _finish_room_if_done(self, ready: _ReadyRoom) -> None:
+        """Close a room and let vLLM free its blocks once every write for it ended. Caller holds the lock."""
+        if ready.complete and self._ready.get(ready.job.room) is ready:
+            del self._ready[ready.job.room]
+            self._close_room(ready.job.room, "KV of this room was already sent or freed")
+            self._finished_sending.add(ready.job.req_id)
 
     def _reply(self, req: proto.TransferRequest, ok: bool, error: str = "") -> None:
         with self._lock:
@@ -361,7 +452,14 @@ class KVTransferManager:
             if route.num_layers and route.num_layers != self.spec.num_layers:
                 raise LayoutError(f"layer count mismatch: prefill {route.num_layers}, decode {self.spec.num_layers}")
             dp_rank = self._prefill_dp_rank(job, route)
-            tp_ranks = target_prefill_tp_ranks(route.attn_tp_size, self.spec.tp_size, self.spec.tp_rank)
+            tp_ranks = decode_contacts(
+                self.spec.heads,
+                route.attn_tp_size,
+                self.spec.tp_size,
+                self.spec.tp_rank,
+                is_mla=self.spec.use_mla,
+                spread=job.room % route.attn_tp_size,
+            )
             endpoints = []
             for tp in tp_ranks:
                 info = route.rank(dp_rank, 0, tp)
@@ -422,6 +520,10 @@ class KVTransferManager:
             kv_dtype=self.spec.kv_dtype,
             num_layers=self.spec.num_layers,
             regions=[r.as_tuple() for r in self.regions],
+            total_kv_heads=self.spec.total_kv_heads,
+            local_kv_heads=self.spec.local_kv_heads,
+            use_mla=self.spec.use_mla,
+            heads_outermost=self.spec.heads_outermost,
         )
 
     def _on_done(self, done: proto.TransferDone) -> None:
@@ -435,8 +537,8 @@ class KVTransferManager:
             if state is None or state.job.room != done.room:
                 logger.warning("room=%d req=%s: late or unknown TransferDone ignored", done.room, done.request_id)
                 return
-            state.done += 1
-            finished = state.done >= state.expected > 0
+            state.done.add(done.tp_rank)
+            finished = len(state.done) >= state.expected > 0
             if finished:
                 del self._recvs[done.request_id]
                 self._finished_recving.add(done.request_id)
@@ -456,6 +558,9 @@ class KVTransferManager:
                 return
             self._finished_recving.add(req_id)
             self._failed_recving[req_id] = list(state.job.dst_block_ids)
+        # Other P ranks must not write into blocks vLLM is about to reuse.
+        for endpoint in state.endpoints:
+            self._send_msg(endpoint, proto.TransferCancel(room=state.job.room, request_id=req_id))
         self.stats.recvs_failed += 1
         logger.error("room=%d req=%s: KV load failed: %s", state.job.room, req_id, reason)
 
@@ -492,8 +597,6 @@ class KVTransferManager:
         for waiting in stale_requests:
             self._reply(waiting.req, ok=False, error=f"prefill did not produce room {waiting.req.room} in time")
         for state in timed_out:
-            for endpoint in state.endpoints:
-                self._send_msg(endpoint, proto.TransferCancel(room=state.job.room, request_id=state.job.req_id))
             self._routes.invalidate(state.job.bootstrap_addr)
             self._fail_recv(state.job.req_id, f"no KV from prefill within {self.cfg.kv_wait_timeout_s:g} s")
 

@@ -1,0 +1,147 @@
+"""config.parse_config: defaults, role mapping, coercion and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_connector.config import DECODE, PREFILL, ConfigError, DisaggConfig, parse_config
+
+
+def test_defaults_prefill() -> None:
+    cfg = parse_config("kv_producer", None)
+    assert cfg == DisaggConfig(mode=PREFILL)
+    assert cfg.is_prefill and not cfg.is_decode
+    assert cfg.bootstrap_host == "127.0.0.1"
+    assert cfg.bootstrap_port == 18800
+    assert cfg.local_ip == "127.0.0.1"
+    assert cfg.protocol == "tcp"
+    assert cfg.room_timeout_s == 120.0
+    assert cfg.kv_wait_timeout_s == 120.0
+    assert cfg.register_retries == 10
+    assert cfg.register_interval_s == 1.0
+    assert cfg.max_batch_entries == 1024
+    assert cfg.start_bootstrap_server is True
+
+
+def test_defaults_decode_and_empty_extra() -> None:
+    cfg = parse_config("kv_consumer", {})
+    assert cfg.mode == DECODE
+    assert cfg.is_decode and not cfg.is_prefill
+
+
+@pytest.mark.parametrize("role", [None, "", "kv_both", "producer", "KV_PRODUCER"])
+def test_wrong_role(role: str | None) -> None:
+    with pytest.raises(ConfigError, match="kv_role") as info:
+        parse_config(role, {})
+    assert repr(role) in str(info.value)
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config("kv_producer", {"bootstrap_port": 1234, "bootstrap_prot": 1, "zzz": 2})
+    msg = str(info.value)
+    assert "bootstrap_prot" in msg and "zzz" in msg
+    assert "unknown" in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("bootstrap_port", 0),
+        ("bootstrap_port", 65536),
+        ("bootstrap_port", -1),
+        ("bootstrap_port", "http"),
+        ("bootstrap_port", 1.5),
+        ("bootstrap_port", True),
+        ("local_ip", "not-an-ip"),
+        ("local_ip", "0.0.0.0"),
+        ("local_ip", ""),
+        ("local_ip", 127),
+        ("protocol", "udp"),
+        ("protocol", "TCP"),
+        ("room_timeout_s", 0),
+        ("room_timeout_s", -1),
+        ("room_timeout_s", "soon"),
+        ("kv_wait_timeout_s", 0),
+        ("kv_wait_timeout_s", [1]),
+        ("register_interval_s", 0),
+        ("http_timeout_s", -0.5),
+        ("register_retries", 0),
+        ("transfer_threads", 0),
+        ("max_batch_entries", 1025),
+        ("max_batch_entries", 0),
+        ("start_bootstrap_server", "maybe"),
+        ("start_bootstrap_server", 2),
+        ("bootstrap_host", ""),
+        ("bootstrap_host", 5),
+        ("device_name", None),
+    ],
+)
+def test_bad_value_names_the_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config("kv_consumer", {key: value})
+    assert key in str(info.value)
+
+
+def test_max_batch_entries_upper_bound_is_inclusive() -> None:
+    assert parse_config("kv_producer", {"max_batch_entries": 1024}).max_batch_entries == 1024
+    assert parse_config("kv_producer", {"max_batch_entries": 1}).max_batch_entries == 1
+
+
+def test_string_coercion() -> None:
+    cfg = parse_config(
+        "kv_producer",
+        {
+            "bootstrap_port": "18801",
+            "room_timeout_s": "2.5",
+            "kv_wait_timeout_s": "3",
+            "register_retries": "4",
+            "transfer_threads": "2",
+            "max_batch_entries": "512",
+            "start_bootstrap_server": "false",
+        },
+    )
+    assert cfg.bootstrap_port == 18801
+    assert cfg.room_timeout_s == 2.5
+    assert cfg.kv_wait_timeout_s == 3.0
+    assert cfg.register_retries == 4
+    assert cfg.transfer_threads == 2
+    assert cfg.max_batch_entries == 512
+    assert cfg.start_bootstrap_server is False
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("true", True), ("TRUE", True), ("1", True), ("yes", True), ("false", False), ("0", False), ("No", False)],
+)
+def test_bool_strings(text: str, expected: bool) -> None:
+    assert parse_config("kv_producer", {"start_bootstrap_server": text}).start_bootstrap_server is expected
+
+
+def test_numbers_pass_as_numbers() -> None:
+    cfg = parse_config(
+        "kv_consumer",
+        {
+            "room_timeout_s": 1,
+            "kv_wait_timeout_s": 0.5,
+            "protocol": "rdma",
+            "local_ip": "10.0.0.7",
+            "device_name": "mlx5_0",
+        },
+    )
+    assert isinstance(cfg.room_timeout_s, float) and cfg.room_timeout_s == 1.0
+    assert cfg.kv_wait_timeout_s == 0.5
+    assert cfg.protocol == "rdma"
+    assert cfg.local_ip == "10.0.0.7"
+    assert cfg.device_name == "mlx5_0"
+
+
+def test_ipv6_unspecified_rejected() -> None:
+    with pytest.raises(ConfigError, match="local_ip"):
+        parse_config("kv_consumer", {"local_ip": "::"})
+
+
+def test_config_is_frozen() -> None:
+    cfg = parse_config("kv_producer", {})
+    with pytest.raises(AttributeError):
+        cfg.bootstrap_port = 1  # type: ignore[misc]

@@ -1,0 +1,204 @@
+"""KVParamsValidationMiddleware in front of a tiny Starlette app (starlette TestClient)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from pd_connector.http_validation import CHECKED_PATHS, KVParamsValidationMiddleware, check_body
+
+GOOD_D = {
+    "do_remote_prefill": True,
+    "bootstrap_room": 5,
+    "bootstrap_host": "10.0.0.1",
+    "bootstrap_port": 18800,
+    "prefill_dp_rank": 0,
+}
+GOOD_P = {"do_remote_decode": True, "bootstrap_room": 5}
+
+
+async def echo(request: Request) -> JSONResponse:
+    raw = await request.body()
+    return JSONResponse({"path": request.url.path, "method": request.method, "body": raw.decode("latin-1")})
+
+
+def make_app() -> Starlette:
+    routes = [Route(path, echo, methods=["GET", "POST"]) for path in (*CHECKED_PATHS, "/v1/models", "/tokenize")]
+    app = Starlette(routes=routes)
+    app.add_middleware(KVParamsValidationMiddleware)
+    return app
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    with TestClient(make_app()) as c:
+        yield c
+
+
+def post(client: TestClient, path: str, body: Any) -> Any:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post(path, content=raw, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path", CHECKED_PATHS)
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({**GOOD_D, "bootstrap_room": -1}, "bootstrap_room"),
+        ({**GOOD_D, "bootstrap_room": "\u00b2"}, "bootstrap_room"),
+        ({**GOOD_D, "bootstrap_port": 70000}, "bootstrap_port"),
+        ({**GOOD_D, "bootstrap_host": ""}, "bootstrap_host"),
+        ({**GOOD_D, "prefill_dp_rank": "zero"}, "prefill_dp_rank"),
+        ({**GOOD_D, "do_remote_decode": True}, "do_remote_decode"),
+        ({"do_remote_decode": "yes", "bootstrap_room": 1}, "do_remote_decode"),
+        ({"do_remote_decode": True}, "bootstrap_room"),
+        ("room-5", "kv_transfer_params must be a JSON object"),
+        ([1], "kv_transfer_params must be a JSON object"),
+    ],
+)
+def test_malformed_params_are_rejected(client: TestClient, path: str, params: Any, field: str) -> None:
+    r = post(client, path, {"model": "m", "prompt": "hi", "kv_transfer_params": params})
+    assert r.status_code == 400
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert field in err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == "kv_transfer_params"
+    assert err["code"] == 400
+    assert "path" not in r.json()  # the app never saw it
+
+
+@pytest.mark.parametrize("path", CHECKED_PATHS)
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "prompt": "hi", "kv_transfer_params": GOOD_D},
+        {"model": "m", "messages": [{"role": "user", "content": "ü"}], "kv_transfer_params": GOOD_P},
+        {"model": "m", "prompt": "no params"},
+        {"model": "m", "prompt": "null params", "kv_transfer_params": None},
+        {"model": "m", "kv_transfer_params": {}},
+        [{"kv_transfer_params": "not checked in a list body"}],
+    ],
+)
+def test_good_requests_pass_with_body_intact(client: TestClient, path: str, body: Any) -> None:
+    raw = json.dumps(body, ensure_ascii=False).encode()
+    r = post(client, path, raw)
+    assert r.status_code == 200
+    assert r.json() == {"path": path, "method": "POST", "body": raw.decode("latin-1")}
+
+
+def test_invalid_json_is_left_to_the_app(client: TestClient) -> None:
+    raw = b'{"kv_transfer_params": {"bootstrap_room": -1'
+    r = post(client, "/v1/completions", raw)
+    assert r.status_code == 200 and r.json()["body"] == raw.decode()
+
+
+def test_other_paths_and_methods_pass_through(client: TestClient) -> None:
+    bad = json.dumps({"kv_transfer_params": {"do_remote_decode": True, "bootstrap_room": -1}}).encode()
+    r = post(client, "/tokenize", bad)
+    assert r.status_code == 200 and r.json()["body"] == bad.decode()
+    r = client.get("/v1/models")
+    assert r.status_code == 200 and r.json()["method"] == "GET"
+    r = client.get("/v1/completions")
+    assert r.status_code == 200 and r.json()["body"] == ""
+
+
+def test_large_body_passes_intact(client: TestClient) -> None:
+    body = {"model": "m", "prompt": "x" * 300_000, "kv_transfer_params": GOOD_D}
+    raw = json.dumps(body).encode()
+    r = post(client, "/v1/completions", raw)
+    assert r.status_code == 200 and r.json()["body"] == raw.decode()
+
+
+def test_server_keeps_serving_after_rejections(client: TestClient) -> None:
+    for _ in range(3):
+        assert post(client, "/v1/completions", {"kv_transfer_params": 5}).status_code == 400
+    assert post(client, "/v1/completions", {"kv_transfer_params": GOOD_P}).status_code == 200
+
+
+# -------------------------------------------------------- raw ASGI behaviour
+
+
+class InnerApp:
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict, list[dict]]] = []
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        messages = []
+        if scope["type"] == "http":
+            while True:
+                message = await receive()
+                messages.append(message)
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    break
+        self.calls.append((scope, messages))
+
+
+def run_asgi(scope: dict, incoming: list[dict]) -> tuple[InnerApp, list[dict]]:
+    inner, sent, queue = InnerApp(), [], list(incoming)
+
+    async def receive() -> dict:
+        return queue.pop(0) if queue else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(KVParamsValidationMiddleware(inner)(scope, receive, send))
+    return inner, sent
+
+
+HTTP_SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+
+
+def test_chunked_body_is_joined_and_replayed() -> None:
+    body = json.dumps({"prompt": "abc", "kv_transfer_params": GOOD_D}).encode()
+    chunks = [body[:10], body[10:25], body[25:]]
+    incoming = [{"type": "http.request", "body": c, "more_body": i < 2} for i, c in enumerate(chunks)]
+    inner, sent = run_asgi(dict(HTTP_SCOPE), incoming)
+    assert sent == []
+    ((_, messages),) = inner.calls
+    assert messages == [{"type": "http.request", "body": body, "more_body": False}]
+
+
+def test_chunked_bad_body_is_rejected() -> None:
+    body = json.dumps({"kv_transfer_params": {"do_remote_decode": True, "bootstrap_room": -3}}).encode()
+    incoming = [
+        {"type": "http.request", "body": body[:7], "more_body": True},
+        {"type": "http.request", "body": body[7:]},
+    ]
+    inner, sent = run_asgi(dict(HTTP_SCOPE), incoming)
+    assert inner.calls == []
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
+    headers = dict(sent[0]["headers"])
+    assert int(headers[b"content-length"]) == len(sent[1]["body"])
+    assert "bootstrap_room" in json.loads(sent[1]["body"])["error"]["message"]
+
+
+def test_disconnect_while_reading_is_passed_on() -> None:
+    incoming = [{"type": "http.request", "body": b'{"a"', "more_body": True}, {"type": "http.disconnect"}]
+    inner, sent = run_asgi(dict(HTTP_SCOPE), incoming)
+    assert sent == []
+    ((_, messages),) = inner.calls
+    assert messages == [{"type": "http.disconnect"}]
+
+
+def test_non_http_scope_passes_through() -> None:
+    inner, sent = run_asgi({"type": "lifespan"}, [])
+    assert len(inner.calls) == 1 and inner.calls[0][0] == {"type": "lifespan"} and sent == []
+
+
+def test_check_body_helper() -> None:
+    assert check_body(b"") is None
+    assert check_body(b"[]") is None
+    assert check_body(json.dumps({"kv_transfer_params": GOOD_D}).encode()) is None
+    msg = check_body(json.dumps({"kv_transfer_params": {**GOOD_D, "bootstrap_port": "x"}}).encode())
+    assert msg is not None and "bootstrap_port" in msg

@@ -1,0 +1,457 @@
+"""KVTransferManager: a prefill and a decode manager, real Mooncake TCP engines, real ZMQ and
+a real bootstrap server, all in this process on loopback. KV: 2 layers x 16 blocks, vLLM CPU layout."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from pd_connector import protocol as proto
+from pd_connector.bootstrap.client import register_rank
+from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
+from pd_connector.config import parse_config
+from pd_connector.layout import memory_ranges, regions_of_kv_caches
+from pd_connector.metadata import RecvJob, SendJob
+from pd_connector.protocol import RegisterRank
+from pd_connector.transfer.engine import MooncakeEngine
+from pd_connector.transfer.manager import KVTransferManager, RankSpec
+
+from .conftest import HOST, free_port, wait_for
+
+NUM_BLOCKS = 16
+BLOCK_SIZE = 16
+LAYERS = 2
+HEADS, HEAD_DIM = 2, 8
+DTYPE = "float16"
+
+
+def make_kv(heads: int = HEADS) -> dict[str, torch.Tensor]:
+    """vLLM CPU layout [num_blocks, kv_heads, block_size, 2 * head_dim] per layer."""
+    shape = (NUM_BLOCKS, heads, BLOCK_SIZE, 2 * HEAD_DIM)
+    return {f"model.layers.{i}.attn": torch.zeros(shape, dtype=torch.float16) for i in range(LAYERS)}
+
+
+class Engines:
+    """Two Mooncake engines (P, D) with their KV memory registered once for the whole module.
+
+    Destroying a TransferEngine takes about a second, so tests share these and refill the
+    KV tensors in place instead of building engines per test. D also has a second, wider
+    KV (other bytes per block) for the incompatible-layout test.
+    """
+
+    def __init__(self) -> None:
+        self.p_kv = make_kv()
+        self.d_kv = {HEADS: make_kv(), 2 * HEADS: make_kv(2 * HEADS)}
+        self.p = MooncakeEngine(HOST, "tcp")
+        self.d = MooncakeEngine(HOST, "tcp")
+        self.p.register(memory_ranges(self.p_kv))
+        for kv in self.d_kv.values():
+            self.d.register(memory_ranges(kv))
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Engines]:
+    e = Engines()
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+@dataclass
+class Side:
+    mgr: KVTransferManager
+    kv: dict[str, torch.Tensor]
+    sending: set[str] = field(default_factory=set)
+    recving: set[str] = field(default_factory=set)
+    failed: dict[str, list[int]] = field(default_factory=dict)
+
+    def poll(self) -> None:
+        sending, recving, failed = self.mgr.take_finished()
+        assert not (set(failed) - recving), "a failed receive must also be reported as finished"
+        assert not (self.sending & sending) and not (self.recving & recving), "reported twice"
+        self.sending |= sending
+        self.recving |= recving
+        self.failed.update(failed)
+
+    def wait_sent(self, req_id: str, timeout: float = 15.0) -> None:
+        wait_for(lambda: self.poll() or req_id in self.sending, timeout, what=f"{req_id} in finished_sending")
+
+    def wait_recv(self, req_id: str, timeout: float = 15.0) -> None:
+        wait_for(lambda: self.poll() or req_id in self.recving, timeout, what=f"{req_id} in finished_recving")
+
+    def idle(self) -> bool:
+        m = self.mgr
+        with m._lock:
+            return not (m._ready or m._waiting or m._recvs)
+
+
+class Rig:
+    """Managers around one bootstrap server and the shared engines; the fixtures stop every piece.
+
+    Each test registers its own P rank (replacing the previous test's) and uses its own D
+    manager, whose route cache is empty, so tests can share the server.
+    """
+
+    def __init__(self, server: BootstrapServer, engines: Engines) -> None:
+        self.server = server
+        self.bport = server.port
+        self.engines = engines
+        self.sides: dict[str, Side] = {}
+
+    def make(
+        self,
+        mode: str,
+        seed: int = 0,
+        heads: int = HEADS,
+        block_size: int = BLOCK_SIZE,
+        register: bool = True,
+        **extra: Any,
+    ) -> Side:
+        """A P (KV filled with random values from `seed`) or D (KV filled with -7) manager."""
+        assert mode not in self.sides, "one manager per side and test (they share the KV memory)"
+        extra.setdefault("kv_wait_timeout_s", 30.0)
+        extra.setdefault("room_timeout_s", 30.0)
+        extra.setdefault("bootstrap_port", self.bport)
+        extra.setdefault("http_timeout_s", 2.0)
+        cfg = parse_config("kv_producer" if mode == "prefill" else "kv_consumer", {"local_ip": HOST, **extra})
+        if mode == "prefill":
+            engine, kv = self.engines.p, self.engines.p_kv
+            g = torch.Generator().manual_seed(seed)
+            for t in kv.values():
+                t.copy_(torch.randint(-2000, 2000, t.shape, generator=g))
+        else:
+            engine, kv = self.engines.d, self.engines.d_kv[heads]
+            for t in kv.values():
+                t.fill_(-7.0)
+        spec = RankSpec(
+            tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, block_size=block_size, kv_dtype=DTYPE, num_layers=LAYERS
+        )
+        mgr = KVTransferManager(cfg, spec, regions_of_kv_caches(kv, NUM_BLOCKS), engine)
+        side = self.sides[mode] = Side(mgr, kv)
+        if mode == "prefill" and register:
+            info = RegisterRank(1, 0, 1, 0, HOST, mgr.rank_port, block_size, DTYPE, num_layers=LAYERS)
+            assert register_rank(f"{HOST}:{self.bport}", info, retries=3, interval_s=0.05, timeout_s=5)
+        return side
+
+    def close(self) -> None:
+        for side in self.sides.values():
+            side.mgr.close()
+            side.mgr._pool.shutdown(wait=True)  # no write may still be running into the shared KV
+
+
+def start_bootstrap() -> BootstrapServer:
+    server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), HOST, free_port())
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def bootstrap() -> Iterator[BootstrapServer]:
+    server = start_bootstrap()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def rig(bootstrap: BootstrapServer, engines: Engines) -> Iterator[Rig]:
+    r = Rig(bootstrap, engines)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.fixture
+def fresh_rig(engines: Engines) -> Iterator[Rig]:
+    """A rig with its own, empty bootstrap server."""
+    server = start_bootstrap()
+    r = Rig(server, engines)
+    try:
+        yield r
+    finally:
+        r.close()
+        server.stop()
+
+
+def recv_job(rig: Rig, req_id: str, room: int, dst: list[int], start_block: int = 0, **kw: Any) -> RecvJob:
+    return RecvJob(
+        req_id=req_id,
+        room=room,
+        bootstrap_host=kw.pop("host", HOST),
+        bootstrap_port=kw.pop("port", rig.bport),
+        prefill_dp_rank=kw.pop("dp_rank", None),
+        dst_block_ids=dst,
+        start_block=start_block,
+        num_tokens=kw.pop("num_tokens", BLOCK_SIZE * (start_block + len(dst))),
+    )
+
+
+def assert_landed(p: Side, d: Side, d_before: dict[str, torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """Each dst block equals its src block byte for byte; every other D block is unchanged."""
+    for name in p.kv:
+        assert torch.equal(d.kv[name][dst].view(torch.int16), p.kv[name][src].view(torch.int16)), name
+        others = [b for b in range(NUM_BLOCKS) if b not in dst]
+        assert torch.equal(d.kv[name][others].view(torch.int16), d_before[name][others].view(torch.int16)), name
+
+
+def snapshot(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in kv.items()}
+
+
+# ------------------------------------------------------------------ happy paths
+
+
+def test_decode_first_then_prefill(rig: Rig) -> None:
+    p = rig.make("prefill", seed=1)
+    d = rig.make("decode")
+    before = snapshot(d.kv)
+    src, dst = [0, 1, 2, 7, 8], [5, 6, 9, 3, 4]
+    d.mgr.add_recvs([recv_job(rig, "d-req", 101, dst)])
+    wait_for(lambda: 101 in p.mgr._waiting, what="P to hold D's transfer request")
+    assert not d.recving and not p.sending
+    p.mgr.add_sends([SendJob("p-req", 101, src, BLOCK_SIZE * len(src))])
+    d.wait_recv("d-req")
+    p.wait_sent("p-req")
+    assert d.failed == {} and d.recving == {"d-req"} and p.sending == {"p-req"}
+    assert_landed(p, d, before, src, dst)
+    # Runs (0,5,2), (2,9,1), (7,3,2) -> 3 entries per region, 2 regions.
+    assert p.mgr.stats.transfers_ok == 1 and p.mgr.stats.transfers_failed == 0
+    assert p.mgr.stats.entries_sent == 3 * LAYERS
+    assert p.mgr.stats.bytes_sent == len(src) * LAYERS * p.mgr.regions[0].block_bytes
+    assert d.mgr.stats.recvs_ok == 1 and d.mgr.stats.recvs_failed == 0
+    assert p.idle() and d.idle()
+    assert not p.mgr.has_pending() and not d.mgr.has_pending()
+
+
+def test_prefill_first_then_decode_with_local_prefix(rig: Rig) -> None:
+    p = rig.make("prefill", seed=2)
+    d = rig.make("decode")
+    before = snapshot(d.kv)
+    src = [3, 4, 5, 6, 9, 10]
+    p.mgr.add_sends([SendJob("p-req", 202, src, 90)])
+    assert 202 in p.mgr._ready
+    # D already has the first two blocks locally: it asks for P's blocks 2.. only.
+    dst = [12, 13, 14, 15]
+    d.mgr.add_recvs([recv_job(rig, "d-req", 202, dst, start_block=2, dp_rank=0, num_tokens=90)])
+    d.wait_recv("d-req")
+    p.wait_sent("p-req")
+    assert d.failed == {}
+    assert_landed(p, d, before, src[2:], dst)
+    assert p.mgr.stats.entries_sent == 2 * LAYERS  # runs (5,12,2), (9,14,2)
+    assert p.idle() and d.idle()
+
+
+def test_many_rooms_both_orders_and_small_batches(rig: Rig) -> None:
+    p = rig.make("prefill", seed=3, max_batch_entries=2)
+    d = rig.make("decode")
+    before = snapshot(d.kv)
+    plan = {  # room: (src, dst)
+        1: ([0, 2, 4], [1, 3, 5]),  # nothing coalesces: 3 entries per region, 3 batches of <= 2
+        2: ([6, 7], [8, 9]),
+        3: ([10, 11, 12], [10, 11, 12]),
+    }
+    d.mgr.add_recvs([recv_job(rig, f"d{room}", room, dst) for room, (_, dst) in plan.items() if room != 2])
+    wait_for(lambda: {1, 3} <= set(p.mgr._waiting))
+    p.mgr.add_sends([SendJob(f"p{room}", room, src, 48) for room, (src, _) in plan.items()])
+    d.mgr.add_recvs([recv_job(rig, "d2", 2, plan[2][1])])
+    for room in plan:
+        d.wait_recv(f"d{room}")
+        p.wait_sent(f"p{room}")
+    assert d.failed == {}
+    all_src = [b for src, _ in plan.values() for b in src]
+    all_dst = [b for _, dst in plan.values() for b in dst]
+    assert_landed(p, d, before, all_src, all_dst)
+    assert p.mgr.stats.transfers_ok == 3
+    assert len(p.mgr._peers) == 1  # one PeerHello for all requests
+
+
+def test_full_local_hit_frees_the_room_without_writing(rig: Rig) -> None:
+    p = rig.make("prefill", seed=4)
+    d = rig.make("decode")
+    before = snapshot(d.kv)
+    p.mgr.add_sends([SendJob("p-req", 303, [0, 1], 32)])
+    d.mgr.add_recvs([recv_job(rig, "d-req", 303, [], start_block=2, num_tokens=32)])
+    d.wait_recv("d-req")
+    p.wait_sent("p-req")
+    assert d.failed == {}
+    assert p.mgr.stats.bytes_sent == 0
+    for name in d.kv:
+        assert torch.equal(d.kv[name], before[name])
+
+
+# ------------------------------------------------------------ failures / timeouts
+
+
+def test_decode_times_out_when_prefill_never_has_the_room(rig: Rig) -> None:
+    p = rig.make("prefill", seed=5)
+    d = rig.make("decode", kv_wait_timeout_s=1.0)
+    dst = [4, 5, 6]
+    t0 = time.monotonic()
+    d.mgr.add_recvs([recv_job(rig, "d-req", 404, dst)])
+    wait_for(lambda: 404 in p.mgr._waiting, what="P to hold D's transfer request")
+    d.wait_recv("d-req")
+    elapsed = time.monotonic() - t0
+    assert 0.9 <= elapsed < 10, elapsed
+    assert d.failed == {"d-req": dst}
+    assert d.mgr.stats.recvs_failed == 1 and d.mgr.stats.recvs_ok == 0
+    # D's TransferCancel clears P's pending request: nothing lingers until P's own room timeout.
+    wait_for(p.idle, timeout=10, what="P to drop the cancelled request")
+    p.poll()
+    assert p.sending == set() and not p.mgr.has_pending()
+    assert d.idle()
+
+
+def test_prefill_room_nobody_asks_for_is_freed(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    p = rig.make("prefill", seed=6, room_timeout_s=1.0)
+    d = rig.make("decode")
+    t0 = time.monotonic()
+    p.mgr.add_sends([SendJob("p-req", 505, [1, 2], 32)])
+    p.wait_sent("p-req")
+    assert 0.9 <= time.monotonic() - t0 < 10
+    assert p.mgr.stats.rooms_expired == 1 and p.mgr.stats.transfers_ok == 0
+    assert p.idle()
+    assert "no decode asked for this KV within 1 s" in pd_logs.text
+    # A D that shows up late fails at once with the reason, instead of waiting for its timeout.
+    t1 = time.monotonic()
+    d.mgr.add_recvs([recv_job(rig, "d-late", 505, [3, 4])])
+    d.wait_recv("d-late")
+    assert time.monotonic() - t1 < 10  # not kv_wait_timeout_s (30 s)
+    assert d.failed == {"d-late": [3, 4]}
+    assert "freed the KV after waiting 1 s" in pd_logs.text
+
+
+def test_dropped_room_fails_decode_fast(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    p = rig.make("prefill", seed=7)
+    d = rig.make("decode")
+    p.mgr.drop_rooms([606])
+    t0 = time.monotonic()
+    d.mgr.add_recvs([recv_job(rig, "d-req", 606, [1, 2])])
+    d.wait_recv("d-req")
+    assert time.monotonic() - t0 < 10  # far below kv_wait_timeout_s (30 s)
+    assert d.failed == {"d-req": [1, 2]}
+    assert "aborted" in pd_logs.text
+    p.poll()
+    assert p.sending == set() and p.idle()
+
+
+def test_drop_after_decode_asked_fails_decode(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    p = rig.make("prefill", seed=8)
+    d = rig.make("decode")
+    d.mgr.add_recvs([recv_job(rig, "d-req", 607, [9])])
+    wait_for(lambda: 607 in p.mgr._waiting)
+    p.mgr.drop_rooms([607])
+    d.wait_recv("d-req")
+    assert d.failed == {"d-req": [9]}
+    assert "prefill request was aborted" in pd_logs.text
+    assert p.idle()
+
+
+def test_garbage_frames_are_dropped(rig: Rig) -> None:
+    p = rig.make("prefill", seed=9)
+    d = rig.make("decode")
+    good = proto.encode(proto.TransferCancel(room=1, request_id="x"))
+    frames = [
+        b"",
+        b"\x00\x01garbage",
+        good[:-3],  # truncated
+        proto.msgspec.msgpack.encode({"type": "xfer", "room": "nope"}),  # wrong shape
+        proto.msgspec.msgpack.encode([1, 2, 3]),
+    ]
+    ctx = zmq.Context()
+    try:
+        for target in (p, d):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(target.mgr.endpoint)
+            for frame in frames:
+                sock.send(frame)
+            sock.send_multipart([b"multi", b"part"])  # two more bad frames
+            wait_for(lambda t=target: t.mgr.stats.bad_frames == len(frames) + 2, timeout=5, what="bad frames")
+            sock.close(linger=0)
+    finally:
+        ctx.term()
+    assert p.mgr._listener.is_alive() and d.mgr._listener.is_alive()
+    before = snapshot(d.kv)
+    d.mgr.add_recvs([recv_job(rig, "d-req", 707, [0, 1])])
+    p.mgr.add_sends([SendJob("p-req", 707, [14, 15], 32)])
+    d.wait_recv("d-req")
+    p.wait_sent("p-req")
+    assert d.failed == {}
+    assert_landed(p, d, before, [14, 15], [0, 1])
+
+
+def test_decode_block_size_mismatch_fails(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    p = rig.make("prefill", seed=10)
+    d = rig.make("decode", block_size=BLOCK_SIZE * 2)
+    before = snapshot(d.kv)
+    p.mgr.add_sends([SendJob("p-req", 808, [0, 1], 32)])
+    t0 = time.monotonic()
+    d.mgr.add_recvs([recv_job(rig, "d-req", 808, [2, 3])])
+    d.wait_recv("d-req")
+    assert time.monotonic() - t0 < 10
+    assert d.failed == {"d-req": [2, 3]}
+    assert "block size" in pd_logs.text
+    for name in d.kv:
+        assert torch.equal(d.kv[name], before[name])
+
+
+def test_incompatible_decode_layout_fails_and_prefill_frees(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    """Same block size/dtype/layers (the route check passes) but other bytes per block: P refuses."""
+    p = rig.make("prefill", seed=11)
+    d = rig.make("decode", heads=HEADS * 2)
+    before = snapshot(d.kv)
+    p.mgr.add_sends([SendJob("p-req", 909, [0, 1], 32)])
+    d.mgr.add_recvs([recv_job(rig, "d-req", 909, [2, 3])])
+    d.wait_recv("d-req")
+    p.wait_sent("p-req")  # P frees its blocks even though the push failed
+    assert d.failed == {"d-req": [2, 3]}
+    assert p.mgr.stats.transfers_failed == 1
+    assert "incompatible decode instance" in pd_logs.text
+    for name in d.kv:
+        assert torch.equal(d.kv[name], before[name])
+
+
+def test_decode_asks_for_more_blocks_than_prefill_holds(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    p = rig.make("prefill", seed=12)
+    d = rig.make("decode")
+    p.mgr.add_sends([SendJob("p-req", 1001, [0, 1], 32)])
+    d.mgr.add_recvs([recv_job(rig, "d-req", 1001, [2, 3, 4])])
+    d.wait_recv("d-req")
+    p.wait_sent("p-req")
+    assert d.failed == {"d-req": [2, 3, 4]}
+    assert "prompts differ" in pd_logs.text
+
+
+def test_bootstrap_unreachable_fails_fast(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    d = rig.make("decode")
+    dead = free_port()
+    t0 = time.monotonic()
+    d.mgr.add_recvs([recv_job(rig, "d-req", 1101, [0, 1], port=dead)])
+    d.wait_recv("d-req")
+    assert time.monotonic() - t0 < 10  # not kv_wait_timeout_s (30 s)
+    assert d.failed == {"d-req": [0, 1]}
+    assert f"bootstrap server {HOST}:{dead} unreachable" in pd_logs.text
+    assert d.idle()
+
+
+def test_prefill_not_registered_fails_fast(fresh_rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    rig = fresh_rig
+    rig.make("prefill", seed=13, register=False)
+    d = rig.make("decode")
+    d.mgr.add_recvs([recv_job(rig, "d-req", 1201, [0])])
+    d.wait_recv("d-req")
+    assert d.failed == {"d-req": [0]}
+    assert "not ready" in pd_logs.text

@@ -130,6 +130,7 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     peer_id: str
     dst_block_ids: list[int]
     start_block: int
+    endpoint: str = ""  # D's ZMQ endpoint, so P can answer even a peer it does not know
 
 
 class TransferDone(msgspec.Struct, tag="done", frozen=True):

@@ -115,7 +115,11 @@ class PDScheduler:
             return False, None
         from vllm.v1.request import RequestStatus
 
-        if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) and block_ids:
+        finished_normally = request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ) or (request.status.name == "FINISHED_REPETITION")
+        if finished_normally and block_ids:
             self._sends.append(SendJob(rid, params.room, list(block_ids), request.num_prompt_tokens))
             self._holding.add(rid)
             return True, {"bootstrap_room": params.room, "prefill_done": True}

@@ -44,6 +44,7 @@ from pd_connector.transfer.engine import MooncakeEngine, TransferError
 logger = logging.getLogger(__name__)
 
 CLOSED_ROOMS_KEPT = 100_000
+CANCELLED = "decode cancelled the transfer"
 POLL_MS = 50
 
 
@@ -148,6 +149,7 @@ class KVTransferManager:
         # D side
         self._recvs: dict[str, _RecvState] = {}
         self._hello_sent: set[str] = set()
+        self._hello_lock = threading.Lock()
         self._finished_recving: set[str] = set()
         self._failed_recving: dict[str, list[int]] = {}
         self._routes = RouteCache(cfg.http_timeout_s)
@@ -167,7 +169,14 @@ class KVTransferManager:
             ready = _ReadyRoom(job, now + self.cfg.room_timeout_s)
             with self._lock:
                 waiting = self._waiting.pop(job.room, [])
-                self._ready[job.room] = ready
+                cancelled = not waiting and self._closed_rooms.get(job.room) == CANCELLED
+                if cancelled:  # D gave up before this prefill finished: free at once
+                    self._finished_sending.add(job.req_id)
+                else:
+                    self._ready[job.room] = ready
+            if cancelled:
+                logger.warning("room=%d req=%s: decode had cancelled; freeing the KV now", job.room, job.req_id)
+                continue
             logger.debug("room=%d req=%s: prefill done, %d blocks ready", job.room, job.req_id, len(job.block_ids))
             for w in waiting:
                 self._accept(ready, w.req)
@@ -340,7 +349,7 @@ class KVTransferManager:
             self._waiting.pop(cancel.room, None)
             ready = self._ready.get(cancel.room)
             if ready is None:
-                self._close_room(cancel.room, "decode cancelled the transfer")
+                self._close_room(cancel.room, CANCELLED)
             else:
                 # Nothing more will come for this room: free it once in-flight writes end.
                 ready.expired = True
@@ -480,6 +489,7 @@ class KVTransferManager:
             peer_id=self.peer_id,
             dst_block_ids=list(job.dst_block_ids),
             start_block=job.start_block,
+            endpoint=self.endpoint,
         )
         with self._lock:
             state = self._recvs.get(job.req_id)
@@ -488,9 +498,10 @@ class KVTransferManager:
             state.expected = len(endpoints)
             state.endpoints = endpoints
         for endpoint in endpoints:
-            if endpoint not in self._hello_sent:
-                self._send_msg(endpoint, self._hello())
-                self._hello_sent.add(endpoint)
+            with self._hello_lock:  # the hello must leave before any request to that endpoint
+                if endpoint not in self._hello_sent:
+                    self._send_msg(endpoint, self._hello())
+                    self._hello_sent.add(endpoint)
             self._send_msg(endpoint, request)
         logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, endpoints, len(job.dst_block_ids))
 
@@ -529,7 +540,8 @@ class KVTransferManager:
     def _on_done(self, done: proto.TransferDone) -> None:
         if not done.ok:
             if "unknown decode peer" in done.error:
-                self._hello_sent.clear()  # P restarted: introduce ourselves again next time
+                with self._hello_lock:
+                    self._hello_sent.clear()  # P restarted: introduce ourselves again next time
             self._fail_recv(done.request_id, f"prefill rank tp={done.tp_rank}: {done.error}", room=done.room)
             return
         with self._lock:

@@ -86,3 +86,25 @@ def pd_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             extra_d_config={"kv_wait_timeout_s": D_KV_WAIT_TIMEOUT_S},
             timeout=START_TIMEOUT_S,
         )
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Greedy outputs of a colocated `vllm serve` for every test prompt, stream and non-stream.
+
+    The server is stopped before this fixture returns, so it never competes with the P/D
+    processes for this machine's two cores.
+    """
+    from tests.e2e.helpers import BLOCK_SIZE, CHAT_PROMPTS, PROMPT_LENGTHS, chat, complete, prompts
+
+    assert len(PROMPT_LENGTHS) >= 20 and max(PROMPT_LENGTHS) > 4 * BLOCK_SIZE and min(PROMPT_LENGTHS) == 1
+    with ProcessGroup(tmp_path_factory.mktemp("reference-logs")) as group:
+        port = free_port()
+        proc = group.start("colocated", vllm_serve_cmd(tiny_model, port), env=vllm_env("0"))
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{url}/health", START_TIMEOUT_S, proc)
+        model = str(tiny_model)
+        return {
+            "completions": {s: [complete(url, model, p, stream=s) for p in prompts()] for s in (False, True)},
+            "chat": {s: [chat(url, model, c, stream=s) for c in CHAT_PROMPTS] for s in (False, True)},
+        }

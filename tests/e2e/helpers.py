@@ -18,6 +18,7 @@ TEXT = (
     "Mooncake so that each side can use the parallel layout that suits it best. "
 )
 MAX_TOKENS = 12
+CHAT_PROMPTS = ["Hi", "Tell me about prefill/decode disaggregation in one long sentence, please."]
 
 
 def prompt_of_length(n: int, salt: int = 0) -> str:

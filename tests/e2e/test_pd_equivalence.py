@@ -8,13 +8,10 @@ Router.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from launch.processes import ProcessGroup, free_port, vllm_env, vllm_serve_cmd, wait_http_ok
 from tests.e2e.helpers import (
-    BLOCK_SIZE,
+    CHAT_PROMPTS,
     PROMPT_LENGTHS,
     chat,
     complete,
@@ -25,25 +22,6 @@ from tests.e2e.helpers import (
 )
 
 pytestmark = pytest.mark.e2e
-
-CHAT_PROMPTS = ["Hi", "Tell me about prefill/decode disaggregation in one long sentence, please."]
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Greedy outputs of a colocated server for every prompt, stream and non-stream."""
-    assert len(PROMPT_LENGTHS) >= 20 and max(PROMPT_LENGTHS) > 4 * BLOCK_SIZE and min(PROMPT_LENGTHS) == 1
-    with ProcessGroup(tmp_path_factory.mktemp("reference-logs")) as group:
-        port = free_port()
-        proc = group.start("colocated", vllm_serve_cmd(tiny_model, port), env=vllm_env("0"))
-        url = f"http://127.0.0.1:{port}"
-        wait_http_ok(f"{url}/health", 300, proc)
-        model = str(tiny_model)
-        out = {
-            "completions": {s: [complete(url, model, p, stream=s) for p in prompts()] for s in (False, True)},
-            "chat": {s: [chat(url, model, c, stream=s) for c in CHAT_PROMPTS] for s in (False, True)},
-        }
-    return out
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
@@ -57,7 +35,9 @@ def test_equivalence_completions(reference: dict, pd_stack, stream: bool) -> Non
         assert len(got["token_ids"]) > 0
         if got["token_ids"] != want["token_ids"] or got["text"] != want["text"]:
             mismatches.append((PROMPT_LENGTHS[i], want["token_ids"], got["token_ids"]))
-    assert not mismatches, f"PD output differs from colocated for prompt lengths {[m[0] for m in mismatches]}: {mismatches}"
+    assert not mismatches, (
+        f"PD output differs from colocated for prompt lengths {[m[0] for m in mismatches]}: {mismatches}"
+    )
     # Every request went Router -> P -> KV push -> D.
     pushed = count_in_log(pd_stack.prefill.log_path, r"pushed \d+ blocks") - pushed_before
     assert pushed >= len(PROMPT_LENGTHS), f"only {pushed} KV pushes logged by P for {len(PROMPT_LENGTHS)} requests"

@@ -76,7 +76,10 @@ def test_decode_without_prefill_does_not_wait_forever(pd_stack) -> None:
     "params, field",
     [
         ({"do_remote_prefill": True, "bootstrap_room": 1, "bootstrap_port": 1234}, "bootstrap_host"),
-        ({"do_remote_prefill": True, "bootstrap_room": "x", "bootstrap_host": "h", "bootstrap_port": 1}, "bootstrap_room"),
+        (
+            {"do_remote_prefill": True, "bootstrap_room": "x", "bootstrap_host": "h", "bootstrap_port": 1},
+            "bootstrap_room",
+        ),
         ({"do_remote_decode": True, "bootstrap_room": -5}, "bootstrap_room"),
         ({"do_remote_decode": True, "do_remote_prefill": True, "bootstrap_room": 1}, "exclusive"),
         ({"do_remote_decode": "yes", "bootstrap_room": 1}, "do_remote_decode"),
@@ -99,7 +102,9 @@ def test_router_with_dead_prefiller_answers_5xx_and_frees_decode(pd_stack, tmp_p
     dead_port = free_port()
     port = free_port()
     with ProcessGroup(tmp_path) as group:
-        cmd = router_cmd(port, [("127.0.0.1", dead_port, pd_stack.bootstrap_port)], [("127.0.0.1", pd_stack.decode_port)])
+        cmd = router_cmd(
+            port, [("127.0.0.1", dead_port, pd_stack.bootstrap_port)], [("127.0.0.1", pd_stack.decode_port)]
+        )
         router = group.start("router-dead-p", cmd)
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(f"{url}/v1/models", 60, router)

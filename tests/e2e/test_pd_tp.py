@@ -1,0 +1,74 @@
+"""Mixed tensor-parallel sizes between P and D, end to end, token-identical to a colocated run.
+
+1P(TP2) -> 1D(TP1): D's single rank takes one KV head from each P rank.
+1P(TP1) -> 1D(TP2): each D rank takes its one KV head out of P's blocks.
+Real `vllm serve` processes with PDConnector, the bootstrap server, Mooncake TCP and the Router.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch.processes import ProcessGroup, free_ports, router_cmd, vllm_env, vllm_serve_cmd, wait_all_healthy
+from tests.e2e.conftest import START_TIMEOUT_S
+from tests.e2e.helpers import PROMPT_LENGTHS, complete, count_in_log, prompts, wait_kv_free
+
+pytestmark = pytest.mark.e2e
+
+# A spread of lengths: 1 token, block boundaries, more than 4 blocks.
+SAMPLE = [i for i, n in enumerate(PROMPT_LENGTHS) if n in (1, 31, 32, 33, 65, 129, 300)]
+
+
+def _bind(tp: int) -> str:
+    # Each TP rank gets a core; P and D overlap on this 2-core machine when one side is TP2.
+    return "0|1" if tp == 2 else "0"
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)], ids=["P-tp2-D-tp1", "P-tp1-D-tp2"])
+def test_mixed_tp_equivalence(reference: dict, tiny_model: Path, tmp_path: Path, p_tp: int, d_tp: int) -> None:
+    p_port, bootstrap_port, d_port, router_port = free_ports(4)
+    with ProcessGroup(tmp_path) as group:
+        p_cmd = vllm_serve_cmd(
+            tiny_model,
+            p_port,
+            kv_role="kv_producer",
+            bootstrap_port=bootstrap_port,
+            extra_config={"room_timeout_s": 60},
+            extra_args=["--tensor-parallel-size", str(p_tp)],
+        )
+        d_cmd = vllm_serve_cmd(
+            tiny_model,
+            d_port,
+            kv_role="kv_consumer",
+            bootstrap_port=bootstrap_port,
+            extra_config={"kv_wait_timeout_s": 60},
+            extra_args=["--tensor-parallel-size", str(d_tp)],
+        )
+        prefill = group.start("prefill", p_cmd, env=vllm_env(_bind(p_tp)))
+        decode = group.start("decode", d_cmd, env=vllm_env("1" if p_tp == 2 else _bind(d_tp)))
+        router = group.start(
+            "router", router_cmd(router_port, [("127.0.0.1", p_port, bootstrap_port)], [("127.0.0.1", d_port)])
+        )
+        wait_all_healthy(
+            [(f"http://127.0.0.1:{p_port}/health", prefill), (f"http://127.0.0.1:{d_port}/health", decode)],
+            START_TIMEOUT_S,
+            watch=[router],
+        )
+        wait_all_healthy([(f"http://127.0.0.1:{router_port}/health", router)], 60)
+        url = f"http://127.0.0.1:{router_port}"
+        all_prompts = prompts()
+        for i in SAMPLE:
+            for stream in (False, True):
+                got = complete(url, str(tiny_model), all_prompts[i], stream=stream)
+                want = reference["completions"][stream][i]
+                assert got["token_ids"] == want["token_ids"], (
+                    f"P tp{p_tp} -> D tp{d_tp}, prompt of {PROMPT_LENGTHS[i]} tokens, stream={stream}"
+                )
+        # Two rank pairs per request (P tp2: both P ranks write; D tp2: P writes to both D ranks),
+        # streaming and not.
+        pushes = count_in_log(prefill.log_path, r"pushed \d+ blocks")
+        assert pushes >= 2 * 2 * len(SAMPLE), f"{pushes} pushes logged for {2 * len(SAMPLE)} requests"
+        assert wait_kv_free(f"http://127.0.0.1:{p_port}") == 0.0
+        assert wait_kv_free(f"http://127.0.0.1:{d_port}") == 0.0

@@ -49,6 +49,10 @@ class DisaggConfig:
     max_batch_entries: int = 1024
     # Start the bootstrap server in this instance's leader (P only).
     start_bootstrap_server: bool = True
+    # P: this instance's data-parallel rank and the deployment's DP size, when vLLM does
+    # not know them (independent dense DP ranks). -1: take them from vLLM's parallel config.
+    dp_rank: int = -1
+    dp_size: int = -1
 
     @property
     def is_prefill(self) -> bool:
@@ -73,6 +77,8 @@ _FIELD_TYPES: dict[str, type] = {
     "transfer_threads": int,
     "max_batch_entries": int,
     "start_bootstrap_server": bool,
+    "dp_rank": int,
+    "dp_size": int,
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(DisaggConfig)} - {"mode"}
 
@@ -145,6 +151,10 @@ def _validate(cfg: DisaggConfig) -> None:
         raise ConfigError(f"kv_connector_extra_config.register_retries must be >= 1, got {cfg.register_retries}")
     if cfg.transfer_threads < 1:
         raise ConfigError(f"kv_connector_extra_config.transfer_threads must be >= 1, got {cfg.transfer_threads}")
+    if cfg.dp_size != -1 and cfg.dp_size < 1:
+        raise ConfigError(f"kv_connector_extra_config.dp_size must be >= 1, got {cfg.dp_size}")
+    if cfg.dp_rank != -1 and not 0 <= cfg.dp_rank < (cfg.dp_size if cfg.dp_size != -1 else 1 << 16):
+        raise ConfigError(f"kv_connector_extra_config.dp_rank must be in 0..dp_size-1, got {cfg.dp_rank}")
     if not 1 <= cfg.max_batch_entries <= 1024:
         raise ConfigError(
             f"kv_connector_extra_config.max_batch_entries must be in 1..1024 (Mooncake's per-peer queue), "

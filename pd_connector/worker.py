@@ -81,7 +81,17 @@ class PDWorker:
         self.kv_cache_config = kv_cache_config
         self.block_size = vllm_config.cache_config.block_size
         par = vllm_config.parallel_config
-        self.dp_rank, self.dp_size = par.data_parallel_rank, par.data_parallel_size
+        # vLLM runs dense-model DP ranks as independent engines (rank 0 of size 1); the
+        # original rank survives as data_parallel_index. extra_config can set both.
+        vllm_dp_rank = getattr(par, "data_parallel_index", par.data_parallel_rank)
+        self.dp_rank = cfg.dp_rank if cfg.dp_rank >= 0 else vllm_dp_rank
+        self.dp_size = cfg.dp_size if cfg.dp_size >= 0 else par.data_parallel_size
+        if self.dp_rank >= self.dp_size:
+            raise ValueError(
+                f"PDConnector: this engine is data-parallel rank {self.dp_rank} but vLLM reports DP size "
+                f"{self.dp_size} (vLLM runs dense-model DP ranks as independent engines); set "
+                "kv_connector_extra_config.dp_size to the deployment's DP size"
+            )
         self.manager: KVTransferManager | None = None
         self.bootstrap: BootstrapServer | None = None
         self._failed_blocks: set[int] = set()

@@ -49,6 +49,19 @@ def register_rank(addr: str, info: RegisterRank, retries: int, interval_s: float
     return False
 
 
+def register_dp_rank(addr: str, room: int, dp_rank: int, timeout_s: float) -> None:
+    """Tell the bootstrap server which DP rank serves `room` (P side, DP > 1)."""
+    try:
+        resp = httpx.post(
+            f"http://{addr}/bootstrap/register_dp_rank",
+            json={"bootstrap_room": room, "dp_rank": dp_rank},
+            timeout=timeout_s,
+        )
+        resp.raise_for_status()
+    except httpx.HTTPError as exc:
+        logger.error("room=%d: could not register dp rank %d with bootstrap %s: %r", room, dp_rank, addr, exc)
+
+
 class RouteCache:
     """GET /bootstrap/route once per prefill deployment, cached until invalidated."""
 

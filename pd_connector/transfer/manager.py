@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pd_connector import protocol as proto
-from pd_connector.bootstrap.client import BootstrapError, RouteCache
+from pd_connector.bootstrap.client import BootstrapError, RouteCache, register_dp_rank
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import LayoutError, Region, block_runs
 from pd_connector.metadata import RecvJob, SendJob
@@ -178,6 +178,10 @@ class KVTransferManager:
                 logger.warning("room=%d req=%s: decode had cancelled; freeing the KV now", job.room, job.req_id)
                 continue
             logger.debug("room=%d req=%s: prefill done, %d blocks ready", job.room, job.req_id, len(job.block_ids))
+            if self.spec.dp_size > 1 and self.spec.tp_rank == 0:
+                # D ranks told no prefill_dp_rank look the room up on the bootstrap server.
+                addr = f"{self.cfg.bootstrap_host}:{self.cfg.bootstrap_port}"
+                self._pool.submit(register_dp_rank, addr, job.room, self.spec.dp_rank, self.cfg.http_timeout_s)
             for w in waiting:
                 self._accept(ready, w.req)
 

@@ -158,6 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped all processes; logs in {group.log_dir}", file=sys.stderr)
 
 
+def last_log_line(path: Path, needle: str) -> str:
+    """The last pd_connector log line containing `needle` (the KV hand-off evidence)."""
+    try:
+        lines = [
+            ln for ln in Path(path).read_text(errors="replace").splitlines() if needle in ln and "pd_connector" in ln
+        ]
+    except OSError:
+        return ""
+    return lines[-1].split("] ", 1)[-1] if lines else ""
+
+
 def _run(args: argparse.Namespace, group: ProcessGroup) -> int:
     """Body of `main` inside the process group (failures are reported while logs are fresh)."""
     stack: PDStack | None = None
@@ -176,6 +187,9 @@ def _run(args: argparse.Namespace, group: ProcessGroup) -> int:
         print(f"prompt: {args.prompt!r}")
         print(f"text:   {result.text!r}")
         print(f"time to first token: {result.ttft_ms:.1f} ms; total: {result.total_ms:.1f} ms")
+        for side, pattern in (("prefill", "pushed"), ("decode", "KV received")):
+            line = last_log_line(stack.log_paths[side], pattern)
+            print(f"{side}: {line or '(no ' + pattern + ' line logged)'}")
         print(f"logs: {group.log_dir}", flush=True)
         if args.keep_running:
             print(f"router: {stack.router_url}  (Ctrl-C stops everything)", flush=True)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
@@ -181,7 +181,7 @@ class KVTransferManager:
             if self.spec.dp_size > 1 and self.spec.tp_rank == 0:
                 # D ranks told no prefill_dp_rank look the room up on the bootstrap server.
                 addr = f"{self.cfg.bootstrap_host}:{self.cfg.bootstrap_port}"
-                self._pool.submit(register_dp_rank, addr, job.room, self.spec.dp_rank, self.cfg.http_timeout_s)
+                self._submit(register_dp_rank, addr, job.room, self.spec.dp_rank, self.cfg.http_timeout_s)
             for w in waiting:
                 self._accept(ready, w.req)
 
@@ -200,7 +200,7 @@ class KVTransferManager:
         for job in jobs:
             with self._lock:
                 self._recvs[job.req_id] = _RecvState(job, now + self.cfg.kv_wait_timeout_s)
-            self._pool.submit(self._start_recv, job)
+            self._submit(self._start_recv, job)
 
     def take_finished(self) -> tuple[set[str], set[str], dict[str, list[int]]]:
         """(finished_sending, finished_recving incl. failed, failed -> their dst blocks)."""
@@ -224,6 +224,19 @@ class KVTransferManager:
             self._push.clear()
         self._pull.close(linger=0)
         self._ctx.term()
+
+    def _submit(self, fn: Callable[..., object], *args: object) -> None:
+        """Run fn on the pool; an exception is logged, never silently dropped with its future."""
+
+        def log_failure(future: Future) -> None:
+            exc = future.exception()
+            if exc is not None:
+                logger.error("%s%r failed: %r", getattr(fn, "__name__", fn), args[:1], exc, exc_info=exc)
+
+        try:
+            self._pool.submit(fn, *args).add_done_callback(log_failure)
+        except RuntimeError as exc:  # pool shut down
+            logger.error("cannot run %s: %s", getattr(fn, "__name__", fn), exc)
 
     # -------------------------------------------------------------- listener
 
@@ -346,7 +359,7 @@ class KVTransferManager:
         if extra:
             self._reply(req, ok=False, error=f"room {req.room} was already served")
             return
-        self._pool.submit(self._send, ready, req)
+        self._submit(self._send, ready, req)
 
     def _on_cancel(self, cancel: proto.TransferCancel) -> None:
         with self._lock:

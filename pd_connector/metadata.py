@@ -41,3 +41,6 @@ class PDConnectorMetadata(KVConnectorMetadata):
     # P: rooms whose request ended without KV to hand over (aborted, error).
     dropped_rooms: list[int] = field(default_factory=list)
     recvs: list[RecvJob] = field(default_factory=list)
+    # Nothing to compute this step: the engine only polls for transfers. The worker then
+    # waits briefly for transfer progress instead of letting the engine loop spin a core.
+    idle: bool = False

@@ -137,6 +137,11 @@ class PDScheduler:
     # -------------------------------------------------------------------- both
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
-        meta = PDConnectorMetadata(sends=self._sends, dropped_rooms=self._dropped, recvs=self._recvs)
+        meta = PDConnectorMetadata(
+            sends=self._sends,
+            dropped_rooms=self._dropped,
+            recvs=self._recvs,
+            idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0,
+        )
         self._sends, self._dropped, self._recvs = [], [], []
         return meta

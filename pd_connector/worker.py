@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Longest pause of an idle engine step (nothing scheduled, transfers pending); a finished
+# transfer ends the pause at once, so this costs no latency.
+IDLE_WAIT_S = 0.005
+
 
 def _prepare_cpu_device() -> None:
     """On CPU, ask the kernel for AMX tiles before any attention kernel runs.
@@ -181,6 +185,8 @@ class PDWorker:
             self.manager.drop_rooms(meta.dropped_rooms)
         if meta.recvs:
             self.manager.add_recvs(meta.recvs)
+        if meta.idle:
+            self.manager.wait_for_progress(IDLE_WAIT_S)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving); failed blocks kept for load errors."""

@@ -156,6 +156,7 @@ class KVTransferManager:
 
         self._pool = ThreadPoolExecutor(max_workers=cfg.transfer_threads, thread_name_prefix="pd-xfer")
         self._stop = threading.Event()
+        self._progress = threading.Event()  # set whenever a request finishes sending/receiving
         self._listener = threading.Thread(target=self._listen, name="pd-listener", daemon=True)
         self._listener.start()
         logger.info("KV transfer manager (%s) listening on %s, peer %s", cfg.mode, self.endpoint, self.peer_id)
@@ -172,6 +173,7 @@ class KVTransferManager:
                 cancelled = not waiting and self._closed_rooms.get(job.room) == CANCELLED
                 if cancelled:  # D gave up before this prefill finished: free at once
                     self._finished_sending.add(job.req_id)
+                    self._progress.set()
                 else:
                     self._ready[job.room] = ready
             if cancelled:
@@ -209,6 +211,14 @@ class KVTransferManager:
             recving, self._finished_recving = self._finished_recving, set()
             failed, self._failed_recving = self._failed_recving, {}
         return sending, recving, failed
+
+    def wait_for_progress(self, timeout: float) -> None:
+        """Block up to `timeout` s, less if a transfer finishes meanwhile (idle engine steps)."""
+        with self._lock:
+            if self._finished_sending or self._finished_recving:
+                return
+            self._progress.clear()
+        self._progress.wait(timeout)
 
     def has_pending(self) -> bool:
         with self._lock:
@@ -442,8 +452,13 @@ class KVTransferManager:
         """Close a room and let vLLM free its blocks once every write for it ended. Caller holds the lock."""
         if ready.complete and self._ready.get(ready.job.room) is ready:
             del self._ready[ready.job.room]
-            self._close_room(ready.job.room, "KV of this room was already sent or freed")
+            if ready.submitted == 0:
+                reason = f"prefill freed the KV after waiting {self.cfg.room_timeout_s:g} s for decode"
+            else:
+                reason = "KV of this room was already sent"
+            self._close_room(ready.job.room, reason)
             self._finished_sending.add(ready.job.req_id)
+            self._progress.set()
 
     def _reply(self, req: proto.TransferRequest, ok: bool, error: str = "") -> None:
         with self._lock:
@@ -571,6 +586,7 @@ class KVTransferManager:
             if finished:
                 del self._recvs[done.request_id]
                 self._finished_recving.add(done.request_id)
+                self._progress.set()
         if finished:
             self.stats.recvs_ok += 1
             logger.info(
@@ -586,6 +602,7 @@ class KVTransferManager:
             if state is None:
                 return
             self._finished_recving.add(req_id)
+            self._progress.set()
             self._failed_recving[req_id] = list(state.job.dst_block_ids)
         # Other P ranks must not write into blocks vLLM is about to reuse.
         for endpoint in state.endpoints:
@@ -600,18 +617,16 @@ class KVTransferManager:
         stale_requests: list[_WaitingRequest] = []
         timed_out: list[_RecvState] = []
         with self._lock:
-            for room, ready in list(self._ready.items()):
-                if ready.deadline <= now:
-                    del self._ready[room]
-                    self._close_room(
-                        room, f"prefill freed the KV after waiting {self.cfg.room_timeout_s:g} s for decode"
-                    )
-                    self._finished_sending.add(ready.job.req_id)
-                    expired_rooms.append(ready)
+            for ready in list(self._ready.values()):
+                if ready.deadline <= now and not ready.expired:
+                    ready.expired = True  # accept no more requests; free once in-flight writes end
+                    if ready.submitted < max(ready.expected, 1):
+                        expired_rooms.append(ready)
+                    self._finish_room_if_done(ready)
             for room, waiting in list(self._waiting.items()):
-                if waiting.deadline <= now:
+                if waiting[0].deadline <= now:
                     del self._waiting[room]
-                    stale_requests.append(waiting)
+                    stale_requests.extend(waiting)
             for state in list(self._recvs.values()):
                 if state.deadline <= now:
                     timed_out.append(state)

@@ -1,0 +1,93 @@
+"""A client that goes away: the Router closes both backend requests, vLLM aborts them, no KV stays held.
+
+Runs against the session's P/D stack (tests/e2e/conftest.py). vLLM counts aborted requests in
+``vllm:request_success_total{finished_reason="abort"}``; the generations here are far longer
+than the tests wait, so a freed KV cache means an abort, not a natural end.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import P_ROOM_TIMEOUT_S
+from tests.e2e.helpers import kv_usage, prompt_of_length, wait_kv_free
+
+pytestmark = pytest.mark.e2e
+
+LONG_GENERATION = 1500  # tokens: many seconds of decoding for the tiny model on this CPU
+
+
+def _aborted(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == "abort"
+    )
+
+
+def _router_count(url: str, status: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pd_router_requests_total" and sample.labels.get("status") == status
+    )
+
+
+def _body(pd_stack, prompt_len: int, stream: bool) -> dict:
+    return {
+        "model": pd_stack.model,
+        "prompt": prompt_of_length(prompt_len, salt=11),
+        "max_tokens": LONG_GENERATION,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+def test_disconnect_mid_stream_aborts_decode_and_frees_kv(pd_stack) -> None:
+    aborted_before = _aborted(pd_stack.decode_url)
+    gone_before = _router_count(pd_stack.router_url, "499")
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        with client.stream("POST", f"{pd_stack.router_url}/v1/completions", json=_body(pd_stack, 100, True)) as resp:
+            assert resp.status_code == 200
+            events = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                if events >= 3:
+                    break
+            assert kv_usage(pd_stack.decode_url) > 0  # D is decoding: it holds the request's KV
+    # Leaving the block closed the connection mid-stream.
+    t0 = time.monotonic()
+    assert wait_kv_free(pd_stack.decode_url, timeout=30) == 0.0
+    freed_after = time.monotonic() - t0
+    assert _aborted(pd_stack.decode_url) == aborted_before + 1
+    assert freed_after < 30
+    assert wait_kv_free(pd_stack.prefill_url, timeout=P_ROOM_TIMEOUT_S + 30) == 0.0
+    assert _router_count(pd_stack.router_url, "499") == gone_before + 1
+
+
+def test_disconnect_before_the_answer_aborts_both_and_frees_kv(pd_stack) -> None:
+    """A non-streaming client gives up while its request is still being prefilled or decoded."""
+    aborted_before = _aborted(pd_stack.decode_url)
+    with httpx.Client(timeout=httpx.Timeout(120, read=1.0), trust_env=False) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post(f"{pd_stack.router_url}/v1/completions", json=_body(pd_stack, 1200, False))
+    assert wait_kv_free(pd_stack.decode_url, timeout=30) == 0.0
+    assert _aborted(pd_stack.decode_url) == aborted_before + 1
+    assert wait_kv_free(pd_stack.prefill_url, timeout=P_ROOM_TIMEOUT_S + 30) == 0.0
+    # Both still serve.
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        body = {"model": pd_stack.model, "prompt": "still serving", "max_tokens": 4}
+        assert client.post(f"{pd_stack.router_url}/v1/completions", json=body).status_code == 200

@@ -1,0 +1,184 @@
+"""A decoder killed mid-run: clients get errors (or a failover), never a hang; later requests go to the live one.
+
+Module setup: one extra decode instance (a second consumer of the session stack's prefiller)
+and a Router of its own in front of P and both decoders (``--routing room``: even rooms go to
+the stack's decoder, odd rooms to the extra one). The test SIGKILLs the extra decoder's
+process group while streams run on both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from launch.processes import ManagedProcess, ProcessGroup, free_port, vllm_env, vllm_serve_cmd, wait_http_ok
+from tests.e2e.conftest import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S
+from tests.e2e.helpers import prompt_of_length, wait_kv_free
+
+pytestmark = pytest.mark.e2e
+
+#: Every client must be done this long after the kill (errors are fine, hangs are not).
+CLIENT_BOUND_S = 60.0
+STREAM_TOKENS = 1200
+
+
+@dataclass
+class TwoDecoders:
+    router_url: str
+    live_decode_url: str
+    extra_decode_url: str
+    extra_decode: ManagedProcess
+    extra_port: int
+    model: str
+    router: ManagedProcess
+
+
+@pytest.fixture(scope="module")
+def two_decoders(pd_stack, tmp_path_factory: pytest.TempPathFactory):
+    log_dir = tmp_path_factory.mktemp("router-failover-logs")
+    host = pd_stack.host
+    with ProcessGroup(log_dir) as group:
+        extra_port = free_port()
+        cmd = vllm_serve_cmd(
+            pd_stack.model,
+            extra_port,
+            kv_role="kv_consumer",
+            bootstrap_port=pd_stack.bootstrap_port,
+            extra_config={"kv_wait_timeout_s": D_KV_WAIT_TIMEOUT_S},
+        )
+        extra = group.start("decode-extra", cmd, env=vllm_env("1"))
+        router_port = free_port()
+        router_cmd = [
+            sys.executable, "-m", "proxy", "--host", host, "--port", str(router_port),
+            "--prefiller-hosts", host, "--prefiller-ports", str(pd_stack.prefill_port),
+            "--prefiller-bootstrap-ports", str(pd_stack.bootstrap_port),
+            "--decoder-hosts", host, host, "--decoder-ports", str(pd_stack.decode_port), str(extra_port),
+            "--health-interval", "1",
+        ]  # fmt: skip
+        router = group.start("router-two-decoders", router_cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        wait_http_ok(f"http://{host}:{extra_port}/health", START_TIMEOUT_S, extra)
+        router_url = f"http://{host}:{router_port}"
+        wait_http_ok(f"{router_url}/health", 60, router)
+        yield TwoDecoders(
+            router_url=router_url,
+            live_decode_url=pd_stack.decode_url,
+            extra_decode_url=f"http://{host}:{extra_port}",
+            extra_decode=extra,
+            extra_port=extra_port,
+            model=pd_stack.model,
+            router=router,
+        )
+
+
+@dataclass
+class Outcome:
+    room: int
+    status: int | None = None
+    events: list[str] = field(default_factory=list)
+    error: str | None = None
+    elapsed: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == "[DONE]"
+
+    @property
+    def error_event(self) -> dict | None:
+        if self.events and self.events[-1] != "[DONE]":
+            last = json.loads(self.events[-1])
+            return last.get("error")
+        return None
+
+
+def _stream(url: str, model: str, room: int, max_tokens: int, started: list[int]) -> Outcome:
+    outcome = Outcome(room)
+    t0 = time.monotonic()
+    body = {
+        "model": model,
+        "prompt": prompt_of_length(60, salt=room % 50),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "bootstrap_room": room,
+    }
+    try:
+        with httpx.Client(timeout=httpx.Timeout(CLIENT_BOUND_S * 2), trust_env=False) as client:
+            with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                outcome.status = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        if not outcome.events:
+                            started.append(room)
+                        outcome.events.append(line[len("data: ") :])
+                if response.status_code != 200:
+                    outcome.error = response.read().decode(errors="replace")
+    except httpx.HTTPError as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    outcome.elapsed = time.monotonic() - t0
+    return outcome
+
+
+def _complete(url: str, model: str, room: int) -> httpx.Response:
+    body = {"model": model, "prompt": prompt_of_length(40, salt=room % 50), "max_tokens": 6, "bootstrap_room": room}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120, trust_env=False)
+
+
+def test_killed_decoder_gives_errors_not_hangs_and_traffic_moves_to_the_live_one(two_decoders: TwoDecoders) -> None:
+    stack = two_decoders
+    # Warm both decoders up (and check the room rule: odd rooms reach the extra decoder).
+    for room in (2, 3):
+        response = _complete(stack.router_url, stack.model, room)
+        assert response.status_code == 200, response.text
+
+    rooms = [10, 11, 12, 13, 14, 15]  # even: live decoder, odd: extra decoder
+    started: list[int] = []
+    with ThreadPoolExecutor(len(rooms)) as pool:
+        futures = [pool.submit(_stream, stack.router_url, stack.model, room, STREAM_TOKENS, started) for room in rooms]
+        deadline = time.monotonic() + 120
+        while len(started) < len(rooms) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(started) == rooms, "not every stream started"
+        os.killpg(stack.extra_decode.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        outcomes = [f.result(timeout=CLIENT_BOUND_S + 60) for f in futures]
+        finished_within = time.monotonic() - killed_at
+    assert finished_within < CLIENT_BOUND_S, f"clients still waiting {finished_within:.0f}s after the kill"
+
+    for outcome in outcomes:
+        assert outcome.status == 200, outcome
+        if outcome.room % 2 == 0:
+            assert outcome.done, f"room {outcome.room} on the live decoder did not finish: {outcome.events[-2:]}"
+        else:
+            # The stream was under way on the killed decoder: it ends with an error event, never [DONE].
+            error = outcome.error_event
+            assert error is not None, f"room {outcome.room}: no error event: {outcome.events[-2:]}"
+            assert error["type"] == "decode_failed" and error["code"] >= 500
+
+    # Later requests go to the live decoder, whatever their room (the first may fail over).
+    for room in (21, 23, 25, 22):
+        response = _complete(stack.router_url, stack.model, room)
+        assert response.status_code == 200, response.text
+    health = httpx.get(f"{stack.router_url}/health", timeout=30, trust_env=False).json()
+    states = {d["port"]: d["healthy"] for d in health["decoders"]}
+    assert states[stack.extra_port] is False
+    assert health["status"] == "healthy"
+
+    # Nothing stays held on the live instances.
+    assert wait_kv_free(stack.live_decode_url, timeout=30) == 0.0
+
+
+def test_no_kv_left_on_prefill_after_the_kill(pd_stack, two_decoders: TwoDecoders) -> None:
+    """KV that P prepared for the dead decoder is freed (its transfer fails or its room times out)."""
+    assert wait_kv_free(pd_stack.prefill_url, timeout=P_ROOM_TIMEOUT_S + 30) == 0.0
+    log = Path(two_decoders.router.log_path).read_text(errors="replace")
+    assert "marked unhealthy" in log or "failed its health check" in log

@@ -42,7 +42,7 @@ class DisaggConfig:
     # Bootstrap registration retries (P ranks), seed 000 §5.3.
     register_retries: int = 10
     register_interval_s: float = 1.0
-    http_timeout_s: float = 5.0
+    http_timeout_s: float = 10.0
     # Worker threads that run Mooncake writes on P.
     transfer_threads: int = 4
     # Largest batch of (src, dst, len) entries handed to Mooncake in one call.

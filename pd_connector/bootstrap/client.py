@@ -18,6 +18,10 @@ class BootstrapError(RuntimeError):
     """The bootstrap server could not be reached or refused the call."""
 
 
+class BootstrapBusy(BootstrapError):
+    """The bootstrap server is there but slow or not ready yet: worth another try."""
+
+
 def register_rank(addr: str, info: RegisterRank, retries: int, interval_s: float, timeout_s: float) -> bool:
     """PUT this rank into the rank table, retrying while the server comes up.
 
@@ -77,6 +81,8 @@ class RouteCache:
             return route
         try:
             resp = httpx.get(f"http://{addr}/bootstrap/route", timeout=self._timeout)
+        except httpx.TimeoutException as exc:
+            raise BootstrapBusy(f"bootstrap server {addr} did not answer in time: {exc!r}") from None
         except httpx.HTTPError as exc:
             raise BootstrapError(f"bootstrap server {addr} unreachable: {exc!r}") from None
         if resp.status_code != 200:
@@ -86,7 +92,7 @@ class RouteCache:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BootstrapError(f"bootstrap server {addr} sent a bad route: {exc}") from None
         if not route.is_ready:
-            raise BootstrapError(
+            raise BootstrapBusy(
                 f"prefill deployment at {addr} is not ready: {len(route.ranks)} of "
                 f"{route.attn_tp_size * route.attn_cp_size * route.dp_size} ranks registered"
             )

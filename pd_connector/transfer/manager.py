@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pd_connector import protocol as proto
-from pd_connector.bootstrap.client import BootstrapError, RouteCache, register_dp_rank
+from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache, register_dp_rank
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import LayoutError, Region, block_runs
 from pd_connector.metadata import RecvJob, SendJob
@@ -482,7 +482,7 @@ class KVTransferManager:
 
     def _start_recv(self, job: RecvJob) -> None:
         try:
-            route = self._routes.get(job.bootstrap_addr)
+            route = self._route_with_retries(job)
             if route.block_size != self.spec.block_size:
                 raise LayoutError(
                     f"block size mismatch: prefill at {job.bootstrap_addr} uses {route.block_size}, "
@@ -536,6 +536,18 @@ class KVTransferManager:
                     self._hello_sent.add(endpoint)
             self._send_msg(endpoint, request)
         logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, endpoints, len(job.dst_block_ids))
+
+    def _route_with_retries(self, job: RecvJob) -> proto.Route:
+        """P's topology; a busy or still-starting prefill gets a few more tries within the KV wait."""
+        deadline = time.monotonic() + min(self.cfg.kv_wait_timeout_s / 2, 30.0)
+        while True:
+            try:
+                return self._routes.get(job.bootstrap_addr)
+            except BootstrapBusy as exc:
+                if time.monotonic() + 0.5 >= deadline:
+                    raise
+                logger.warning("room=%d req=%s: %s; retrying", job.room, job.req_id, exc)
+                time.sleep(0.5)
 
     def _prefill_dp_rank(self, job: RecvJob, route: proto.Route) -> int:
         if job.prefill_dp_rank is not None:

@@ -2,7 +2,16 @@
 
 from setuptools import find_packages, setup
 
-COMMON = ["pyzmq>=25", "msgspec>=0.18", "fastapi>=0.110", "uvicorn>=0.27", "httpx>=0.27"]
+COMMON = [
+    "pyzmq>=25",
+    "msgspec>=0.18",
+    "fastapi>=0.110",
+    "uvicorn>=0.27",
+    "httpx>=0.27",
+    "aiohttp>=3.10",
+    "prometheus_client>=0.17",
+    "httptools>=0.6",
+]
 
 setup(
     name="pd-connector",

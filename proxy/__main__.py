@@ -2,30 +2,49 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import Sequence
 
-import uvicorn
+from aiohttp import web
 
-from proxy.app import create_app
+from proxy.app import SHUTDOWN_TIMEOUT_S, create_app
 from proxy.cli import parse_config
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop when it is installed (it is with vLLM), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the flags, log the backends and serve until interrupted."""
+    """Parse the flags, log the backends and serve until interrupted (SIGINT/SIGTERM)."""
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT, stream=sys.stderr)
-    # httpx logs every request at INFO without the room / request id; the Router logs its own.
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(config.log_level)))
+    # aiohttp's own loggers: its access log is off; keep its error lines.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     app = create_app(config)
     logging.getLogger("proxy").info(
         "Router listening on http://%s:%d (%s)", config.host, config.port, config.describe()
     )
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False)
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        access_log=None,
+        print=None,
+        handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        backlog=2048,
+        loop=_new_loop(),
+    )
     return 0
 
 

@@ -1,542 +1,875 @@
-"""The Router's FastAPI application: ``create_app(config)``.
+"""The Router's aiohttp application: ``create_app(config)``.
 
 Request lifecycle (DESIGN.md §3): a completion or chat request gets a bootstrap room, one
 prefill instance P and one decode instance D; both requests are sent at once; D's answer
-(JSON or SSE stream) goes back to the client. If either side fails, the other side's HTTP
-request is closed (vLLM aborts a request whose connection closes, which frees its KV
-blocks) and the client gets an OpenAI-style error: never an empty 200, never a hang.
+(JSON, or the SSE stream byte for byte) goes back to the client.
+
+- Failover: until the first byte of the answer goes to the client (a stream's headers are held
+  back until D's first chunk), a failed attempt (a backend unreachable, a connection broken, a
+  5xx/408/429, an empty answer, an error event as D's first chunk) closes both backend requests
+  and is retried on another P/D pair with a fresh room, up to ``--max-retries`` attempts in
+  all. After that byte, nothing is retried: a stream that breaks ends with an SSE error event.
+- Abort: the application runs with aiohttp's handler cancellation, so a client that goes away
+  cancels its handler; the handler then closes both backend connections, and vLLM aborts a
+  request whose connection closes, freeing its KV blocks.
+- Never an empty 200 and never a hang: every failure becomes an OpenAI-style error (or the
+  backend's own error answer), and every request has a deadline (``--request-timeout``).
+
+The P and D calls go through :mod:`proxy.http1` (the Router's own keep-alive HTTP/1.1 client:
+most of the Router's added latency was ``aiohttp``'s client); health checks, ``/v1/models``
+and ``/reset_prefix_cache`` use an ``aiohttp`` session. Other endpoints: ``/v1/models``,
+``/health``, ``/healthcheck``, ``/metrics`` (:mod:`proxy.metrics`), ``GET /instances``,
+``POST /instances/add`` and ``/instances/remove`` (:func:`parse_instances`),
+``POST /reset_prefix_cache``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+import aiohttp
+from aiohttp import web
 
-from proxy.backends import BackendPool, pool_health
-from proxy.config import Backend, RouterConfig
-from proxy.errors import DECODE_FAILED, INVALID_REQUEST, RouterError, error_response, excerpt
-from proxy.payloads import decode_body, prefill_body, resolve_room, wants_stream
-from proxy.upstream import RequestLog, Upstream, classify, logger, make_client
+from proxy.backends import BackendPool, BackendState, Lease, check_all, describe_exception, pool_health, probe
+from proxy.cli import DEFAULT_BOOTSTRAP_PORT
+from proxy.config import ROLES, Backend, Role, RouterConfig
+from proxy.errors import (
+    CLIENT_DISCONNECTED,
+    DECODE_FAILED,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    NOT_FOUND,
+    UPSTREAM_UNAVAILABLE,
+    RouterError,
+    error_response,
+    json_response,
+)
+from proxy.http1 import Http1Pool, Response, UpstreamError
+from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from proxy.metrics import RouterMetrics
+from proxy.payloads import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    decode_body,
+    estimate_prompt_tokens,
+    new_room,
+    prefill_body,
+    resolve_room,
+    validate_body,
+)
+from proxy.upstream import (
+    Failure,
+    empty_failure,
+    error_event_failure,
+    exception_failure,
+    http_failure,
+    make_session,
+    passthrough_response,
+)
 
-#: How long the Router waits for an aborted backend request to close before answering.
-ABORT_WAIT_S = 2.0
-#: Status recorded (nginx convention) when the client went away before an answer.
+logger = logging.getLogger("proxy")
+
+#: Status recorded (nginx convention) when the client went away before the answer ended.
 CLIENT_CLOSED_REQUEST = 499
+#: How long a graceful shutdown waits for requests in flight.
+SHUTDOWN_TIMEOUT_S = 5.0
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+_TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
-class RouterState:
-    """Per-application state: configuration, backends, the shared HTTP client, background tasks."""
+class _Opened:
+    """D's streamed answer, open: its response, first chunk and in-flight lease."""
+
+    __slots__ = ("response", "first", "lease")
+
+    def __init__(self, response: Response, first: bytes, lease: Lease) -> None:
+        self.response = response
+        self.first = first
+        self.lease = lease
+
+    def close(self) -> None:
+        self.response.close()
+        self.lease.release()
+
+
+class _Answered:
+    """D's whole (non-streamed) 2xx answer."""
+
+    __slots__ = ("status", "body", "content_type")
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+class Router:
+    """Application state: configuration, backend pool, metrics, the shared HTTP session."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.pool = BackendPool.from_config(config)
-        self._client: httpx.AsyncClient | None = None
-        self._upstream: Upstream | None = None
-        self._background: set[asyncio.Task[Any]] = set()
+        self.pool = BackendPool(config.prefillers, config.decoders, config.routing)
+        self.metrics = RouterMetrics(self.pool)
+        self._session: aiohttp.ClientSession | None = None
+        #: The hot path's HTTP client (generation requests to P and D).
+        self.http = Http1Pool(config.connect_timeout)
+        #: Tasks the Router keeps references to until they end (detached prefills, aborts, ...).
+        self.tasks: set[asyncio.Task[Any]] = set()
+        #: Instances added at run time that have not answered a health check yet.
+        self.waiting: dict[tuple[str, str, int], tuple[Backend, asyncio.Task[None]]] = {}
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        """The shared HTTP client (exists while the application is running)."""
-        if self._client is None:
-            raise RuntimeError("the Router's HTTP client is not started (use the app's lifespan)")
-        return self._client
-
-    @property
-    def upstream(self) -> Upstream:
-        """Backend caller bound to the shared client."""
-        if self._upstream is None:
-            raise RuntimeError("the Router's HTTP client is not started (use the app's lifespan)")
-        return self._upstream
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        """Open the shared client for the application's lifetime; cancel leftovers at shutdown."""
-        async with make_client(self.config) as client:
-            self._client = client
-            self._upstream = Upstream(client, self.config)
-            try:
-                yield
-            finally:
-                for task in list(self._background):
-                    task.cancel()
-                if self._background:
-                    await asyncio.wait(self._background, timeout=ABORT_WAIT_S)
-                self._client = None
-                self._upstream = None
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the Router's HTTP session is not started (run the application)")
+        return self._session
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run ``coro`` as a task the application keeps a reference to until it ends."""
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        """Run ``coro`` as a task referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.keep(task)
         return task
 
-    async def abort(self, task: asyncio.Task[Any]) -> None:
-        """Cancel a backend request task and close whatever it produced.
+    def keep(self, task: asyncio.Task[Any]) -> None:
+        """Reference ``task`` until it ends (so it is not garbage-collected while running)."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
-        Cancelling an in-flight ``httpx`` request closes its connection, which makes vLLM
-        abort the request. The closing runs in a background task, so it completes even if
-        the caller is itself being cancelled; the caller waits for it (bounded) otherwise.
-        """
-        if not task.done():
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def startup(self, _app: web.Application) -> None:
+        self._session = make_session(self.config)
+        if self.config.health_interval > 0:
+            self.spawn(self._health_loop())
+
+    async def cleanup(self, _app: web.Application) -> None:
+        for task in list(self.tasks):
             task.cancel()
-        await asyncio.shield(self.spawn(self._reap(task)))
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=2.0)
+        self.http.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
-    async def close_response(self, response: httpx.Response) -> None:
-        """Close an open (streamed) backend response; completes even if the caller is cancelled."""
-        if not response.is_closed:
-            await asyncio.shield(self.spawn(response.aclose()))
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await check_all(self.session, self.pool, self.config.health_timeout)
+            except Exception:  # pragma: no cover (check_all does not raise)
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.config.health_interval)
 
-    async def _reap(self, task: asyncio.Task[Any]) -> None:
-        await asyncio.wait({task}, timeout=ABORT_WAIT_S)
-        if not task.done():
-            task.add_done_callback(lambda t: self.spawn(self._reap(t)))
-            return
-        if task.cancelled() or task.exception() is not None:
-            return
-        result = task.result()
-        if isinstance(result, httpx.Response) and not result.is_closed:
-            await result.aclose()
+    # -- generation ------------------------------------------------------------------------
 
-    def detach_prefill(self, task: asyncio.Task[RouterError | None], log: RequestLog) -> None:
-        """Let a still-running prefill request finish on its own; log its outcome.
-
-        Used once D has answered successfully: P's result no longer changes the answer.
-        """
-        self._background.add(task)
-
-        def done(t: asyncio.Task[RouterError | None]) -> None:
-            self._background.discard(t)
-            if t.cancelled():
-                return
-            exc = t.exception()
-            if exc is not None:
-                log.error("prefill request raised after the answer was sent: %r", exc)
-            elif t.result() is not None:
-                log.error("prefill failed after D had answered (D's answer was returned): %s", t.result())
-
-        task.add_done_callback(done)
-
-
-class RelayStreamingResponse(StreamingResponse):
-    """A ``StreamingResponse`` that always runs ``on_close`` when it ends, however it ends."""
-
-    def __init__(
-        self,
-        content: AsyncIterator[bytes],
-        *,
-        on_close: Callable[[], Awaitable[None]],
-        status_code: int,
-        headers: dict[str, str],
-        media_type: str,
-    ) -> None:
-        super().__init__(content, status_code=status_code, headers=headers, media_type=media_type)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        """Serve ``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+        t0 = time.monotonic()
+        rid = request.headers.get("X-Request-Id", "").strip() or uuid.uuid4().hex
         try:
-            await super().__call__(scope, receive, send)
+            raw = await _read_body(request, self.config.max_body_size)
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise RouterError(400, f"request body is not valid JSON: {exc}", INVALID_REQUEST) from None
+            validate_body(body, endpoint)
+            room = resolve_room(body)
+        except RouterError as error:
+            logger.warning("rid=%s POST %s rejected: HTTP %d %s", rid, endpoint, error.status, error.message)
+            self.metrics.error(endpoint, error.error_type)
+            self.metrics.request_done(endpoint, error.status, None, time.monotonic() - t0)
+            return error.to_response({"X-Request-Id": rid})
+        exchange = Exchange(self, request, endpoint, rid, body, room, t0)
+        return await exchange.run()
+
+    # -- instances -------------------------------------------------------------------------
+
+    async def add_instance(self, backend: Backend) -> str:
+        """Add ``backend`` to the pool; returns what happened (``added``, ``waiting``, ...)."""
+        existing = self.pool.find(backend.role, backend.host, backend.port)
+        if existing is not None:
+            if existing.draining:
+                self.pool.undrain(existing)
+                return "re-activated"
+            return "already present"
+        if backend.key in self.waiting:
+            return "waiting"
+        state = BackendState(backend, healthy=False)
+        healthy, status, error = await probe(self.session, backend, self.config.health_timeout)
+        if self.pool.find(backend.role, backend.host, backend.port) is not None:
+            return "already present"  # added concurrently
+        state.status_code, state.last_error, state.last_check = status, error, time.time()
+        if healthy:
+            state.healthy = True
+            self.pool.add_state(state)
+            return "added"
+        logger.warning(
+            "%s does not answer its health check yet (%s); checking %d more time(s), %gs apart",
+            backend.name,
+            error,
+            self.config.max_waiting_retries - 1,
+            self.config.waiting_retry_interval,
+        )
+        task = self.spawn(self._wait_for(state))
+        self.waiting[backend.key] = (backend, task)
+        return "waiting"
+
+    async def _wait_for(self, state: BackendState) -> None:
+        backend = state.backend
+        try:
+            for _ in range(self.config.max_waiting_retries - 1):
+                await asyncio.sleep(self.config.waiting_retry_interval)
+                healthy, status, error = await probe(self.session, backend, self.config.health_timeout)
+                state.status_code, state.last_error, state.last_check = status, error, time.time()
+                if healthy:
+                    state.healthy = True
+                    self.pool.add_state(state)
+                    return
+            logger.warning("%s was not added: it did not answer its health checks (%s)", backend.name, state.last_error)
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with suppress(RuntimeError):
-                    await aclose()
-            await self._on_close()
+            self.waiting.pop(backend.key, None)
+
+    def remove_instance(self, role: Role, host: str, port: int) -> str | None:
+        """Remove (drain) an instance; returns what happened, or ``None`` if it is unknown."""
+        state = self.pool.find(role, host, port)
+        if state is None:
+            entry = self.waiting.pop((role, host, port), None)
+            if entry is None:
+                return None
+            entry[1].cancel()
+            logger.info("%s removed before it became healthy", entry[0].name)
+            return "removed"
+        if state.draining:
+            return "draining"
+        return "removed" if self.pool.remove(state) else "draining"
+
+    def instances(self) -> dict[str, Any]:
+        """Every instance (active, draining, waiting), in ``/instances`` form."""
+        snapshot = self.pool.snapshot()
+        snapshot["waiting"] = [
+            {"role": b.role, "host": b.host, "port": b.port, "url": b.base_url} for b, _ in self.waiting.values()
+        ]
+        snapshot["routing"] = self.config.routing
+        # vLLM-Ascend proxy's keys.
+        snapshot["current_prefill_instances"] = [s.backend.address for s in self.pool.active["prefill"]]
+        snapshot["current_decode_instances"] = [s.backend.address for s in self.pool.active["decode"]]
+        return snapshot
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    """Return when the client closes its connection (the request body was already read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _next_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
-    """Next chunk of a backend stream, or ``None`` at its end."""
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    length = request.content_length
+    if length is not None and length > limit:
+        raise RouterError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes", INVALID_REQUEST)
     try:
-        return await anext(chunks)
-    except StopAsyncIteration:
-        return None
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RouterError(413, f"request body exceeds the limit of {limit} bytes", INVALID_REQUEST) from None
 
 
-class Relay:
-    """One client request in flight: the P and D tasks, and who owns (must close) them."""
+class Exchange:
+    """One client generation request: its attempts, its answer, its cleanup and its log line."""
 
     def __init__(
         self,
-        state: RouterState,
-        log: RequestLog,
-        out_headers: dict[str, str],
-        decoder: Backend,
-        p_task: asyncio.Task[RouterError | None],
-        d_task: asyncio.Task[httpx.Response | RouterError],
-        disconnect: asyncio.Task[None],
-        deadline: float,
+        router: Router,
+        request: web.Request,
+        endpoint: str,
+        rid: str,
+        body: dict[str, Any],
+        room: int,
+        t0: float,
     ) -> None:
-        self.state = state
-        self.log = log
-        self.out_headers = out_headers
-        self.decoder = decoder
-        self.p_task = p_task
-        self.d_task = d_task
-        self.disconnect = disconnect
-        self.deadline = deadline
-        # Which tasks this object still has to abort in cleanup(); ownership moves to the
-        # stream generator (or to a background logger) when the answer is handed off.
-        self.owns_p = True
-        self.owns_d = True
-        self.d_response: httpx.Response | None = None
-        self._chunk_task: asyncio.Task[bytes | None] | None = None
-        self._stream_closed = False
-        self._stream_complete = False
-        self._p_checked = False
+        self.router = router
+        self.request = request
+        self.endpoint = endpoint
+        self.rid = rid
+        self.body = body
+        self.room = room
+        self.t0 = t0
+        self.stream = body.get("stream") is True
+        self.tokens = estimate_prompt_tokens(body)
+        config = router.config
+        self.deadline = t0 + config.request_timeout
+        headers = {"X-Request-Id": rid}
+        if auth := request.headers.get("Authorization") or config.backend_authorization:
+            headers["Authorization"] = auth
+        self.headers = headers
+        self.out_headers = {"X-Request-Id": rid}
+        self.p_state: BackendState | None = None
+        self.d_state: BackendState | None = None
+        self.p_task: asyncio.Task[Failure | None] | None = None
+        self.opened: _Opened | None = None
+        #: While D's request runs in the handler itself, a failing P interrupts it (see _attempt).
+        self._interruptible: asyncio.Task[Any] | None = None
+        self._interrupted = False
+        self.attempts = 0
+        self.status = 0
+        self.ttfb: float | None = None
+        self.late_p_failure: Failure | None = None
+        self.stream_done = False
 
-    # -- helpers -------------------------------------------------------------------------
+    # -- the whole request ------------------------------------------------------------------
 
-    def _prefill_error(self) -> RouterError | None:
-        """P's error if P has finished with one."""
-        if self.p_task.done() and not self.p_task.cancelled():
-            return self.p_task.result()
-        return None
+    async def run(self) -> web.StreamResponse:
+        try:
+            return await self._attempts()
+        except asyncio.CancelledError:
+            self.status = CLIENT_CLOSED_REQUEST
+            self.router.metrics.error(self.endpoint, CLIENT_DISCONNECTED)
+            logger.warning(
+                "rid=%s room=%s client disconnected %s; closing the backend requests",
+                self.rid,
+                self.room,
+                "mid-stream" if self.ttfb is not None else "before the answer",
+            )
+            raise
+        except Exception as exc:
+            logger.exception("rid=%s room=%s unexpected error", self.rid, self.room)
+            self.status = 500
+            self.router.metrics.error(self.endpoint, INTERNAL_ERROR)
+            if self.ttfb is not None:
+                raise
+            return error_response(500, f"internal Router error: {type(exc).__name__}", INTERNAL_ERROR, self.out_headers)
+        finally:
+            self._abort_attempt()
+            elapsed = time.monotonic() - self.t0
+            self.router.metrics.request_done(self.endpoint, self.status, self.ttfb, elapsed)
+            logger.info(
+                "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f",
+                self.rid,
+                self.room,
+                self.endpoint,
+                self.stream,
+                self.p_state.backend.address if self.p_state else "-",
+                self.d_state.backend.address if self.d_state else "-",
+                self.status,
+                self.attempts,
+                f"{self.ttfb * 1000:.1f}" if self.ttfb is not None else "-",
+                elapsed * 1000,
+            )
 
-    def _client_gone(self) -> Response:
-        self.log.warning("client disconnected before the answer; closing the backend requests")
-        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=self.out_headers)
+    async def _attempts(self) -> web.StreamResponse:
+        router = self.router
+        config = router.config
+        pool = router.pool
+        tried_p: set[BackendState] = set()
+        tried_d: set[BackendState] = set()
+        failure: Failure | None = None
+        for attempt in range(1, config.max_retries + 1):
+            if attempt > 1:
+                router.metrics.retry(self.endpoint)
+                self.room = new_room()
+                delay = config.retry_delay * 2 ** (attempt - 2)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            p = pool.pick("prefill", self.room, tried_p)
+            d = pool.pick("decode", self.room, tried_d)
+            if p is None or d is None:
+                missing = "prefill" if p is None else "decode"
+                return self._error(RouterError(503, f"no {missing} instance is available", UPSTREAM_UNAVAILABLE))
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self.attempts = attempt
+            self.p_state, self.d_state = p, d
+            outcome = await self._attempt(p, d, remaining)
+            if not isinstance(outcome, Failure):
+                return await self._answer(outcome)
+            failure = outcome
+            self._abort_attempt()
+            router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)
+            if failure.kind == "connect":
+                pool.mark_unhealthy(failure.state, failure.error.message)
+            (tried_p if failure.state.backend.role == "prefill" else tried_d).add(failure.state)
+            if not failure.retryable or attempt == config.max_retries:
+                break
+            logger.warning(
+                "rid=%s room=%s attempt %d/%d failed (%s); retrying on another pair with a fresh room",
+                self.rid,
+                self.room,
+                attempt,
+                config.max_retries,
+                failure.error.message,
+            )
+        if failure is None:
+            failure_error = RouterError(504, "the request timed out before a backend answered", DECODE_FAILED)
+            return self._error(failure_error)
+        return self._final_failure(failure)
 
-    def _fail(self, error: RouterError) -> Response:
-        self.log.error("answering HTTP %d: %s", error.status, error.message)
+    # -- one attempt ---------------------------------------------------------------------------
+
+    async def _prefill(self, state: BackendState, timeout: float) -> Failure | None:
+        router = self.router
+        lease = router.pool.lease(state, self.tokens)
+        router.metrics.backend_request(self.endpoint, state.backend)
+        backend = state.backend
+        data = json.dumps(prefill_body(self.body, self.room), ensure_ascii=False).encode()
+        try:
+            response = await router.http.post(backend.host, backend.port, self.endpoint, data, self.headers, timeout)
+            try:
+                content = await response.read()
+            finally:
+                response.release()
+            if response.status < 300:
+                return None
+            return http_failure(state, response.status, content, response.content_type)
+        except UpstreamError as exc:
+            return exception_failure(state, exc, router.config.request_timeout)
+        finally:
+            lease.release()
+
+    async def _decode(self, state: BackendState, timeout: float) -> _Opened | _Answered | Failure:
+        router = self.router
+        lease = router.pool.lease(state)
+        router.metrics.backend_request(self.endpoint, state.backend)
+        backend = state.backend
+        data = json.dumps(decode_body(self.body, self.room, self.p_state.backend), ensure_ascii=False).encode()
+        response: Response | None = None
+        try:
+            response = await router.http.post(backend.host, backend.port, self.endpoint, data, self.headers, timeout)
+            status = response.status
+            content_type = response.content_type
+            if status >= 300 or not self.stream:
+                content = await response.read()
+                response.release()
+                lease.release()
+                if status >= 300:
+                    return http_failure(state, status, content, content_type)
+                if not content:
+                    return empty_failure(state, status)
+                return _Answered(status, content, content_type or "application/json")
+            first = await response.next_chunk()
+            if not first:
+                response.release()
+                lease.release()
+                return empty_failure(state, status)
+            failure = error_event_failure(state, first)
+            if failure is not None:
+                response.close()
+                lease.release()
+                return failure
+            return _Opened(response, first, lease)
+        except BaseException as exc:
+            if response is not None:
+                response.close()
+            lease.release()
+            if isinstance(exc, UpstreamError):
+                return exception_failure(state, exc, router.config.request_timeout)
+            raise
+
+    async def _attempt(self, p: BackendState, d: BackendState, timeout: float) -> _Opened | _Answered | Failure:
+        """Send P's request (a task) and D's (in this task, its answer is the critical path) at once.
+
+        Returns D's answer (its first chunk, when streaming), or the attempt's failure. A P that
+        fails first interrupts D's request by cancelling this task; ``uncancel()`` tells that
+        cancellation from a client that went away (aiohttp cancels the handler then).
+        """
+        handler = asyncio.current_task()
+        self.p_task = p_task = asyncio.get_running_loop().create_task(self._prefill(p, timeout))
+        self._interrupted = False
+        self._interruptible = handler
+        p_task.add_done_callback(self._on_early_prefill)
+        try:
+            result = await self._decode(d, timeout)
+        except asyncio.CancelledError:
+            if self._interrupted and handler is not None and handler.uncancel() == 0:
+                return p_task.result()  # P's failure
+            raise
+        finally:
+            self._interruptible = None
+        if isinstance(result, _Opened):
+            self.opened = result
+        if p_task.done() and not p_task.cancelled() and p_task.result() is not None:
+            return p_task.result()  # P failed too: its error is the cause (D waits for P's KV)
+        return result
+
+    def _on_early_prefill(self, task: asyncio.Task[Failure | None]) -> None:
+        handler = self._interruptible
+        if handler is None or task.cancelled() or task.exception() is not None or task.result() is None:
+            return
+        self._interrupted = True
+        handler.cancel()
+
+    def _abort_attempt(self) -> None:
+        """Close whatever the current attempt still has open (idempotent, synchronous).
+
+        A cancelled task closes its connection when it next runs; closing a backend connection
+        makes vLLM abort the request and free its KV blocks.
+        """
+        p_task = self.p_task
+        if p_task is not None and not p_task.done():
+            p_task.cancel()
+            self.router.keep(p_task)
+        if self.opened is not None:
+            self.opened.close()
+            self.opened = None
+        self.p_task = None
+
+    # -- answers -------------------------------------------------------------------------------
+
+    def _error(self, error: RouterError) -> web.Response:
+        self.status = error.status
+        self.router.metrics.error(self.endpoint, error.error_type)
+        logger.error("rid=%s room=%s answering HTTP %d: %s", self.rid, self.room, error.status, error.message)
         return error.to_response(self.out_headers)
 
-    def _passthrough(self, response: httpx.Response, content: bytes) -> Response:
-        return Response(
-            content=content,
-            status_code=response.status_code,
-            headers=self.out_headers,
-            media_type=response.headers.get("content-type", "application/json"),
+    def _final_failure(self, failure: Failure) -> web.Response:
+        self.status = failure.passthrough[0] if failure.passthrough else failure.error.status
+        self.router.metrics.error(self.endpoint, failure.error.error_type)
+        logger.error(
+            "rid=%s room=%s answering HTTP %d after %d attempt(s): %s",
+            self.rid,
+            self.room,
+            self.status,
+            self.attempts,
+            failure.error.message,
         )
+        return failure.response(self.out_headers)
 
-    def _time_left(self) -> float:
-        return max(0.0, self.deadline - asyncio.get_running_loop().time())
-
-    async def cleanup(self) -> None:
-        """Abort whatever this object still owns (called when the handler returns or fails)."""
-        self.disconnect.cancel()
-        if self.owns_p:
-            self.owns_p = False
-            await self.state.abort(self.p_task)
-        if self.owns_d:
-            self.owns_d = False
-            if self._chunk_task is not None:
-                self._chunk_task.cancel()
-            await self.state.abort(self.d_task)
-            if self.d_response is not None:
-                await self.state.close_response(self.d_response)
-
-    # -- phase 1: until D has answered (status and headers) --------------------------------
-
-    async def _until_decoder_answers(self) -> Response | httpx.Response:
-        """Race P, D and the client. Returns D's 2xx response, or the final response to send."""
-        while True:
-            waiting: set[asyncio.Future[Any]] = {self.d_task, self.disconnect}
-            if not self.p_task.done():
-                waiting.add(self.p_task)
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if self.disconnect.done():
-                return self._client_gone()
-            if self.d_task.done():
-                result = self.d_task.result()
-                if isinstance(result, httpx.Response) and result.is_success:
-                    return result
-                if isinstance(result, httpx.Response):
-                    self.d_response = result
-                # D failed. If P failed too, P's error is the cause (D waits for P's KV).
-                p_error = self._prefill_error()
-                if p_error is not None:
-                    return self._fail(p_error)
-                if isinstance(result, RouterError):
-                    return self._fail(result)
-                return await self._decoder_error(result)
-            p_error = self._prefill_error()
-            if p_error is not None:
-                return self._fail(p_error)
-            # P finished fine; keep waiting for D.
-
-    async def _decoder_error(self, response: httpx.Response) -> Response:
-        """Pass D's non-2xx status and body through to the client."""
-        try:
-            async with asyncio.timeout(min(self._time_left(), 30.0)):
-                content = await response.aread()
-        except (httpx.HTTPError, TimeoutError) as exc:
-            return self._fail(classify(exc, self.decoder, self.state.config.request_timeout))
-        self.log.warning(
-            "%s answered HTTP %d; passing it through: %s",
-            self.decoder.name,
-            response.status_code,
-            excerpt(content),
-        )
-        return self._passthrough(response, content)
-
-    # -- non-streaming -----------------------------------------------------------------------
-
-    async def answer_json(self) -> Response:
-        """Return D's whole answer (the client did not ask for a stream)."""
-        outcome = await self._until_decoder_answers()
-        if isinstance(outcome, Response):
-            return outcome
-        content = outcome.content
-        if not content:
-            return self._fail(
-                RouterError(
-                    502, f"{self.decoder.name} answered HTTP {outcome.status_code} with an empty body", DECODE_FAILED
-                )
-            )
-        if not self.p_task.done():
-            self.owns_p = False
-            self.log.info("D answered before P's response; returning D's answer, P finishes in the background")
-            self.state.detach_prefill(self.p_task, self.log)
-        self.log.info("answered HTTP %d (%d bytes)", outcome.status_code, len(content))
-        return self._passthrough(outcome, content)
-
-    # -- streaming ---------------------------------------------------------------------------
-
-    async def answer_stream(self) -> Response:
-        """Relay D's SSE stream, once D answered 2xx and either P succeeded or D's first bytes came."""
-        outcome = await self._until_decoder_answers()
-        if isinstance(outcome, Response):
-            return outcome
-        self.d_response = outcome
-        chunks = outcome.aiter_bytes()
-        self._chunk_task = asyncio.create_task(_next_chunk(chunks))
-        # Hold the status line back until P succeeded or D sent data: if P fails first the
-        # client still gets a real HTTP error instead of a 200 stream that ends in an error.
-        while True:
-            waiting: set[asyncio.Future[Any]] = {self._chunk_task, self.disconnect}
-            if not self.p_task.done():
-                waiting.add(self.p_task)
-            done, _ = await asyncio.wait(waiting, timeout=self._time_left(), return_when=asyncio.FIRST_COMPLETED)
-            if self.disconnect.done():
-                return self._client_gone()
-            if not done:
-                return self._fail(
-                    RouterError(504, f"{self.decoder.name} sent no data within the request timeout", DECODE_FAILED)
-                )
-            p_error = self._prefill_error()
-            if p_error is not None:
-                return self._fail(p_error)
-            if self._chunk_task.done() or self.p_task.done():
-                break
-        # P's outcome was examined (and was a success) iff P is done by now.
-        self._p_checked = self.p_task.done()
-        if self._chunk_task.done():
-            exc = self._chunk_task.exception()
-            if exc is not None:
-                return self._fail(classify(exc, self.decoder, self.state.config.request_timeout))
-            if self._chunk_task.result() is None:
-                p_error = self._prefill_error()
-                return self._fail(
-                    p_error
-                    or RouterError(502, f"{self.decoder.name} ended its stream without sending any data", DECODE_FAILED)
-                )
-        # Hand the backend requests over to the stream generator / its on_close.
-        self.owns_p = False
-        self.owns_d = False
-        self.log.info("streaming %s's answer (HTTP %d)", self.decoder.name, outcome.status_code)
-        return RelayStreamingResponse(
-            self._relay_chunks(chunks),
-            on_close=self._close_stream,
-            status_code=outcome.status_code,
-            headers=self.out_headers,
-            media_type=outcome.headers.get("content-type", "text/event-stream"),
-        )
-
-    async def _relay_chunks(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """Yield D's bytes unchanged; end with an SSE error event if P or D fails mid-stream."""
-        assert self._chunk_task is not None
-        sent = 0
-        p_pending = not self._p_checked
-        try:
-            while True:
-                chunk_task = self._chunk_task
-                waiting: set[asyncio.Future[Any]] = {chunk_task}
-                if p_pending:
-                    waiting.add(self.p_task)
-                done, _ = await asyncio.wait(waiting, timeout=self._time_left(), return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    error = RouterError(
-                        504, f"{self.decoder.name}'s stream did not finish within the request timeout", DECODE_FAILED
-                    )
-                    self.log.error("stream cut after %d bytes: %s", sent, error.message)
-                    yield error.to_sse()
-                    return
-                if p_pending and self.p_task.done():
-                    p_pending = False
-                    self._p_checked = True
-                    p_error = self._prefill_error()
-                    if p_error is not None:
-                        if chunk_task.done() and chunk_task.exception() is None:
-                            yield chunk_task.result() or b""
-                        self.log.error(
-                            "prefill failed after %d bytes of D's stream were sent; ending the stream with an "
-                            "error event: %s",
-                            sent,
-                            p_error.message,
-                        )
-                        yield p_error.to_sse()
-                        return
-                if not chunk_task.done():
-                    continue
-                exc = chunk_task.exception()
-                if exc is not None:
-                    error = classify(exc, self.decoder, self.state.config.request_timeout)
-                    self.log.error("D's stream broke after %d bytes: %s", sent, error.message)
-                    yield error.to_sse()
-                    return
-                chunk = chunk_task.result()
-                if chunk is None:
-                    self._stream_complete = True
-                    self.log.info("stream finished (%d bytes)", sent)
-                    return
-                sent += len(chunk)
-                yield chunk
-                self._chunk_task = asyncio.create_task(_next_chunk(chunks))
-        finally:
-            await self._close_stream()
-
-    async def _close_stream(self) -> None:
-        """Close D's stream and P's request (idempotent). Synchronous cancels come first."""
-        if self._stream_closed:
+    def _detach_prefill(self) -> None:
+        """D has answered: let a still-running P request end on its own, and log a failure."""
+        p_task = self.p_task
+        self.p_task = None
+        if p_task is None or p_task.done():
             return
-        self._stream_closed = True
-        if self._chunk_task is not None and not self._chunk_task.done():
-            self._chunk_task.cancel()
-        if not self._stream_complete:
-            self.log.warning("stream closed before D finished (client gone or error); closing backend requests")
-        p_running = not self.p_task.done()
-        if p_running and self._stream_complete:
-            self.state.detach_prefill(self.p_task, self.log)
-        elif p_running:
-            self.p_task.cancel()
-        if self.d_response is not None:
-            await self.state.close_response(self.d_response)
-        if p_running and not self._stream_complete:
-            await self.state.abort(self.p_task)
+        self.router.keep(p_task)
+        rid, room = self.rid, self.room
 
+        def done(task: asyncio.Task[Failure | None]) -> None:
+            if not task.cancelled() and task.exception() is None and task.result() is not None:
+                logger.error(
+                    "rid=%s room=%s prefill failed after D had answered: %s", rid, room, task.result().error.message
+                )
 
-async def _generate(state: RouterState, request: Request, path: str) -> Response:
-    """Serve ``POST /v1/completions`` and ``POST /v1/chat/completions``."""
-    rid = (request.headers.get("x-request-id") or "").strip() or uuid.uuid4().hex
-    out_headers = {"X-Request-Id": rid}
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        RequestLog(logger, {"room": None, "rid": rid}).warning("rejected %s: invalid JSON (%s)", path, exc)
-        return error_response(400, f"request body is not valid JSON: {exc}", INVALID_REQUEST, out_headers)
-    if not isinstance(body, dict):
-        RequestLog(logger, {"room": None, "rid": rid}).warning("rejected %s: body is not a JSON object", path)
-        return error_response(400, "request body must be a JSON object", INVALID_REQUEST, out_headers)
-    try:
-        room = resolve_room(body)
-    except RouterError as error:
-        RequestLog(logger, {"room": None, "rid": rid}).warning("rejected %s: %s", path, error.message)
-        return error.to_response(out_headers)
+        p_task.add_done_callback(done)
 
-    log = RequestLog(logger, {"room": room, "rid": rid})
-    prefiller, decoder = state.pool.select(room)
-    stream = wants_stream(body)
-    forward = {"X-Request-Id": rid}
-    if auth := request.headers.get("authorization"):
-        forward["Authorization"] = auth
-    deadline = asyncio.get_running_loop().time() + state.config.request_timeout
-    log.info("POST %s stream=%s -> P %s, D %s", path, stream, prefiller.name, decoder.name)
+    async def _answer(self, outcome: _Opened | _Answered) -> web.StreamResponse:
+        if isinstance(outcome, _Answered):
+            self._detach_prefill()
+            self.status = outcome.status
+            self.ttfb = time.monotonic() - self.t0
+            return passthrough_response(outcome.status, outcome.body, outcome.content_type, self.out_headers)
+        return await self._relay(outcome)
 
-    upstream = state.upstream
-    p_task = asyncio.create_task(
-        upstream.prefill(prefiller, path, prefill_body(body, room), forward, log, deadline=deadline)
-    )
-    d_task = asyncio.create_task(
-        upstream.decode(
-            decoder, path, decode_body(body, room, prefiller), forward, log, stream=stream, deadline=deadline
+    async def _relay(self, opened: _Opened) -> web.StreamResponse:
+        """Send D's stream to the client unchanged; end it with an error event if P or D fails."""
+        upstream = opened.response
+        response = web.StreamResponse(
+            status=upstream.status,
+            headers={
+                "Content-Type": upstream.content_type or "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.rid,
+            },
         )
-    )
-    disconnect = asyncio.create_task(_wait_for_disconnect(request))
-    relay = Relay(state, log, out_headers, decoder, p_task, d_task, disconnect, deadline)
-    try:
-        return await (relay.answer_stream() if stream else relay.answer_json())
-    finally:
-        await relay.cleanup()
-
-
-def create_app(config: RouterConfig) -> FastAPI:
-    """Build the Router application for ``config``."""
-    state = RouterState(config)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        async with state.running():
-            yield
-
-    app = FastAPI(
-        title="PDConnector Router",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-    )
-    app.state.router_state = state
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error serving %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, f"internal Router error: {type(exc).__name__}", "internal_error")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(state, request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(state, request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        rid = (request.headers.get("x-request-id") or "").strip() or uuid.uuid4().hex
-        out_headers = {"X-Request-Id": rid}
-        forward = {"X-Request-Id": rid}
-        if auth := request.headers.get("authorization"):
-            forward["Authorization"] = auth
-        log = RequestLog(logger, {"room": None, "rid": rid})
-        last_error: RouterError | None = None
-        for decoder in state.pool.decoders:
-            result = await state.upstream.get(decoder, "/v1/models", forward, log)
-            if isinstance(result, RouterError):
-                log.warning("GET /v1/models: %s", result.message)
-                last_error = result
-                continue
-            return Response(
-                content=result.content,
-                status_code=result.status_code,
-                headers=out_headers,
-                media_type=result.headers.get("content-type", "application/json"),
+        self.status = upstream.status
+        p_task = self.p_task
+        if p_task is not None and not p_task.done():
+            p_task.add_done_callback(self._on_late_prefill)
+        failure: Failure | None = None
+        timeout = self.router.config.request_timeout
+        eof_sent = False
+        chunk = opened.first
+        try:
+            await response.prepare(self.request)
+            while True:
+                if upstream.at_eof() and self.late_p_failure is None:
+                    # The end of D's stream came with this chunk: send both in one write.
+                    await response.write_eof(chunk)
+                    eof_sent = True
+                else:
+                    await response.write(chunk)
+                if self.ttfb is None:
+                    self.ttfb = time.monotonic() - self.t0
+                if eof_sent:
+                    break
+                try:
+                    chunk = await upstream.next_chunk()
+                except UpstreamError as exc:
+                    failure = exception_failure(opened.lease.state, exc, timeout)
+                    break
+                if not chunk:
+                    break
+        except ConnectionResetError:
+            raise asyncio.CancelledError from None  # the client went away
+        if eof_sent:
+            failure = None
+        elif self.late_p_failure is not None:
+            failure = self.late_p_failure
+        if failure is None:
+            self.stream_done = True
+            upstream.release()
+            opened.lease.release()
+            self.opened = None
+            self._detach_prefill()
+        else:
+            self.router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)
+            self.router.metrics.error(self.endpoint, failure.error.error_type)
+            logger.error(
+                "rid=%s room=%s stream cut after it started: %s; ending it with an error event",
+                self.rid,
+                self.room,
+                failure.error.message,
             )
-        assert last_error is not None
-        return last_error.to_response(out_headers)
+            self._abort_attempt()
+            try:
+                await response.write(failure.error.to_sse())
+            except ConnectionResetError:
+                raise asyncio.CancelledError from None
+        if not eof_sent:
+            try:
+                await response.write_eof()
+            except ConnectionResetError:
+                raise asyncio.CancelledError from None
+        return response
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        healthy, body = await pool_health(state.client, state.pool, config.health_timeout)
+    def _on_late_prefill(self, task: asyncio.Task[Failure | None]) -> None:
+        if self.stream_done or task.cancelled() or task.exception() is not None:
+            return
+        failure = task.result()
+        if failure is not None and self.opened is not None:
+            self.late_p_failure = failure
+            self.opened.response.close()
+
+
+def _request_id(request: web.Request) -> str:
+    return request.headers.get("X-Request-Id", "").strip() or uuid.uuid4().hex
+
+
+def _parse_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` -> (host, port)."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise RouterError(400, f"instance {text!r} is not host:port", INVALID_REQUEST, "instances")
+    return host.strip("[]"), int(port)
+
+
+def _check_port(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise RouterError(400, f"'{field}' must be a port number in 1..65535, got {value!r}", INVALID_REQUEST, field)
+    return value
+
+
+def parse_instances(payload: Any) -> list[Backend]:
+    """The instances named by an ``/instances/add`` or ``/instances/remove`` body.
+
+    Either ``{"role": "prefill"|"decode", "host": H, "port": P, "bootstrap_port": B?}`` or
+    vLLM-Ascend's ``{"type": "prefill"|"decode", "instances": ["H:P", ...] | "H:P"}`` (an item
+    may also be an object with host, port and bootstrap_port). A prefiller's bootstrap port
+    defaults to the top-level ``bootstrap_port``, else 18800.
+    """
+    if not isinstance(payload, dict):
+        raise RouterError(400, "request body must be a JSON object", INVALID_REQUEST)
+    role = payload.get("role", payload.get("type"))
+    if role not in ROLES:
+        raise RouterError(400, f"'role' must be 'prefill' or 'decode', got {role!r}", INVALID_REQUEST, "role")
+    default_bootstrap = payload.get("bootstrap_port", DEFAULT_BOOTSTRAP_PORT)
+    items = payload.get("instances")
+    if items is None:
+        items = [{"host": payload.get("host"), "port": payload.get("port"), "bootstrap_port": default_bootstrap}]
+    elif isinstance(items, str):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        raise RouterError(400, "'instances' must be a non-empty list", INVALID_REQUEST, "instances")
+    backends = []
+    for item in items:
+        if isinstance(item, str):
+            host, port = _parse_address(item)
+            bootstrap = default_bootstrap
+        elif isinstance(item, dict):
+            host, port = item.get("host"), item.get("port")
+            bootstrap = item.get("bootstrap_port", default_bootstrap)
+        else:
+            raise RouterError(400, f"instance {item!r} is not host:port or an object", INVALID_REQUEST, "instances")
+        if not isinstance(host, str) or not host.strip():
+            raise RouterError(400, f"'host' must be a non-empty string, got {host!r}", INVALID_REQUEST, "host")
+        port = _check_port(port, "port")
+        if role == "prefill":
+            bootstrap = _check_port(bootstrap, "bootstrap_port")
+            backends.append(Backend("prefill", host.strip(), port, bootstrap))
+        else:
+            backends.append(Backend("decode", host.strip(), port))
+    return backends
+
+
+def create_app(config: RouterConfig) -> web.Application:
+    """Build the Router application for ``config`` (run it with handler cancellation on)."""
+    router = Router(config)
+    app = web.Application(client_max_size=config.max_body_size)
+    app[ROUTER_KEY] = router
+    app.on_startup.append(router.startup)
+    app.on_cleanup.append(router.cleanup)
+
+    def guarded(
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def run(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(request)
+            except RouterError as error:
+                return error.to_response({"X-Request-Id": _request_id(request)})
+            except Exception as exc:
+                logger.exception("unexpected error serving %s %s", request.method, request.path)
+                return error_response(500, f"internal Router error: {type(exc).__name__}", INTERNAL_ERROR)
+
+        return run
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await router.generate(request, COMPLETIONS)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await router.generate(request, CHAT_COMPLETIONS)
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        rid = _request_id(request)
+        headers = {"X-Request-Id": rid}
+        if auth := request.headers.get("Authorization") or config.backend_authorization:
+            headers["Authorization"] = auth
+        decoders = sorted(router.pool.active["decode"], key=lambda s: not s.healthy)
+        last: Failure | None = None
+        timeout = aiohttp.ClientTimeout(total=config.request_timeout, sock_connect=config.connect_timeout)
+        for state in decoders:
+            try:
+                async with router.session.get(
+                    state.backend.base_url + "/v1/models", headers=headers, timeout=timeout
+                ) as response:
+                    content = await response.read()
+                    content_type = response.headers.get("Content-Type", "application/json")
+                    status = response.status
+            except _TRANSPORT_ERRORS as exc:
+                last = exception_failure(state, exc, config.request_timeout)
+                if last.kind == "connect":
+                    router.pool.mark_unhealthy(state, last.error.message)
+                logger.warning("rid=%s GET /v1/models: %s", rid, last.error.message)
+                continue
+            if status >= 500:
+                last = http_failure(state, status, content, content_type)
+                continue
+            return passthrough_response(status, content, content_type, {"X-Request-Id": rid})
+        if last is None:
+            return error_response(503, "no decode instance is available", UPSTREAM_UNAVAILABLE, {"X-Request-Id": rid})
+        return last.response({"X-Request-Id": rid})
+
+    async def health(_request: web.Request) -> web.StreamResponse:
+        await check_all(router.session, router.pool, config.health_timeout)
+        healthy, body = pool_health(router.pool)
+        body["routing"] = config.routing
         if not healthy:
             logger.warning("health: unhealthy: %s", json.dumps(body))
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        return json_response(body, 200 if healthy else 503)
 
+    async def healthcheck(_request: web.Request) -> web.StreamResponse:
+        # vLLM-Ascend proxy's summary.
+        pool = router.pool
+        in_flight = sum(s.in_flight for s in pool.active["decode"]) + sum(s.in_flight for s in pool.draining.values())
+        return json_response(
+            {
+                "status": "ok",
+                "prefill_instances": len(pool.active["prefill"]),
+                "decode_instances": len(pool.active["decode"]),
+                "request_num": in_flight,
+            }
+        )
+
+    async def metrics(_request: web.Request) -> web.StreamResponse:
+        return web.Response(body=router.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def list_instances(_request: web.Request) -> web.StreamResponse:
+        return json_response(router.instances())
+
+    async def _instances_body(request: web.Request) -> Any:
+        raw = await _read_body(request, config.max_body_size)
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise RouterError(400, f"request body is not valid JSON: {exc}", INVALID_REQUEST) from None
+
+    async def add_instances(request: web.Request) -> web.StreamResponse:
+        backends = parse_instances(await _instances_body(request))
+        results = await asyncio.gather(*(router.add_instance(b) for b in backends))
+        done = [
+            {"role": b.role, "host": b.host, "port": b.port, "result": r}
+            for b, r in zip(backends, results, strict=True)
+        ]
+        logger.info("instances/add: %s", ", ".join(f"{b.name}: {r}" for b, r in zip(backends, results, strict=True)))
+        status = 202 if any(r == "waiting" for r in results) else 200
+        message = "; ".join(f"{b.name}: {r}" for b, r in zip(backends, results, strict=True))
+        return json_response({"message": message, "results": done, **router.instances()}, status)
+
+    async def remove_instances(request: web.Request) -> web.StreamResponse:
+        backends = parse_instances(await _instances_body(request))
+        unknown = [
+            b for b in backends if router.pool.find(b.role, b.host, b.port) is None and b.key not in router.waiting
+        ]
+        if unknown:
+            names = ", ".join(b.name for b in unknown)
+            raise RouterError(404, f"unknown instance(s): {names}", NOT_FOUND, "instances")
+        results = [router.remove_instance(b.role, b.host, b.port) for b in backends]
+        done = [
+            {"role": b.role, "host": b.host, "port": b.port, "result": r}
+            for b, r in zip(backends, results, strict=True)
+        ]
+        logger.info("instances/remove: %s", ", ".join(f"{b.name}: {r}" for b, r in zip(backends, results, strict=True)))
+        message = "; ".join(f"{b.name}: {r}" for b, r in zip(backends, results, strict=True))
+        return json_response({"message": message, "results": done, **router.instances()})
+
+    async def reset_prefix_cache(request: web.Request) -> web.StreamResponse:
+        states = [*router.pool.active["prefill"], *router.pool.active["decode"]]
+        timeout = aiohttp.ClientTimeout(total=config.request_timeout, sock_connect=config.connect_timeout)
+
+        async def one(state: BackendState) -> str | None:
+            try:
+                async with router.session.post(
+                    state.backend.base_url + "/reset_prefix_cache", params=request.query, timeout=timeout
+                ) as response:
+                    await response.read()
+                    return None if response.status < 300 else f"{state.backend.base_url}: HTTP {response.status}"
+            except _TRANSPORT_ERRORS as exc:
+                return f"{state.backend.base_url}: {describe_exception(exc)}"
+
+        failed = [f for f in await asyncio.gather(*(one(s) for s in states)) if f is not None]
+        if failed:
+            return json_response({"failed": failed}, 500)
+        return web.Response(status=200)
+
+    known_paths = {
+        COMPLETIONS,
+        CHAT_COMPLETIONS,
+        "/v1/models",
+        "/health",
+        "/healthcheck",
+        "/metrics",
+        "/instances",
+        "/instances/add",
+        "/instances/remove",
+        "/reset_prefix_cache",
+    }
+
+    async def fallback(request: web.Request) -> web.StreamResponse:
+        if request.path in known_paths:
+            return error_response(405, f"method {request.method} is not allowed on {request.path}", INVALID_REQUEST)
+        return error_response(404, f"no route {request.method} {request.path}", NOT_FOUND)
+
+    app.router.add_post(COMPLETIONS, guarded(completions))
+    app.router.add_post(CHAT_COMPLETIONS, guarded(chat_completions))
+    app.router.add_get("/v1/models", guarded(models))
+    app.router.add_get("/health", guarded(health))
+    app.router.add_get("/healthcheck", guarded(healthcheck))
+    app.router.add_get("/metrics", guarded(metrics))
+    app.router.add_get("/instances", guarded(list_instances))
+    app.router.add_post("/instances/add", guarded(add_instances))
+    app.router.add_post("/instances/remove", guarded(remove_instances))
+    app.router.add_post("/reset_prefix_cache", guarded(reset_prefix_cache))
+    app.router.add_route("*", "/{tail:.*}", fallback)
     return app
+
+
+def router_of(app: web.Application) -> Router:
+    """The :class:`Router` state of an application made by :func:`create_app`."""
+    return app[ROUTER_KEY]

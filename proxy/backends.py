@@ -1,68 +1,277 @@
-"""Backend registry: which prefill/decode instance serves a request, and their health."""
+"""The backend pool: which prefill/decode instance serves a request, their load, health and membership.
+
+Everything here runs on the Router's one event loop, so plain attributes need no locks.
+
+- Routing (``--routing``): ``room`` takes ``active[room % n]`` (walking on to the next eligible
+  instance when that one is unhealthy or already failed this request); ``least-loaded`` takes
+  the prefiller with the fewest in-flight prompt tokens (estimated, see
+  :func:`proxy.payloads.estimate_prompt_tokens`) and the decoder with the fewest in-flight
+  requests, ties broken by the room.
+- Health: an instance is *healthy* until a connection to it fails or its ``GET /health`` does
+  not answer 2xx; it is then skipped until a health check succeeds again. When no instance of a
+  role is healthy, all of them are tried anyway (health information may be stale).
+- Membership at run time: :meth:`BackendPool.add` and :meth:`BackendPool.remove`. A removed
+  instance is *draining*: it gets no new request, its in-flight requests finish, and it leaves
+  the pool when the last one ends.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import logging
+import time
 from typing import Any
 
-import httpx
+import aiohttp
 
-from proxy.config import Backend, RouterConfig
+from proxy.config import ROLES, Backend, Role
+
+logger = logging.getLogger("proxy")
 
 
-@dataclass(frozen=True)
+class BackendState:
+    """One instance in the pool, with its live counters."""
+
+    __slots__ = (
+        "backend",
+        "healthy",
+        "draining",
+        "in_flight",
+        "in_flight_tokens",
+        "last_error",
+        "last_check",
+        "status_code",
+        "added_at",
+    )
+
+    def __init__(self, backend: Backend, healthy: bool = True) -> None:
+        self.backend = backend
+        self.healthy = healthy
+        self.draining = False
+        #: Requests sent to this instance that have not ended yet.
+        self.in_flight = 0
+        #: Estimated prompt tokens of those requests (meaningful for prefillers).
+        self.in_flight_tokens = 0
+        self.last_error: str | None = None
+        self.last_check: float | None = None
+        self.status_code: int | None = None
+        self.added_at = time.time()
+
+    def record(self) -> dict[str, Any]:
+        """JSON-ready status of this instance (``/health``, ``/instances``)."""
+        backend = self.backend
+        out: dict[str, Any] = {
+            "role": backend.role,
+            "host": backend.host,
+            "port": backend.port,
+            "url": backend.base_url,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "in_flight_requests": self.in_flight,
+            "status_code": self.status_code,
+            "error": self.last_error,
+        }
+        if backend.role == "prefill":
+            out["bootstrap_port"] = backend.bootstrap_port
+            out["in_flight_prompt_tokens"] = self.in_flight_tokens
+        return out
+
+
+class Lease:
+    """One request's claim on an instance: counts it in flight until :meth:`release` (idempotent)."""
+
+    __slots__ = ("pool", "state", "tokens", "released")
+
+    def __init__(self, pool: BackendPool, state: BackendState, tokens: int) -> None:
+        self.pool = pool
+        self.state = state
+        self.tokens = tokens
+        self.released = False
+        state.in_flight += 1
+        state.in_flight_tokens += tokens
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        state = self.state
+        state.in_flight -= 1
+        state.in_flight_tokens -= self.tokens
+        if state.draining and state.in_flight == 0:
+            self.pool._finish_drain(state)
+
+
 class BackendPool:
     """The prefill and decode instances behind the Router."""
 
-    prefillers: tuple[Backend, ...]
-    decoders: tuple[Backend, ...]
+    def __init__(self, prefillers: tuple[Backend, ...], decoders: tuple[Backend, ...], routing: str = "room") -> None:
+        if routing not in ("room", "least-loaded"):
+            raise ValueError(f"unknown routing policy {routing!r}")
+        self.routing = routing
+        #: Active (routable) instances per role, in the order they were added.
+        self.active: dict[Role, list[BackendState]] = {"prefill": [], "decode": []}
+        #: Removed instances whose in-flight requests have not all ended yet.
+        self.draining: dict[tuple[str, str, int], BackendState] = {}
+        for backend in (*prefillers, *decoders):
+            self.active[backend.role].append(BackendState(backend))
 
-    @classmethod
-    def from_config(cls, config: RouterConfig) -> BackendPool:
-        """Build the pool from a validated configuration."""
-        if not config.prefillers or not config.decoders:
-            raise ValueError("the Router needs at least one prefiller and one decoder")
-        return cls(config.prefillers, config.decoders)
+    # -- lookups ---------------------------------------------------------------------------
 
-    def select(self, room: int) -> tuple[Backend, Backend]:
-        """Return ``(P, D)`` for a bootstrap room: ``P = prefillers[room % nP]``, ``D = decoders[room % nD]``.
+    def find(self, role: Role, host: str, port: int) -> BackendState | None:
+        """The active or draining instance with this role, host and port."""
+        for state in self.active[role]:
+            if state.backend.host == host and state.backend.port == port:
+                return state
+        return self.draining.get((role, host, port))
 
-        The rule is deterministic, so a client retrying with the same room reaches the same pair.
+    def all_states(self) -> list[BackendState]:
+        """Every instance: active ones first (prefillers, then decoders), then draining ones."""
+        return [*self.active["prefill"], *self.active["decode"], *self.draining.values()]
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def pick(self, role: Role, room: int, exclude: set[BackendState] | None = None) -> BackendState | None:
+        """Choose the instance of ``role`` for a request with bootstrap room ``room``.
+
+        ``exclude`` holds instances that already failed this request; they are avoided while
+        another instance exists. Unhealthy instances are avoided while a healthy one exists.
+        Returns ``None`` only when the role has no active instance at all.
         """
-        return self.prefillers[room % len(self.prefillers)], self.decoders[room % len(self.decoders)]
+        active = self.active[role]
+        n = len(active)
+        if n == 0:
+            return None
+        if n == 1:
+            return active[0]
+        if self.routing == "room":
+            start = room % n
+            for need_healthy, need_fresh in ((True, True), (False, True), (False, False)):
+                for i in range(n):
+                    state = active[(start + i) % n]
+                    if need_healthy and not state.healthy:
+                        continue
+                    if need_fresh and exclude and state in exclude:
+                        continue
+                    return state
+            return active[start]  # pragma: no cover (the last pass accepts anything)
+        # least-loaded
+        for need_healthy, need_fresh in ((True, True), (False, True), (False, False)):
+            candidates = [
+                s
+                for s in active
+                if (not need_healthy or s.healthy) and (not need_fresh or not exclude or s not in exclude)
+            ]
+            if candidates:
+                break
+        if role == "prefill":
+            best = min(s.in_flight_tokens for s in candidates)
+            tied = [s for s in candidates if s.in_flight_tokens == best]
+        else:
+            best = min(s.in_flight for s in candidates)
+            tied = [s for s in candidates if s.in_flight == best]
+        return tied[room % len(tied)]
+
+    def lease(self, state: BackendState, tokens: int = 0) -> Lease:
+        """Count a request in flight on ``state`` until the returned lease is released."""
+        return Lease(self, state, tokens)
+
+    # -- health ----------------------------------------------------------------------------
+
+    def mark_unhealthy(self, state: BackendState, reason: str) -> None:
+        """Skip ``state`` until its health check succeeds again (called on connection failures)."""
+        state.last_error = reason
+        if state.healthy:
+            state.healthy = False
+            logger.warning("%s marked unhealthy: %s", state.backend.name, reason)
+
+    def set_health(self, state: BackendState, healthy: bool, status_code: int | None, error: str | None) -> None:
+        """Record the result of a health check of ``state``."""
+        state.last_check = time.time()
+        state.status_code = status_code
+        if healthy:
+            if not state.healthy:
+                logger.info("%s is healthy again", state.backend.name)
+            state.healthy = True
+            state.last_error = None
+        else:
+            state.last_error = error
+            if state.healthy:
+                logger.warning("%s failed its health check: %s", state.backend.name, error)
+            state.healthy = False
+
+    # -- membership ------------------------------------------------------------------------
+
+    def add_state(self, state: BackendState) -> None:
+        """Make ``state`` routable (appended after the existing instances of its role)."""
+        self.active[state.backend.role].append(state)
+        logger.info("%s added to the pool", state.backend.name)
+
+    def undrain(self, state: BackendState) -> None:
+        """Make a draining instance routable again (it was re-added before its drain ended)."""
+        del self.draining[state.backend.key]
+        state.draining = False
+        self.active[state.backend.role].append(state)
+        logger.info("%s re-added while draining; it takes new requests again", state.backend.name)
+
+    def remove(self, state: BackendState) -> bool:
+        """Take ``state`` out of routing; it leaves the pool once its in-flight requests end.
+
+        Returns True if it is gone already (nothing was in flight), False if it is draining.
+        """
+        if state.draining:
+            return False
+        self.active[state.backend.role].remove(state)
+        state.draining = True
+        if state.in_flight == 0:
+            logger.info("%s removed from the pool", state.backend.name)
+            return True
+        self.draining[state.backend.key] = state
+        logger.info("%s is draining: no new requests, %d in flight will finish", state.backend.name, state.in_flight)
+        return False
+
+    def _finish_drain(self, state: BackendState) -> None:
+        if self.draining.pop(state.backend.key, None) is not None:
+            logger.info("%s drained and removed from the pool", state.backend.name)
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready description of every instance."""
+        return {
+            "prefillers": [s.record() for s in self.active["prefill"]],
+            "decoders": [s.record() for s in self.active["decode"]],
+            "draining": [s.record() for s in self.draining.values()],
+        }
 
 
-async def probe(client: httpx.AsyncClient, backend: Backend, timeout: float) -> dict[str, Any]:
-    """Call ``GET /health`` on one backend; return a JSON-ready status record (never raises)."""
-    record: dict[str, Any] = {
-        "host": backend.host,
-        "port": backend.port,
-        "url": backend.base_url,
-        "healthy": False,
-        "status_code": None,
-        "error": None,
-    }
-    if backend.bootstrap_port is not None:
-        record["bootstrap_port"] = backend.bootstrap_port
+async def probe(
+    session: aiohttp.ClientSession, backend: Backend, timeout: float
+) -> tuple[bool, int | None, str | None]:
+    """``GET /health`` on one backend: ``(healthy, status_code, error)`` (never raises)."""
     try:
-        async with asyncio.timeout(timeout):
-            response = await client.get(f"{backend.base_url}/health", timeout=timeout)
-    except (httpx.HTTPError, TimeoutError) as exc:
-        record["error"] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return record
-    record["status_code"] = response.status_code
-    record["healthy"] = response.is_success
-    if not response.is_success:
-        record["error"] = f"HTTP {response.status_code}"
-    return record
+        async with session.get(f"{backend.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            await response.read()
+            if 200 <= response.status < 300:
+                return True, response.status, None
+            return False, response.status, f"HTTP {response.status}"
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return False, None, describe_exception(exc)
 
 
-async def pool_health(client: httpx.AsyncClient, pool: BackendPool, timeout: float) -> tuple[bool, dict[str, Any]]:
-    """Probe every backend at once. Healthy means at least one prefiller and one decoder answer 2xx."""
-    records = await asyncio.gather(*(probe(client, b, timeout) for b in (*pool.prefillers, *pool.decoders)))
-    prefill = list(records[: len(pool.prefillers)])
-    decode = list(records[len(pool.prefillers) :])
-    healthy = any(r["healthy"] for r in prefill) and any(r["healthy"] for r in decode)
-    body = {"status": "healthy" if healthy else "unhealthy", "prefillers": prefill, "decoders": decode}
-    return healthy, body
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` (or just the type when the message is empty), on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def check_all(session: aiohttp.ClientSession, pool: BackendPool, timeout: float) -> None:
+    """Health-check every instance of the pool at once and record the results."""
+    states = pool.all_states()
+    results = await asyncio.gather(*(probe(session, s.backend, timeout) for s in states))
+    for state, (healthy, status, error) in zip(states, results, strict=True):
+        pool.set_health(state, healthy, status, error)
+
+
+def pool_health(pool: BackendPool) -> tuple[bool, dict[str, Any]]:
+    """Healthy means at least one active prefiller and one active decoder are healthy."""
+    snapshot = pool.snapshot()
+    healthy = all(any(s.healthy for s in pool.active[role]) for role in ROLES)
+    return healthy, {"status": "healthy" if healthy else "unhealthy", **snapshot}

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from proxy.config import Backend, RouterConfig
+from proxy.config import ROUTING_POLICIES, Backend, RouterConfig
 
 DEFAULT_BOOTSTRAP_PORT = 18800
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -21,6 +25,15 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def parse_size(text: str) -> int:
+    """``"1048576"``, ``"512k"``, ``"32M"``, ``"1GiB"`` -> bytes (argparse type)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 1048576, 512k, 32M)")
+    unit = (match.group(2) or "").lower()[:1]
+    return int(match.group(1)) * _SIZE_UNITS[unit]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the Router."""
     parser = _OneLineErrorParser(
@@ -28,13 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="PDConnector Router: sends each OpenAI completion/chat request to one prefill "
         "and one decode vLLM instance at once and returns the decode instance's answer.",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    parser.add_argument("--prefiller-hosts", nargs="+", metavar="HOST", help="hosts of the prefill instances")
-    parser.add_argument(
-        "--prefiller-ports", nargs="+", type=int, metavar="PORT", help="HTTP ports of the prefill instances"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    add("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    add("--prefiller-hosts", nargs="+", metavar="HOST", help="hosts of the prefill instances")
+    add("--prefiller-ports", nargs="+", type=int, metavar="PORT", help="HTTP ports of the prefill instances")
+    add(
         "--prefiller-bootstrap-ports",
         nargs="+",
         type=int,
@@ -42,47 +54,82 @@ def build_parser() -> argparse.ArgumentParser:
         help="bootstrap-server port of each prefill instance; one value applies to all "
         f"(default: {DEFAULT_BOOTSTRAP_PORT})",
     )
-    parser.add_argument("--decoder-hosts", nargs="+", metavar="HOST", help="hosts of the decode instances")
-    parser.add_argument(
-        "--decoder-ports", nargs="+", type=int, metavar="PORT", help="HTTP ports of the decode instances"
+    add("--decoder-hosts", nargs="+", metavar="HOST", help="hosts of the decode instances")
+    add("--decoder-ports", nargs="+", type=int, metavar="PORT", help="HTTP ports of the decode instances")
+    add(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default="room",
+        help="how P and D are chosen: 'room' = prefillers[room %% nP], decoders[room %% nD]; "
+        "'least-loaded' = fewest in-flight prompt tokens (P) and requests (D) (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--max-retries",
         type=int,
         default=3,
-        help="attempts per backend request when its connection cannot be opened (default: %(default)s)",
+        help="attempts per request in total; a failed attempt (backend unreachable or failing before any "
+        "byte went to the client) is retried on another P/D pair with a fresh room (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--retry-delay",
         type=float,
         default=0.001,
         help="base delay in seconds of the exponential back-off between attempts (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--request-timeout",
         type=float,
         default=600.0,
-        help="total seconds allowed for one backend request, streamed body included (default: %(default)s)",
+        help="total seconds allowed for one request, all attempts and the streamed body included "
+        "(default: %(default)s)",
     )
-    parser.add_argument(
-        "--connect-timeout",
+    add("--connect-timeout", type=float, default=5.0, help="seconds to connect to a backend (default: %(default)s)")
+    add(
+        "--health-interval",
         type=float,
         default=5.0,
-        help="seconds allowed to connect to a backend (default: %(default)s)",
+        help="seconds between background health checks (GET /health) of every backend; 0 = off (default: %(default)s)",
     )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=LOG_LEVELS,
-        help="log level (default: %(default)s)",
+    add("--health-timeout", type=float, default=2.0, help="timeout of one health check (default: %(default)s)")
+    add(
+        "--max-body-size",
+        type=parse_size,
+        default=32 * 1024**2,
+        metavar="BYTES",
+        help="largest request body accepted, e.g. 1048576, 512k, 32M (default: 32M)",
     )
+    add(
+        "--max-waiting-retries",
+        type=int,
+        default=3,
+        help="health checks an instance added at run time gets before it is dropped (default: %(default)s)",
+    )
+    add(
+        "--waiting-retry-interval",
+        type=float,
+        default=10.0,
+        help="seconds between those checks (default: %(default)s)",
+    )
+    add(
+        "--workers",
+        type=int,
+        default=1,
+        help="accepted for compatibility with vLLM-Ascend's proxy; only 1 is supported (the Router is one "
+        "asyncio process; run several Routers behind a TCP load balancer to use more cores)",
+    )
+    add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: %(default)s)")
     return parser
 
 
 def _check_port(parser: argparse.ArgumentParser, flag: str, port: int) -> None:
     if not 1 <= port <= 65535:
         parser.error(f"{flag}: port {port} is not in 1..65535")
+
+
+def _positive(parser: argparse.ArgumentParser, flag: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        parser.error(f"{flag} must be a finite number {'>= 0' if allow_zero else '> 0'} (got {value})")
 
 
 def _pair(
@@ -97,7 +144,10 @@ def _pair(
             parser.error(f"--{kind}-hosts: empty host name")
     for port in ports:
         _check_port(parser, f"--{kind}-ports", port)
-    return list(zip(hosts, ports, strict=True))
+    pairs = list(zip(hosts, ports, strict=True))
+    if len(set(pairs)) != len(pairs):
+        parser.error(f"--{kind}-hosts/--{kind}-ports: the same instance is listed twice")
+    return pairs
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RouterConfig:
@@ -119,11 +169,21 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
     if args.max_retries < 1:
         parser.error(f"--max-retries must be at least 1 (got {args.max_retries})")
-    if not (math.isfinite(args.retry_delay) and args.retry_delay >= 0):
-        parser.error(f"--retry-delay must be a finite number >= 0 (got {args.retry_delay})")
-    for flag, value in (("--request-timeout", args.request_timeout), ("--connect-timeout", args.connect_timeout)):
-        if not (math.isfinite(value) and value > 0):
-            parser.error(f"{flag} must be a finite number > 0 (got {value})")
+    _positive(parser, "--retry-delay", args.retry_delay, allow_zero=True)
+    _positive(parser, "--request-timeout", args.request_timeout)
+    _positive(parser, "--connect-timeout", args.connect_timeout)
+    _positive(parser, "--health-interval", args.health_interval, allow_zero=True)
+    _positive(parser, "--health-timeout", args.health_timeout)
+    _positive(parser, "--waiting-retry-interval", args.waiting_retry_interval, allow_zero=True)
+    if args.max_waiting_retries < 1:
+        parser.error(f"--max-waiting-retries must be at least 1 (got {args.max_waiting_retries})")
+    if args.max_body_size < 1:
+        parser.error(f"--max-body-size must be at least 1 byte (got {args.max_body_size})")
+    if args.workers != 1:
+        parser.error(
+            f"--workers {args.workers}: only 1 is supported (the Router is one asyncio process; run several "
+            "Routers behind a TCP load balancer to use more cores)"
+        )
 
     prefillers = tuple(
         Backend("prefill", host, port, bootstrap)
@@ -139,8 +199,14 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         retry_delay=args.retry_delay,
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
-        health_timeout=min(2.0, args.connect_timeout),
+        routing=args.routing,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        max_body_size=args.max_body_size,
+        max_waiting_retries=args.max_waiting_retries,
+        waiting_retry_interval=args.waiting_retry_interval,
         log_level=args.log_level,
+        backend_authorization=f"Bearer {api_key}" if (api_key := os.environ.get("OPENAI_API_KEY")) else None,
     )
 
 

@@ -1,4 +1,4 @@
-"""The Router's configuration: its backends and its timeouts, as validated by :mod:`proxy.cli`."""
+"""The Router's configuration: its backends, routing policy and limits, as validated by :mod:`proxy.cli`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+#: ``room``: ``prefillers[room % nP]``, ``decoders[room % nD]`` (the source design's rule; a
+#: client retrying with the same room reaches the same pair). ``least-loaded``: the prefiller
+#: with the fewest in-flight prompt tokens and the decoder with the fewest in-flight requests.
+ROUTING_POLICIES = ("room", "least-loaded")
 
 
 def url_host(host: str) -> str:
@@ -34,10 +40,20 @@ class Backend:
         return f"http://{url_host(self.host)}:{self.port}"
 
     @property
+    def address(self) -> str:
+        """``host:port`` (the ``backend`` label of the Router's metrics)."""
+        return f"{url_host(self.host)}:{self.port}"
+
+    @property
     def name(self) -> str:
         """Short name used in logs and error messages, e.g. ``prefiller 10.0.0.1:8001``."""
         kind = "prefiller" if self.role == "prefill" else "decoder"
-        return f"{kind} {url_host(self.host)}:{self.port}"
+        return f"{kind} {self.address}"
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """Identity of the instance in the pool: role, host and port."""
+        return (self.role, self.host, self.port)
 
 
 @dataclass(frozen=True)
@@ -48,21 +64,37 @@ class RouterConfig:
     decoders: tuple[Backend, ...]
     host: str = "127.0.0.1"
     port: int = 8000
-    #: Attempts per backend request when the connection cannot be opened (vLLM-Ascend semantics:
-    #: the total number of attempts, not the number of extra ones).
+    #: Attempts per client request (vLLM-Ascend meaning: the total number of tries, not the
+    #: number of extra ones). A failed attempt is retried on another P/D pair with a fresh room,
+    #: only while no byte of the answer went to the client.
     max_retries: int = 3
     #: Base delay of the exponential back-off between those attempts, in seconds.
     retry_delay: float = 0.001
-    #: Total time allowed for one backend request (including a streamed body), in seconds.
+    #: Total time allowed for one client request (all attempts, streamed body included), in seconds.
     request_timeout: float = 600.0
     #: Time allowed to open a connection to a backend, in seconds.
     connect_timeout: float = 5.0
-    #: Timeout of each backend's ``/health`` call made by the Router's ``/health``, in seconds.
+    #: Routing policy, one of :data:`ROUTING_POLICIES`.
+    routing: str = "room"
+    #: Seconds between two health checks (``GET /health``) of every backend; 0 turns the
+    #: background checks off (backends are then marked unhealthy only by connection failures,
+    #: and healthy again by a ``GET /health`` on the Router).
+    health_interval: float = 5.0
+    #: Timeout of one backend health check, in seconds.
     health_timeout: float = 2.0
+    #: Largest request body accepted, in bytes (larger: HTTP 413).
+    max_body_size: int = 32 * 1024 * 1024
+    #: Instances added at run time that do not answer their health check yet: how many checks
+    #: they get, and how many seconds apart (vLLM-Ascend's flags), before they are dropped.
+    max_waiting_retries: int = 3
+    waiting_retry_interval: float = 10.0
     log_level: str = "INFO"
+    #: ``Authorization`` sent to the backends when the client sends none (vLLM-Ascend's proxy
+    #: sends ``Bearer $OPENAI_API_KEY``; :mod:`proxy.cli` reads that variable).
+    backend_authorization: str | None = None
 
     def describe(self) -> str:
-        """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800), D: h:8002``."""
-        prefill = ", ".join(f"{url_host(b.host)}:{b.port} (bootstrap {b.bootstrap_port})" for b in self.prefillers)
-        decode = ", ".join(f"{url_host(b.host)}:{b.port}" for b in self.decoders)
-        return f"P: {prefill}; D: {decode}"
+        """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800); D: h:8002``."""
+        prefill = ", ".join(f"{b.address} (bootstrap {b.bootstrap_port})" for b in self.prefillers)
+        decode = ", ".join(b.address for b in self.decoders)
+        return f"P: {prefill}; D: {decode}; routing: {self.routing}"

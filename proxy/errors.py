@@ -6,19 +6,30 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from aiohttp import web
 
-#: Error ``type`` values the Router itself produces (besides ``invalid_request_error``).
+#: Error ``type`` values the Router itself produces.
 INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
 PREFILL_FAILED = "prefill_failed"
 DECODE_FAILED = "decode_failed"
 UPSTREAM_UNAVAILABLE = "upstream_unavailable"
-UPSTREAM_TIMEOUT = "upstream_timeout"
+INTERNAL_ERROR = "internal_error"
+#: Recorded in metrics (never sent: the client is gone).
+CLIENT_DISCONNECTED = "client_disconnected"
+
+JSON_CONTENT_TYPE = "application/json"
 
 
 def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:
     """Return an OpenAI-style error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response (compact separators, UTF-8)."""
+    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    return web.Response(body=body, status=status, headers=headers, content_type=JSON_CONTENT_TYPE)
 
 
 def error_response(
@@ -27,9 +38,9 @@ def error_response(
     error_type: str,
     headers: dict[str, str] | None = None,
     param: str | None = None,
-) -> JSONResponse:
+) -> web.Response:
     """Return a JSON response with an OpenAI-style error body and the given HTTP status."""
-    return JSONResponse(error_body(message, error_type, status, param), status_code=status, headers=headers)
+    return json_response(error_body(message, error_type, status, param), status, headers)
 
 
 def sse_error_event(message: str, error_type: str, code: int) -> bytes:
@@ -51,13 +62,14 @@ class RouterError(Exception):
     status: int
     message: str
     error_type: str
+    param: str | None = None
 
     def __str__(self) -> str:
         return f"HTTP {self.status} {self.error_type}: {self.message}"
 
-    def to_response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    def to_response(self, headers: dict[str, str] | None = None) -> web.Response:
         """Render this error as a JSON response."""
-        return error_response(self.status, self.message, self.error_type, headers)
+        return error_response(self.status, self.message, self.error_type, headers, self.param)
 
     def to_sse(self) -> bytes:
         """Render this error as a server-sent event (used when a stream has already started)."""

@@ -1,4 +1,4 @@
-"""Request bodies the Router sends to the prefill (P) and decode (D) instances.
+"""Request bodies: validation of the client's, and the ones the Router sends to P and D.
 
 Pure functions over the client's parsed JSON body; nothing here does I/O.
 """
@@ -14,17 +14,124 @@ from proxy.errors import INVALID_REQUEST, RouterError
 ROOM_LIMIT = 2**63
 ROOM_KEY = "bootstrap_room"
 KV_KEY = "kv_transfer_params"
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+#: Characters per token of the cheap prompt-size estimate used by least-loaded routing.
+CHARS_PER_TOKEN = 4
+#: Integer fields checked by the Router (vLLM checks the rest and answers 400 itself).
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n")
 
 
-def _invalid(message: str) -> RouterError:
-    return RouterError(400, message, INVALID_REQUEST)
+def _invalid(message: str, param: str | None = None) -> RouterError:
+    return RouterError(400, message, INVALID_REQUEST, param)
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int: reject it explicitly.
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_room(value: Any, where: str) -> int:
-    # bool is a subclass of int: reject it explicitly.
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < ROOM_LIMIT:
-        raise _invalid(f"{where} must be an integer in [0, 2**63), got {value!r}")
+    if not _is_int(value) or not 0 <= value < ROOM_LIMIT:
+        raise _invalid(f"{where} must be an integer in [0, 2**63), got {value!r}", where)
     return value
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def validate_body(body: Any, endpoint: str) -> dict[str, Any]:
+    """Check the fields the Router relies on; raise :class:`RouterError` (400) naming the bad one.
+
+    The Router reads ``stream``, the prompt (``prompt`` or ``messages``, for its size estimate)
+    and the bootstrap room; it also checks the token-count fields' types. Everything else is
+    left to vLLM, whose 4xx answers are passed through to the client.
+    """
+    if not isinstance(body, dict):
+        raise _invalid(f"request body must be a JSON object, got {_type_name(body)}")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _invalid(f"'stream' must be a boolean, got {_type_name(stream)}", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _invalid(f"'stream_options' must be an object, got {_type_name(options)}", "stream_options")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _invalid(f"'model' must be a string, got {_type_name(model)}", "model")
+    for key in _INT_FIELDS:
+        value = body.get(key)
+        if value is not None and not _is_int(value):
+            raise _invalid(f"'{key}' must be an integer, got {_type_name(value)}", key)
+    if endpoint == CHAT_COMPLETIONS:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _invalid("'messages' must be a non-empty array of message objects", "messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise _invalid("every item of 'messages' must be an object", "messages")
+    else:
+        prompt = body.get("prompt")
+        if prompt is None:
+            if body.get("prompt_embeds") is None:
+                raise _invalid("'prompt' is required", "prompt")
+        elif not _valid_prompt(prompt):
+            raise _invalid(
+                "'prompt' must be a string, an array of strings, an array of token ids or an array of "
+                f"token-id arrays, got {_type_name(prompt)}",
+                "prompt",
+            )
+    kv = body.get(KV_KEY)
+    if kv is not None and not isinstance(kv, dict):
+        raise _invalid(f"'{KV_KEY}' must be an object", KV_KEY)
+    return body
+
+
+def _valid_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    first = prompt[0]
+    if isinstance(first, str):
+        return all(isinstance(p, str) for p in prompt)
+    if _is_int(first):
+        return all(_is_int(p) for p in prompt)
+    if isinstance(first, list):
+        return all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)
+    return False
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """A cheap estimate of the prompt's size in tokens, for least-loaded prefill routing.
+
+    Token-id prompts count exactly; text counts one token per :data:`CHARS_PER_TOKEN`
+    characters (completions ``prompt``; chat: every message's text content). At least 1.
+    """
+    chars = 0
+    tokens = 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars = len(prompt)
+    elif isinstance(prompt, list):
+        for item in prompt:
+            if isinstance(item, str):
+                chars += len(item)
+            elif isinstance(item, list):
+                tokens += len(item)
+            else:
+                tokens += 1
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    text = part.get("text") if isinstance(part, dict) else None
+                    if isinstance(text, str):
+                        chars += len(text)
+    return max(1, tokens + (chars + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN)
 
 
 def resolve_room(body: dict[str, Any], rng: random.Random | None = None) -> int:
@@ -36,17 +143,22 @@ def resolve_room(body: dict[str, Any], rng: random.Random | None = None) -> int:
     """
     kv = body.get(KV_KEY)
     if kv is not None and not isinstance(kv, dict):
-        raise _invalid(f"{KV_KEY} must be an object")
+        raise _invalid(f"{KV_KEY} must be an object", KV_KEY)
     top = _check_room(body[ROOM_KEY], ROOM_KEY) if body.get(ROOM_KEY) is not None else None
     nested = None
     if kv is not None and kv.get(ROOM_KEY) is not None:
         nested = _check_room(kv[ROOM_KEY], f"{KV_KEY}.{ROOM_KEY}")
     if top is not None and nested is not None and top != nested:
-        raise _invalid(f"{ROOM_KEY} ({top}) and {KV_KEY}.{ROOM_KEY} ({nested}) differ")
+        raise _invalid(f"{ROOM_KEY} ({top}) and {KV_KEY}.{ROOM_KEY} ({nested}) differ", ROOM_KEY)
     if top is not None:
         return top
     if nested is not None:
         return nested
+    return new_room(rng)
+
+
+def new_room(rng: random.Random | None = None) -> int:
+    """A random 63-bit bootstrap room."""
     return (rng or random).getrandbits(63)
 
 

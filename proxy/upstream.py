@@ -1,180 +1,135 @@
-"""HTTP calls from the Router to its backends, with retries, deadlines and error classification.
+"""HTTP calls from the Router to its backends (one shared ``aiohttp`` session) and failure classification.
 
-The coroutines here never raise for a backend failure (only ``CancelledError`` escapes):
-they return a :class:`~proxy.errors.RouterError` the Router can hand to the client, so the
-request handler can race P and D with ``asyncio.wait`` and decide from plain values.
+The calls here never raise for a backend failure (only ``CancelledError`` escapes): they return
+a :class:`Failure` that says what the client would get and whether another P/D pair may be
+tried, so the request handler can race P and D and decide from plain values.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
-import time
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
+from aiohttp import web
 
-from proxy.config import Backend, RouterConfig
+from proxy.backends import BackendState, describe_exception
+from proxy.config import RouterConfig
 from proxy.errors import DECODE_FAILED, PREFILL_FAILED, RouterError, excerpt
+from proxy.http1 import ConnectFailed
 
-logger = logging.getLogger("proxy")
-
-
-class RequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """Logger adapter that prefixes every line with the request's bootstrap room and X-Request-Id."""
-
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        extra = self.extra or {}
-        return f"[room={extra.get('room')} rid={extra.get('rid')}] {msg}", kwargs
+#: Statuses worth trying another P/D pair for (besides connection failures and other 5xx).
+RETRYABLE_STATUSES = frozenset({408, 429})
+#: Idle backend connections are closed before a uvicorn backend's own keep-alive timeout
+#: (vLLM: 5 s), so a request is never written onto a connection the backend is just closing.
+KEEPALIVE_S = 4.0
 
 
-def make_client(config: RouterConfig) -> httpx.AsyncClient:
-    """The Router's one shared, pooled HTTP client.
+def make_session(config: RouterConfig) -> aiohttp.ClientSession:
+    """The Router's one shared, pooled HTTP client session.
 
-    ``read`` is the per-read timeout; the total per-request deadline is enforced separately.
-    ``trust_env=False`` keeps ``HTTP(S)_PROXY`` variables from rerouting backend traffic.
+    No connection limit (the backends' own queues do the limiting), no ``Accept-Encoding``
+    (backends answer uncompressed, so bytes pass through unchanged), no proxy variables.
+    Timeouts are given per request (see :class:`proxy.app.Exchange`).
     """
-    timeout = httpx.Timeout(
-        connect=config.connect_timeout,
-        read=config.request_timeout,
-        write=config.request_timeout,
-        pool=config.connect_timeout,
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=60)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout),
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        auto_decompress=False,
+        trust_env=False,
     )
-    # Idle connections are dropped before a uvicorn backend's own keep-alive timeout (vLLM: 5 s),
-    # so a request is never written onto a connection the backend is just closing.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
 
 
-def classify(exc: BaseException, backend: Backend, timeout: float) -> RouterError:
-    """Map a transport failure talking to ``backend`` to the error the client gets.
+@dataclass(eq=False)
+class Failure:
+    """A failed backend request: what the client gets if it is final, and whether to try another pair."""
 
-    Connection could not be opened: 503. Timed out: 504. Connection broke mid-request: 502.
+    state: BackendState
+    #: ``connect``, ``timeout``, ``disconnect``, ``http_4xx``, ``http_5xx``, ``empty``, ``error_event``.
+    kind: str
+    error: RouterError
+    retryable: bool
+    #: A backend's own error answer ``(status, body, content type)``, passed to the client as is.
+    passthrough: tuple[int, bytes, str] | None = None
+
+    def response(self, headers: dict[str, str]) -> web.Response:
+        """The client's answer when this failure is final."""
+        if self.passthrough is not None:
+            status, body, content_type = self.passthrough
+            return web.Response(body=body, status=status, headers={**headers, "Content-Type": content_type})
+        return self.error.to_response(headers)
+
+
+def _error_type(state: BackendState) -> str:
+    return PREFILL_FAILED if state.backend.role == "prefill" else DECODE_FAILED
+
+
+def exception_failure(state: BackendState, exc: BaseException, timeout: float) -> Failure:
+    """Classify a transport failure talking to ``state``'s backend.
+
+    Connection could not be opened: 503, retryable (and the caller marks the backend
+    unhealthy). Connection broke before the answer: 502, retryable. Request deadline passed:
+    504, final.
     """
-    error_type = PREFILL_FAILED if backend.role == "prefill" else DECODE_FAILED
-    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        return RouterError(503, f"{backend.name} could not be reached ({detail})", error_type)
-    if isinstance(exc, httpx.TimeoutException | TimeoutError):
-        return RouterError(504, f"{backend.name} did not answer in time (limit {timeout:g}s; {detail})", error_type)
-    return RouterError(502, f"connection to {backend.name} failed ({detail})", error_type)
+    name = state.backend.name
+    detail = describe_exception(exc)
+    error_type = _error_type(state)
+    if isinstance(exc, ConnectFailed | aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return Failure(state, "connect", RouterError(503, f"{name} could not be reached ({detail})", error_type), True)
+    if isinstance(exc, TimeoutError):
+        message = f"{name} did not answer in time (request timeout {timeout:g}s; {detail})"
+        return Failure(state, "timeout", RouterError(504, message, error_type), False)
+    return Failure(state, "disconnect", RouterError(502, f"connection to {name} failed ({detail})", error_type), True)
 
 
-class Upstream:
-    """Sends requests to backends through the shared client."""
+def http_failure(state: BackendState, status: int, body: bytes, content_type: str) -> Failure:
+    """Classify a non-2xx answer of ``state``'s backend.
 
-    def __init__(self, client: httpx.AsyncClient, config: RouterConfig) -> None:
-        self.client = client
-        self.config = config
+    A decoder's answer is passed through as is. A prefiller's 4xx (the client's mistake) is
+    passed through; its 5xx becomes a 502 naming the prefiller. 5xx, 408 and 429 may be
+    retried on another pair; other 4xx are final.
+    """
+    backend = state.backend
+    retryable = status >= 500 or status in RETRYABLE_STATUSES
+    kind = "http_5xx" if status >= 500 else "http_4xx"
+    message = f"{backend.name} answered HTTP {status}: {excerpt(body)}"
+    if backend.role == "prefill" and status >= 500:
+        return Failure(state, kind, RouterError(502, message, PREFILL_FAILED), retryable)
+    error = RouterError(status, message, _error_type(state))
+    return Failure(state, kind, error, retryable, passthrough=(status, body, content_type or "application/json"))
 
-    def _request(
-        self, method: str, backend: Backend, path: str, headers: dict[str, str], body: dict[str, Any] | None
-    ) -> httpx.Request:
-        content = None
-        if body is not None:
-            content = json.dumps(body, ensure_ascii=False).encode()
-            headers = {**headers, "Content-Type": "application/json"}
-        return self.client.build_request(method, f"{backend.base_url}{path}", headers=headers, content=content)
 
-    async def send(self, request: httpx.Request, backend: Backend, log: RequestLog, *, stream: bool) -> httpx.Response:
-        """Send ``request``, retrying (exponential back-off) only while the connection cannot be opened.
+def error_event_failure(state: BackendState, first: bytes) -> Failure | None:
+    """D's stream began with an error event (``data: {"error": ...}``): a failure, not an answer.
 
-        Only connection failures are retried: the backend never saw the request, so a retry
-        cannot run it twice. Raises the last ``httpx`` error when every attempt failed.
-        """
-        attempts = self.config.max_retries
-        for attempt in range(1, attempts + 1):
-            try:
-                return await self.client.send(request, stream=stream)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt >= attempts:
-                    raise
-                delay = self.config.retry_delay * 2 ** (attempt - 1)
-                log.warning(
-                    "%s: connection attempt %d/%d failed (%s); retrying in %.3fs",
-                    backend.name,
-                    attempt,
-                    attempts,
-                    type(exc).__name__,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
+    Returns ``None`` when ``first`` is not an error event.
+    """
+    if not first.startswith(b'data: {"error"'):
+        return None
+    event = first.split(b"\n\n", 1)[0][len(b"data: ") :]
+    code = 502
+    message = excerpt(event)
+    try:
+        payload: Any = json.loads(event)
+        error = payload.get("error") or {}
+        message = str(error.get("message") or message)
+        code = int(error.get("code") or 502)
+    except (ValueError, TypeError, AttributeError):
+        pass
+    status = code if 400 <= code < 600 else 502
+    text = f"{state.backend.name} sent an error event before any data: {message}"
+    return Failure(state, "error_event", RouterError(status, text, DECODE_FAILED), status >= 500)
 
-    async def prefill(
-        self,
-        backend: Backend,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        log: RequestLog,
-        *,
-        deadline: float,
-    ) -> RouterError | None:
-        """Run the prefill request on P; return ``None`` on a 2xx answer, else the error for the client.
 
-        ``deadline`` is a ``loop.time()`` value bounding this call.
-        """
-        timeout = self.config.request_timeout
-        started = time.monotonic()
-        request = self._request("POST", backend, path, headers, body)
-        try:
-            async with asyncio.timeout_at(deadline):
-                response = await self.send(request, backend, log, stream=False)
-        except (httpx.HTTPError, TimeoutError) as exc:
-            error = classify(exc, backend, timeout)
-            log.error("prefill failed: %s", error.message)
-            return error
-        elapsed = time.monotonic() - started
-        if response.is_success:
-            log.info("prefill done on %s: HTTP %d in %.3fs", backend.name, response.status_code, elapsed)
-            return None
-        error = RouterError(
-            502,
-            f"{backend.name} answered HTTP {response.status_code}: {excerpt(response.content)}",
-            PREFILL_FAILED,
-        )
-        log.error("prefill failed: %s", error.message)
-        return error
+def empty_failure(state: BackendState, status: int) -> Failure:
+    """The backend answered 2xx with no body at all: never passed on as an empty 200."""
+    message = f"{state.backend.name} answered HTTP {status} with an empty body"
+    return Failure(state, "empty", RouterError(502, message, _error_type(state)), True)
 
-    async def decode(
-        self,
-        backend: Backend,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        log: RequestLog,
-        *,
-        stream: bool,
-        deadline: float,
-    ) -> httpx.Response | RouterError:
-        """Send the decode request to D.
 
-        Without ``stream`` the whole answer is read before returning. With ``stream`` this returns
-        once D's status line and headers arrived; the caller owns the open response and must
-        close it. ``deadline`` is a ``loop.time()`` value bounding this call.
-        """
-        timeout = self.config.request_timeout
-        request = self._request("POST", backend, path, headers, body)
-        try:
-            async with asyncio.timeout_at(deadline):
-                response = await self.send(request, backend, log, stream=stream)
-        except (httpx.HTTPError, TimeoutError) as exc:
-            error = classify(exc, backend, timeout)
-            log.error("decode failed: %s", error.message)
-            return error
-        log.info("%s answered HTTP %d%s", backend.name, response.status_code, " (stream)" if stream else "")
-        return response
-
-    async def get(
-        self, backend: Backend, path: str, headers: dict[str, str], log: RequestLog
-    ) -> httpx.Response | RouterError:
-        """A plain GET (used for ``/v1/models``), bounded by the connect timeout and request timeout."""
-        timeout = self.config.request_timeout
-        request = self._request("GET", backend, path, headers, None)
-        try:
-            async with asyncio.timeout(timeout):
-                return await self.send(request, backend, log, stream=False)
-        except (httpx.HTTPError, TimeoutError) as exc:
-            return classify(exc, backend, timeout)
+def passthrough_response(status: int, body: bytes, content_type: str, headers: dict[str, str]) -> web.Response:
+    """A backend's answer, relayed with its status and content type."""
+    return web.Response(body=body, status=status, headers={**headers, "Content-Type": content_type})

@@ -6,17 +6,17 @@ with a deadline, and stopped by its pid in a finalizer whether the tests pass or
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from proxy_testlib import (
-    BACKEND_MODES,
+    BACKEND_SPECS,
     FAKE_BACKEND,
-    HOST,
     REPO_ROOT,
     TEST_TIMEOUT_S,
     Backends,
@@ -24,6 +24,7 @@ from proxy_testlib import (
     Router,
     RouterFactory,
     free_port,
+    start_router,
 )
 
 # In-process tests import the `proxy` package from this checkout, installed or not.
@@ -38,68 +39,57 @@ def proc_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def backends(proc_dir: Path) -> Iterator[Backends]:
-    """Start every fake backend at once (they start in parallel) and stop them at the end."""
-    procs: dict[str, Proc] = {}
+    """Start every fake backend (one process, one port each) and stop them at the end."""
+    ports = {name: free_port() for name in BACKEND_SPECS}
+    specs = [{"port": ports[name], **spec} for name, spec in BACKEND_SPECS.items()]
+    args = [sys.executable, str(FAKE_BACKEND), "--specs", json.dumps(specs)]
+    proc = Proc("fake backends", ports["ok_p"], args, proc_dir / "backends.log").start()
     try:
-        for name, mode_args in BACKEND_MODES.items():
-            port = free_port()
-            args = [sys.executable, str(FAKE_BACKEND), "--port", str(port), *mode_args]
-            procs[name] = Proc(f"fake backend {name}", port, args, proc_dir / f"backend-{name}.log").start()
-        for proc in procs.values():
-            proc.wait_listening()
-        yield Backends(**{name: proc.port for name, proc in procs.items()}, down=free_port())
+        for port in ports.values():
+            Proc(f"fake backend {port}", port, [], proc.log_path, proc.popen).wait_listening()
+        yield Backends(**ports, down=free_port())
     finally:
-        for proc in procs.values():
-            proc.stop()
+        proc.stop()
 
 
 @pytest.fixture(scope="session")
 def router_factory(proc_dir: Path) -> Iterator[RouterFactory]:
-    """``make(prefill_port, decode_port, *extra_flags)``: a Router (cached per configuration)."""
+    """``make(prefill, decode, *extra_flags)``: a Router (cached per configuration).
+
+    ``prefill`` and ``decode`` are a port or a sequence of ports.
+    """
     routers: dict[tuple[Any, ...], Router] = {}
 
-    def make(prefill_port: int, decode_port: int, *extra: str) -> Router:
-        key = (prefill_port, decode_port, extra)
+    def make(prefill: int | Sequence[int], decode: int | Sequence[int], *extra: str) -> Router:
+        prefill_ports = (prefill,) if isinstance(prefill, int) else tuple(prefill)
+        decode_ports = (decode,) if isinstance(decode, int) else tuple(decode)
+        key = (prefill_ports, decode_ports, extra)
         if key not in routers:
-            port = free_port()
-            bootstrap_port = free_port()
-            args = [
-                sys.executable,
-                "-m",
-                "proxy",
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-                "--prefiller-hosts",
-                HOST,
-                "--prefiller-ports",
-                str(prefill_port),
-                "--prefiller-bootstrap-ports",
-                str(bootstrap_port),
-                "--decoder-hosts",
-                HOST,
-                "--decoder-ports",
-                str(decode_port),
-                "--connect-timeout",
-                "2",
-                "--log-level",
-                "DEBUG",
-                *extra,
-            ]
-            proc = Proc(f"router {port}", port, args, proc_dir / f"router-{port}.log").start()
-            routers[key] = Router(proc, prefill_port, decode_port, bootstrap_port)
-            try:
-                proc.wait_listening()
-            except BaseException:
-                proc.stop()
-                raise
+            routers[key] = start_router(proc_dir, prefill_ports, decode_ports, *extra)
         return routers[key]
 
     try:
         yield make
     finally:
         for router in routers.values():
+            router.proc.stop()
+
+
+@pytest.fixture
+def fresh_router(proc_dir: Path) -> Iterator[RouterFactory]:
+    """``make(prefill, decode, *extra_flags)``: a new Router process, stopped when the test ends."""
+    started: list[Router] = []
+
+    def make(prefill: int | Sequence[int], decode: int | Sequence[int], *extra: str) -> Router:
+        prefill_ports = (prefill,) if isinstance(prefill, int) else tuple(prefill)
+        decode_ports = (decode,) if isinstance(decode, int) else tuple(decode)
+        started.append(start_router(proc_dir, prefill_ports, decode_ports, *extra))
+        return started[-1]
+
+    try:
+        yield make
+    finally:
+        for router in started:
             router.proc.stop()
 
 

@@ -1,13 +1,19 @@
 """A stand-in for a vLLM OpenAI server, for testing the Router with real HTTP processes.
 
-Run: ``python tests/proxy/fake_backend.py --port 9001 --mode ok``. Modes:
+Run one: ``python tests/proxy/fake_backend.py --port 9001 --mode ok``; or several in one
+process (each on its own port): ``--specs '[{"port": 9001, "mode": "ok"}, ...]'`` (keys: the
+long options below, with underscores). Modes:
 
 - ``ok``: answers ``/v1/completions`` and ``/v1/chat/completions`` like vLLM (JSON, or an
-  SSE stream of ``data: {...}`` chunks ending with ``data: [DONE]`` when ``stream`` is true),
-  echoing the ``kv_transfer_params`` it received in its JSON;
-- ``fail500``: answers HTTP 500 with an OpenAI-style error body (after ``--delay`` seconds);
+  SSE stream of ``data: {...}`` chunks ending with ``data: [DONE]`` when ``stream`` is true,
+  with a usage chunk when ``stream_options.include_usage`` is true), echoing the
+  ``kv_transfer_params`` it received and its own port (``served_by``);
+- ``fail500`` / ``fail400``: answers HTTP 500 / 400 with an OpenAI-style error body (after ``--delay`` seconds);
 - ``hang``: never answers; notices when the caller closes the connection;
-- ``slow_stream``: streams ``--chunks`` chunks, one every ``--chunk-interval`` seconds.
+- ``slow_stream``: streams ``--chunks`` chunks, one every ``--chunk-interval`` seconds;
+- ``die_mid_stream``: streams ``--chunks`` chunks, then drops the connection (no end of stream);
+- ``error_event``: a stream whose first event is an error event (as vLLM sends when generation
+  fails after its headers went out), then ``data: [DONE]``.
 
 ``--stream-delay`` holds a stream's first chunk back after its headers were sent (vLLM sends
 the headers of a stream at once and its first chunk once D has the KV and a token).
@@ -30,7 +36,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-MODES = ("ok", "fail500", "hang", "slow_stream")
+MODES = ("ok", "fail500", "fail400", "hang", "slow_stream", "die_mid_stream", "error_event")
 TOKENS = ("Hello", ",", " world", "!")
 POLL_S = 0.02
 
@@ -45,7 +51,14 @@ def _completion(path: str, rid: str, text: str, kv: Any, port: int) -> dict[str,
     return {**base, "object": "text_completion", "choices": [choice], "usage": usage, "served_by": port}
 
 
-def _chunk(path: str, rid: str, index: int, token: str | None, kv: Any) -> bytes:
+def _usage_chunk(path: str, rid: str, completion_tokens: int) -> bytes:
+    obj = "chat.completion.chunk" if path.endswith("/chat/completions") else "text_completion"
+    usage = {"prompt_tokens": 3, "completion_tokens": completion_tokens, "total_tokens": 3 + completion_tokens}
+    payload = {"id": f"cmpl-{rid}", "object": obj, "model": "fake-model", "choices": [], "usage": usage}
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def _chunk(path: str, rid: str, index: int, token: str | None, kv: Any, port: int) -> bytes:
     chat = path.endswith("/chat/completions")
     finish = None if token is not None else "length"
     if chat:
@@ -60,6 +73,7 @@ def _chunk(path: str, rid: str, index: int, token: str | None, kv: Any) -> bytes
     payload: dict[str, Any] = {"id": f"cmpl-{rid}", "object": obj, "model": "fake-model", "choices": [choice]}
     if index == 0:
         payload["kv_transfer_params"] = kv
+        payload["served_by"] = port
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
@@ -99,13 +113,15 @@ def build_app(
             record["state"] = "disconnected"
             return Response(status_code=499)
 
-        if mode == "fail500":
+        if mode in ("fail500", "fail400"):
             if await sleep_or_disconnect(request, delay):
                 record["state"] = "disconnected"
                 return Response(status_code=499)
             record["state"] = "completed"
-            error = {"message": f"fake backend {port} failed on purpose", "type": "InternalServerError", "code": 500}
-            return JSONResponse({"error": error, "object": "error"}, status_code=500)
+            code = 500 if mode == "fail500" else 400
+            kind = "InternalServerError" if code == 500 else "BadRequestError"
+            error = {"message": f"fake backend {port} failed on purpose", "type": kind, "code": code}
+            return JSONResponse({"error": error, "object": "error"}, status_code=code)
 
         if await sleep_or_disconnect(request, delay):
             record["state"] = "disconnected"
@@ -118,12 +134,27 @@ def build_app(
             record["state"] = "completed"
             return JSONResponse(_completion(path, rid, "".join(TOKENS), kv, port))
 
-        if mode == "slow_stream":
+        if mode in ("slow_stream", "die_mid_stream"):
             tokens = [f"tok{i} " for i in range(chunks)]
             interval = chunk_interval
         else:
             tokens = list(TOKENS)
             interval = 0.005
+        usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage") is True
+
+        if mode == "error_event":
+
+            async def failing() -> AsyncIterator[bytes]:
+                record["state"] = "completed"
+                error = {
+                    "message": f"fake backend {port}: generation failed",
+                    "type": "InternalServerError",
+                    "code": 500,
+                }
+                yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(failing(), media_type="text/event-stream")
 
         async def events() -> AsyncIterator[bytes]:
             finished = False
@@ -134,12 +165,18 @@ def build_app(
                 for index, token in enumerate(tokens):
                     if index and await sleep_or_disconnect(request, interval):
                         return
-                    yield _chunk(path, rid, index, token, kv)
-                yield _chunk(path, rid, len(tokens), None, kv)
+                    yield _chunk(path, rid, index, token, kv, port)
+                if mode == "die_mid_stream":
+                    record["state"] = "died"
+                    raise RuntimeError("fake backend dies mid-stream on purpose")
+                yield _chunk(path, rid, len(tokens), None, kv, port)
+                if usage:
+                    yield _usage_chunk(path, rid, len(tokens))
                 yield b"data: [DONE]\n\n"
                 finished = True
             finally:
-                record["state"] = "completed" if finished else "disconnected"
+                if record["state"] != "died":
+                    record["state"] = "completed" if finished else "disconnected"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -167,19 +204,60 @@ def build_app(
     return app
 
 
+SPEC_KEYS = {"port", "mode", "delay", "chunks", "chunk_interval", "stream_delay"}
+
+
+async def serve(specs: list[dict[str, Any]], host: str) -> None:
+    """Serve every spec (one fake backend per port) in this process until SIGINT/SIGTERM."""
+    servers = []
+    for spec in specs:
+        unknown = set(spec) - SPEC_KEYS
+        if unknown:
+            raise SystemExit(f"unknown spec keys {sorted(unknown)}")
+        app = build_app(
+            spec.get("mode", "ok"),
+            spec["port"],
+            spec.get("delay", 0.0),
+            spec.get("chunks", 100),
+            spec.get("chunk_interval", 0.2),
+            spec.get("stream_delay", 0.0),
+        )
+        config = uvicorn.Config(app, host=host, port=spec["port"], log_level="warning", access_log=False)
+        servers.append(uvicorn.Server(config))
+    await asyncio.gather(*(server.serve() for server in servers))
+
+
 def main() -> None:
     """Parse the flags and serve."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int)
     parser.add_argument("--mode", choices=MODES, default="ok")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds to wait before answering")
-    parser.add_argument("--chunks", type=int, default=100, help="slow_stream: number of chunks")
+    parser.add_argument("--chunks", type=int, default=100, help="slow_stream, die_mid_stream: number of chunks")
     parser.add_argument("--chunk-interval", type=float, default=0.2, help="slow_stream: seconds between chunks")
     parser.add_argument("--stream-delay", type=float, default=0.0, help="seconds between headers and first chunk")
+    parser.add_argument("--specs", help="JSON list of backends to serve in this process (instead of --port ...)")
     args = parser.parse_args()
-    app = build_app(args.mode, args.port, args.delay, args.chunks, args.chunk_interval, args.stream_delay)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    if args.specs:
+        specs = json.loads(args.specs)
+    elif args.port is not None:
+        specs = [
+            {
+                "port": args.port,
+                "mode": args.mode,
+                "delay": args.delay,
+                "chunks": args.chunks,
+                "chunk_interval": args.chunk_interval,
+                "stream_delay": args.stream_delay,
+            }
+        ]
+    else:
+        parser.error("give --port (and --mode) or --specs")
+    for spec in specs:
+        if spec.get("mode", "ok") not in MODES:
+            parser.error(f"unknown mode {spec.get('mode')!r}")
+    asyncio.run(serve(specs, args.host))
 
 
 if __name__ == "__main__":

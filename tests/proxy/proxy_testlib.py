@@ -12,7 +12,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ class Proc:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def wait_listening(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    def wait_listening(self, timeout: float = STARTUP_TIMEOUT_S, path: str = "/health") -> None:
         """Wait until the process answers HTTP on its port (any status), or fail with its log."""
         assert self.popen is not None
         end = time.monotonic() + timeout
@@ -91,7 +92,7 @@ class Proc:
             if self.popen.poll() is not None:
                 pytest.fail(f"{self.name} exited with {self.popen.returncode}:\n{self.log_text()}")
             try:
-                httpx.get(f"{self.url}/health", timeout=1.0, trust_env=False)
+                httpx.get(f"{self.url}{path}", timeout=1.0, trust_env=False)
                 return
             except httpx.HTTPError:
                 time.sleep(0.1)
@@ -114,36 +115,60 @@ class Backends:
     """Ports of the fake backends shared by all Router tests (``down`` has nothing listening)."""
 
     ok_p: int
+    ok_p2: int
     ok_d: int
+    ok_d2: int
+    ok_d_slow: int
     fail500: int
     fail500_late: int
+    fail400: int
     hang: int
+    hang2: int
     slow_stream: int
+    slow_stream2: int
+    slow_short: int
     late_stream: int
+    die_mid_stream: int
+    error_event: int
     down: int
 
 
-BACKEND_MODES: dict[str, list[str]] = {
-    "ok_p": ["--mode", "ok"],
-    "ok_d": ["--mode", "ok"],
-    "fail500": ["--mode", "fail500"],
+#: Every fake backend, served by one process (tests/proxy/fake_backend.py ``--specs``).
+BACKEND_SPECS: dict[str, dict[str, Any]] = {
+    "ok_p": {"mode": "ok"},
+    "ok_p2": {"mode": "ok"},
+    "ok_d": {"mode": "ok"},
+    "ok_d2": {"mode": "ok"},
+    # Answers after 0.5 s (like a decoder waiting for its KV), so a failing P is noticed first.
+    "ok_d_slow": {"mode": "ok", "delay": 0.5},
+    "fail500": {"mode": "fail500"},
     # Fails only after D's stream has started sending (D is slow_stream in those tests).
-    "fail500_late": ["--mode", "fail500", "--delay", "1.0"],
-    "hang": ["--mode", "hang"],
-    "slow_stream": ["--mode", "slow_stream", "--chunks", "200", "--chunk-interval", "0.1"],
+    "fail500_late": {"mode": "fail500", "delay": 1.0},
+    "fail400": {"mode": "fail400"},
+    "hang": {"mode": "hang"},
+    "hang2": {"mode": "hang"},
+    "slow_stream": {"mode": "slow_stream", "chunks": 200, "chunk_interval": 0.1},
+    "slow_stream2": {"mode": "slow_stream", "chunks": 200, "chunk_interval": 0.1},
+    # A stream that takes about 2 s.
+    "slow_short": {"mode": "slow_stream", "chunks": 20, "chunk_interval": 0.1},
     # Sends its stream's headers at once but its first chunk only after 5 s.
-    "late_stream": ["--mode", "ok", "--stream-delay", "5"],
+    "late_stream": {"mode": "ok", "stream_delay": 5.0},
+    # Three chunks 50 ms apart, then the connection drops.
+    "die_mid_stream": {"mode": "die_mid_stream", "chunks": 3, "chunk_interval": 0.05},
+    "error_event": {"mode": "error_event"},
 }
 
 
 @dataclass
 class Router:
-    """A running ``python -m proxy`` and the backends it fronts."""
+    """A running ``python -m proxy`` and the backends it fronts (the first of each role, and all)."""
 
     proc: Proc
     prefill_port: int
     decode_port: int
     bootstrap_port: int
+    prefill_ports: tuple[int, ...] = ()
+    decode_ports: tuple[int, ...] = ()
 
     @property
     def url(self) -> str:
@@ -151,3 +176,109 @@ class Router:
 
 
 RouterFactory = Callable[..., Router]
+
+
+def router_args(
+    port: int, prefill: Sequence[int], decode: Sequence[int], bootstrap_port: int, *extra: str
+) -> list[str]:
+    """Command line of a Router on ``port`` in front of loopback backends."""
+    return [
+        sys.executable,
+        "-m",
+        "proxy",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--prefiller-hosts",
+        *[HOST] * len(prefill),
+        "--prefiller-ports",
+        *map(str, prefill),
+        "--prefiller-bootstrap-ports",
+        str(bootstrap_port),
+        "--decoder-hosts",
+        *[HOST] * len(decode),
+        "--decoder-ports",
+        *map(str, decode),
+        "--connect-timeout",
+        "2",
+        "--log-level",
+        "DEBUG",
+        *extra,
+    ]
+
+
+def start_router(log_dir: Path, prefill: Sequence[int], decode: Sequence[int], *extra: str) -> Router:
+    """Start a Router process (the caller stops ``router.proc``) and wait until it listens."""
+    port = free_port()
+    bootstrap_port = free_port()
+    args = router_args(port, prefill, decode, bootstrap_port, *extra)
+    proc = Proc(f"router {port}", port, args, log_dir / f"router-{port}.log").start()
+    try:
+        # /healthcheck: the Router's /health would probe (and mark) its backends.
+        proc.wait_listening(path="/healthcheck")
+    except BaseException:
+        proc.stop()
+        raise
+    return Router(proc, prefill[0], decode[0], bootstrap_port, tuple(prefill), tuple(decode))
+
+
+# -- helpers of the Router tests ---------------------------------------------------------
+
+PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def request_body(path: str, **extra: Any) -> dict[str, Any]:
+    if path.endswith("/chat/completions"):
+        return {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **extra}
+    return {"model": "fake-model", "prompt": "Hi", "max_tokens": 8, **extra}
+
+
+def new_rid(tag: str) -> str:
+    return f"test-{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def http_client(timeout: float = 20.0) -> httpx.Client:
+    return httpx.Client(timeout=timeout, trust_env=False)
+
+
+def records(port: int, rid: str) -> list[dict[str, Any]]:
+    stats = httpx.get(f"http://{HOST}:{port}/stats", timeout=5, trust_env=False).json()
+    return [r for r in stats["requests"] if r["request_id"] == rid]
+
+
+def record(port: int, rid: str) -> dict[str, Any]:
+    found = wait_until(lambda: records(port, rid), timeout=10)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def wait_state(port: int, rid: str, state: str, timeout: float = 10) -> dict[str, Any]:
+    """Wait until the backend's record of request ``rid`` reaches ``state`` (e.g. disconnected)."""
+    return wait_until(lambda: next((r for r in records(port, rid) if r["state"] == state), None), timeout)
+
+
+def wait_none_open(port: int, rid: str, timeout: float = 10) -> list[dict[str, Any]]:
+    """Wait until no request ``rid`` is still open on the backend (each one disconnected or completed).
+
+    A backend request that was cancelled before it was sent leaves no record at all.
+    """
+    time.sleep(0.3)  # let requests already on the wire arrive
+    return wait_until(lambda: all(r["state"] != "started" for r in records(port, rid)) and [1], timeout)
+
+
+def sse_events(raw: bytes) -> list[str]:
+    return [block[len("data: ") :] for block in raw.decode().split("\n\n") if block.startswith("data: ")]
+
+
+def assert_openai_error(
+    response: httpx.Response, status: int, error_type: str, param: str | None = None
+) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert error["type"] == error_type
+    assert error["code"] == status
+    assert error["param"] == param
+    assert error["message"]
+    return error

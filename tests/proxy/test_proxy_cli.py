@@ -21,10 +21,21 @@ def test_defaults() -> None:
     assert config.request_timeout == 600
     assert config.connect_timeout == 5
     assert config.log_level == "INFO"
+    assert config.routing == "room"
+    assert config.health_interval == 5 and config.health_timeout == 2
+    assert config.max_body_size == 32 * 1024 * 1024
+    assert (config.max_waiting_retries, config.waiting_retry_interval) == (3, 10)
     (prefiller,) = config.prefillers
     assert (prefiller.host, prefiller.port, prefiller.bootstrap_port) == ("p1", 8100, 18800)
     (decoder,) = config.decoders
     assert (decoder.host, decoder.port, decoder.bootstrap_port) == ("d1", 8200, None)
+
+
+def test_backend_authorization_from_openai_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert parse_config(BASE).backend_authorization is None
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-x")
+    assert parse_config(BASE).backend_authorization == "Bearer sk-x"
 
 
 def test_several_backends_and_bootstrap_ports() -> None:
@@ -51,6 +62,45 @@ def test_one_bootstrap_port_applies_to_all() -> None:
     assert [b.bootstrap_port for b in config.prefillers] == [7000, 7000]
 
 
+def test_new_flags() -> None:
+    config = parse_config(
+        [
+            *BASE,
+            "--routing", "least-loaded",
+            "--health-interval", "0",
+            "--health-timeout", "0.5",
+            "--max-body-size", "512k",
+            "--max-waiting-retries", "5",
+            "--waiting-retry-interval", "1.5",
+            "--workers", "1",
+        ]
+    )  # fmt: skip
+    assert config.routing == "least-loaded"
+    assert (config.health_interval, config.health_timeout) == (0, 0.5)
+    assert config.max_body_size == 512 * 1024
+    assert (config.max_waiting_retries, config.waiting_retry_interval) == (5, 1.5)
+
+
+@pytest.mark.parametrize(("text", "size"), [("100", 100), ("2k", 2048), ("3M", 3 * 1024**2), ("1GiB", 1024**3)])
+def test_body_sizes(text: str, size: int) -> None:
+    assert parse_config([*BASE, "--max-body-size", text]).max_body_size == size
+
+
+def test_vllm_ascend_command_line_is_accepted() -> None:
+    """The flags of vLLM-Ascend's example proxy, as its docs use them."""
+    config = parse_config(
+        [
+            "--host", "0.0.0.0", "--port", "9000", "--workers", "1",
+            "--prefiller-hosts", "127.0.0.1", "127.0.0.1", "--prefiller-ports", "8100", "8101",
+            "--decoder-hosts", "127.0.0.1", "127.0.0.1", "--decoder-ports", "8200", "8201",
+            "--max-retries", "3", "--retry-delay", "0.001",
+            "--max-waiting-retries", "3", "--waiting-retry-interval", "10", "--log-level", "INFO",
+        ]
+    )  # fmt: skip
+    assert (config.host, config.port) == ("0.0.0.0", 9000)
+    assert [b.port for b in config.prefillers] == [8100, 8101]
+
+
 BAD_FLAGS = {
     "host/port count": ["--prefiller-hosts", "a", "b", "--prefiller-ports", "1", "--decoder-hosts", "c"]
     + ["--decoder-ports", "3"],
@@ -65,6 +115,13 @@ BAD_FLAGS = {
     "timeout nan": [*BASE, "--connect-timeout", "nan"],
     "not an int": [*BASE, "--port", "http"],
     "unknown flag": [*BASE, "--bogus"],
+    "routing": [*BASE, "--routing", "random"],
+    "health interval": [*BASE, "--health-interval", "-1"],
+    "body size": [*BASE, "--max-body-size", "lots"],
+    "body size 0": [*BASE, "--max-body-size", "0"],
+    "workers": [*BASE, "--workers", "2"],
+    "waiting retries": [*BASE, "--max-waiting-retries", "0"],
+    "duplicate decoder": BASE[:4] + ["--decoder-hosts", "d1", "d1", "--decoder-ports", "8200", "8200"],
 }
 
 

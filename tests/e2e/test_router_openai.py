@@ -8,6 +8,7 @@ held on P or D afterwards.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -39,6 +40,16 @@ def _metric(url: str, name: str, **labels: str) -> float:
         for sample in family.samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def _wait_metric(url: str, name: str, expected: float, timeout: float = 10.0, **labels: str) -> float:
+    """The metric's value once it reaches ``expected`` (the Router records a stream after its last byte)."""
+    deadline = time.monotonic() + timeout
+    value = _metric(url, name, **labels)
+    while value < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = _metric(url, name, **labels)
+    return value
 
 
 def test_models_come_from_a_decoder(client: openai.OpenAI, pd_stack) -> None:
@@ -123,10 +134,12 @@ def test_metrics_count_requests_and_no_kv_is_left(client: openai.OpenAI, pd_stac
         )
         if stream:
             list(response)
-    assert _metric(url, "pd_router_requests_total", endpoint="/v1/chat/completions", status="200") == before + 2
-    assert (
-        _metric(url, "pd_router_time_to_first_byte_seconds_count", endpoint="/v1/chat/completions") == ttfb_before + 2
+    total = _wait_metric(url, "pd_router_requests_total", before + 2, endpoint="/v1/chat/completions", status="200")
+    assert total == before + 2
+    ttfb = _wait_metric(
+        url, "pd_router_time_to_first_byte_seconds_count", ttfb_before + 2, endpoint="/v1/chat/completions"
     )
+    assert ttfb == ttfb_before + 2
     assert (
         _metric(
             url, "pd_router_backend_requests_total", role="prefill", backend=f"{pd_stack.host}:{pd_stack.prefill_port}"

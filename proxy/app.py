@@ -662,7 +662,8 @@ def parse_instances(payload: Any) -> list[Backend]:
     Either ``{"role": "prefill"|"decode", "host": H, "port": P, "bootstrap_port": B?}`` or
     vLLM-Ascend's ``{"type": "prefill"|"decode", "instances": ["H:P", ...] | "H:P"}`` (an item
     may also be an object with host, port and bootstrap_port). A prefiller's bootstrap port
-    defaults to the top-level ``bootstrap_port``, else 18800.
+    defaults to the top-level ``bootstrap_port``, else 18800; ``bootstrap_host`` and ``dp_rank``
+    (see :class:`proxy.config.Backend`) may be given at the top level or per item.
     """
     if not isinstance(payload, dict):
         raise RouterError(400, "request body must be a JSON object", INVALID_REQUEST)
@@ -670,6 +671,8 @@ def parse_instances(payload: Any) -> list[Backend]:
     if role not in ROLES:
         raise RouterError(400, f"'role' must be 'prefill' or 'decode', got {role!r}", INVALID_REQUEST, "role")
     default_bootstrap = payload.get("bootstrap_port", DEFAULT_BOOTSTRAP_PORT)
+    default_bootstrap_host = payload.get("bootstrap_host")
+    default_dp_rank = payload.get("dp_rank")
     items = payload.get("instances")
     if items is None:
         items = [{"host": payload.get("host"), "port": payload.get("port"), "bootstrap_port": default_bootstrap}]
@@ -682,9 +685,12 @@ def parse_instances(payload: Any) -> list[Backend]:
         if isinstance(item, str):
             host, port = _parse_address(item)
             bootstrap = default_bootstrap
+            bootstrap_host, dp_rank = default_bootstrap_host, default_dp_rank
         elif isinstance(item, dict):
             host, port = item.get("host"), item.get("port")
             bootstrap = item.get("bootstrap_port", default_bootstrap)
+            bootstrap_host = item.get("bootstrap_host", default_bootstrap_host)
+            dp_rank = item.get("dp_rank", default_dp_rank)
         else:
             raise RouterError(400, f"instance {item!r} is not host:port or an object", INVALID_REQUEST, "instances")
         if not isinstance(host, str) or not host.strip():
@@ -692,7 +698,25 @@ def parse_instances(payload: Any) -> list[Backend]:
         port = _check_port(port, "port")
         if role == "prefill":
             bootstrap = _check_port(bootstrap, "bootstrap_port")
-            backends.append(Backend("prefill", host.strip(), port, bootstrap))
+            if bootstrap_host is not None and (not isinstance(bootstrap_host, str) or not bootstrap_host.strip()):
+                raise RouterError(
+                    400, f"'bootstrap_host' must be a non-empty string, got {bootstrap_host!r}", INVALID_REQUEST,
+                    "bootstrap_host",
+                )  # fmt: skip
+            if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0):
+                raise RouterError(
+                    400, f"'dp_rank' must be an integer >= 0, got {dp_rank!r}", INVALID_REQUEST, "dp_rank"
+                )  # fmt: skip
+            backends.append(
+                Backend(
+                    "prefill",
+                    host.strip(),
+                    port,
+                    bootstrap,
+                    bootstrap_host.strip() if bootstrap_host else None,
+                    dp_rank,
+                )
+            )
         else:
             backends.append(Backend("decode", host.strip(), port))
     return backends

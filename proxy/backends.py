@@ -73,6 +73,8 @@ class BackendState:
         }
         if backend.role == "prefill":
             out["bootstrap_port"] = backend.bootstrap_port
+            out["bootstrap_host"] = backend.bootstrap_address[0]
+            out["dp_rank"] = backend.dp_rank
             out["in_flight_prompt_tokens"] = self.in_flight_tokens
         return out
 

@@ -54,6 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="bootstrap-server port of each prefill instance; one value applies to all "
         f"(default: {DEFAULT_BOOTSTRAP_PORT})",
     )
+    add(
+        "--prefiller-bootstrap-hosts",
+        nargs="+",
+        metavar="HOST",
+        help="host of each prefill instance's bootstrap server (its deployment's DP-rank-0 leader); one value "
+        "applies to all (default: the prefiller's own host)",
+    )
+    add(
+        "--prefiller-dp-ranks",
+        nargs="+",
+        type=int,
+        metavar="RANK",
+        help="DP rank of each prefill instance within its deployment (external DP: one API server per rank), "
+        "sent to D as prefill_dp_rank; without it D asks the bootstrap server which rank holds each room",
+    )
     add("--decoder-hosts", nargs="+", metavar="HOST", help="hosts of the decode instances")
     add("--decoder-ports", nargs="+", type=int, metavar="PORT", help="HTTP ports of the decode instances")
     add(
@@ -166,6 +181,29 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         )
     for port in bootstrap_ports:
         _check_port(parser, "--prefiller-bootstrap-ports", port)
+    bootstrap_hosts: list[str | None] = list(args.prefiller_bootstrap_hosts or [None])
+    if len(bootstrap_hosts) == 1:
+        bootstrap_hosts = bootstrap_hosts * len(prefill_pairs)
+    elif len(bootstrap_hosts) != len(prefill_pairs):
+        parser.error(
+            f"--prefiller-bootstrap-hosts has {len(bootstrap_hosts)} values; give one, or one per "
+            f"prefiller ({len(prefill_pairs)})"
+        )
+    if any(h is not None and not h.strip() for h in bootstrap_hosts):
+        parser.error("--prefiller-bootstrap-hosts: empty host name")
+    dp_ranks: list[int | None] = list(args.prefiller_dp_ranks or [None] * len(prefill_pairs))
+    if len(dp_ranks) != len(prefill_pairs):
+        parser.error(f"--prefiller-dp-ranks has {len(dp_ranks)} values; give one per prefiller ({len(prefill_pairs)})")
+    if any(r is not None and not 0 <= r < 65536 for r in dp_ranks):
+        parser.error(f"--prefiller-dp-ranks: ranks must be in 0..65535 (got {dp_ranks})")
+    seen: set[tuple[str, int, int]] = set()
+    for (host, _), bhost, bport, rank in zip(prefill_pairs, bootstrap_hosts, bootstrap_ports, dp_ranks, strict=True):
+        if rank is None:
+            continue
+        key = ((bhost or host).strip(), bport, rank)
+        if key in seen:
+            parser.error(f"--prefiller-dp-ranks: dp rank {rank} of bootstrap {key[0]}:{bport} is given twice")
+        seen.add(key)
 
     if args.max_retries < 1:
         parser.error(f"--max-retries must be at least 1 (got {args.max_retries})")
@@ -186,8 +224,10 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         )
 
     prefillers = tuple(
-        Backend("prefill", host, port, bootstrap)
-        for (host, port), bootstrap in zip(prefill_pairs, bootstrap_ports, strict=True)
+        Backend("prefill", host, port, bootstrap, bhost.strip() if bhost else None, rank)
+        for (host, port), bootstrap, bhost, rank in zip(
+            prefill_pairs, bootstrap_ports, bootstrap_hosts, dp_ranks, strict=True
+        )
     )
     decoders = tuple(Backend("decode", host, port) for host, port in decode_pairs)
     return RouterConfig(

@@ -26,13 +26,25 @@ class Backend:
     """One vLLM instance behind the Router.
 
     ``bootstrap_port`` is the port of the prefill deployment's bootstrap server, which the
-    decode side contacts to find P's ranks; it is ``None`` for decoders.
+    decode side contacts to find P's ranks; it is ``None`` for decoders. The server runs in the
+    deployment's DP-rank-0 leader: ``bootstrap_host`` names that host when it is not this
+    instance's (a DP rank on another node), ``None`` meaning ``host``. ``dp_rank`` is this
+    instance's DP rank within its deployment, sent to D as ``prefill_dp_rank``; ``None`` (the
+    default) leaves it out, and D then asks the bootstrap server which DP rank holds the room
+    (the only way for vLLM's internal DP, where the API server picks the engine).
     """
 
     role: Role
     host: str
     port: int
     bootstrap_port: int | None = None
+    bootstrap_host: str | None = None
+    dp_rank: int | None = None
+
+    @property
+    def bootstrap_address(self) -> tuple[str, int | None]:
+        """(host, port) of the bootstrap server D contacts for this prefiller's KV."""
+        return (self.bootstrap_host or self.host, self.bootstrap_port)
 
     @property
     def base_url(self) -> str:
@@ -95,6 +107,14 @@ class RouterConfig:
 
     def describe(self) -> str:
         """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800); D: h:8002``."""
-        prefill = ", ".join(f"{b.address} (bootstrap {b.bootstrap_port})" for b in self.prefillers)
+        prefill = ", ".join(_describe_prefiller(b) for b in self.prefillers)
         decode = ", ".join(b.address for b in self.decoders)
         return f"P: {prefill}; D: {decode}; routing: {self.routing}"
+
+
+def _describe_prefiller(backend: Backend) -> str:
+    host, port = backend.bootstrap_address
+    where = f"bootstrap {port}" if host == backend.host else f"bootstrap {url_host(host)}:{port}"
+    if backend.dp_rank is not None:
+        where += f", dp rank {backend.dp_rank}"
+    return f"{backend.address} ({where})"

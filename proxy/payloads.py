@@ -185,14 +185,17 @@ def decode_body(body: dict[str, Any], room: int, prefiller: Backend) -> dict[str
     """Body for D: the client's request, plus where to get the KV cache from (``prefiller``)."""
     out = dict(body)  # shallow: only top-level keys are replaced
     out.pop(ROOM_KEY, None)
-    out[KV_KEY] = {
+    host, port = prefiller.bootstrap_address
+    params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         ROOM_KEY: room,
-        "bootstrap_host": prefiller.host,
-        "bootstrap_port": prefiller.bootstrap_port,
-        "prefill_dp_rank": 0,
+        "bootstrap_host": host,
+        "bootstrap_port": port,
     }
+    if prefiller.dp_rank is not None:
+        params["prefill_dp_rank"] = prefiller.dp_rank
+    out[KV_KEY] = params
     return out
 
 

@@ -133,6 +133,17 @@ def test_added_prefiller_gets_its_bootstrap_port(router_admin: Router, backends:
     assert response.json()["kv_transfer_params"]["bootstrap_port"] == 17777
 
 
+def test_added_dp_rank_prefiller_names_its_rank_and_bootstrap_host(router_admin: Router, backends: Backends) -> None:
+    router = router_admin
+    payload = {
+        "type": "prefill",
+        "instances": [{"host": HOST, "port": backends.ok_p2, "bootstrap_host": "127.0.0.9", "dp_rank": 3}],
+    }
+    assert _admin(router, "add", payload).status_code == 200
+    (record,) = [p for p in _instances(router)["prefillers"] if p["port"] == backends.ok_p2]
+    assert (record["bootstrap_host"], record["dp_rank"]) == ("127.0.0.9", 3)
+
+
 def test_an_instance_that_never_answers_is_dropped(router_admin: Router, backends: Backends) -> None:
     router = router_admin
     added = _admin(router, "add", {"role": "decode", "host": HOST, "port": backends.down})
@@ -151,6 +162,8 @@ def test_an_instance_that_never_answers_is_dropped(router_admin: Router, backend
         ({"role": "decode", "host": "", "port": 1}, 400, "host"),
         ({"role": "decode", "host": HOST, "port": 70000}, 400, "port"),
         ({"role": "prefill", "host": HOST, "port": 1, "bootstrap_port": "x"}, 400, "bootstrap_port"),
+        ({"role": "prefill", "host": HOST, "port": 1, "dp_rank": -1}, 400, "dp_rank"),
+        ({"role": "prefill", "host": HOST, "port": 1, "bootstrap_host": ""}, 400, "bootstrap_host"),
         ({"type": "decode", "instances": ["nocolon"]}, 400, "instances"),
         ({"type": "decode", "instances": []}, 400, "instances"),
         (["not", "an", "object"], 400, None),

@@ -62,6 +62,25 @@ def test_one_bootstrap_port_applies_to_all() -> None:
     assert [b.bootstrap_port for b in config.prefillers] == [7000, 7000]
 
 
+def test_external_dp_prefillers_share_one_bootstrap_server() -> None:
+    config = parse_config(
+        [
+            "--prefiller-hosts", "a", "b",
+            "--prefiller-ports", "9000", "9000",
+            "--prefiller-bootstrap-ports", "8998",
+            "--prefiller-bootstrap-hosts", "a",
+            "--prefiller-dp-ranks", "0", "1",
+            "--decoder-hosts", "c", "--decoder-ports", "3",
+        ]
+    )  # fmt: skip
+    assert [b.bootstrap_address for b in config.prefillers] == [("a", 8998), ("a", 8998)]
+    assert [b.dp_rank for b in config.prefillers] == [0, 1]
+    assert "dp rank 1" in config.describe() and "bootstrap a:8998" in config.describe()
+    plain = parse_config(BASE)
+    assert plain.prefillers[0].dp_rank is None
+    assert plain.prefillers[0].bootstrap_address == ("p1", 18800)
+
+
 def test_new_flags() -> None:
     config = parse_config(
         [
@@ -110,6 +129,11 @@ BAD_FLAGS = {
     "router port 0": [*BASE, "--port", "0"],
     "bootstrap count": [*BASE, "--prefiller-bootstrap-ports", "1", "2"],
     "bootstrap range": [*BASE, "--prefiller-bootstrap-ports", "0"],
+    "bootstrap hosts count": [*BASE, "--prefiller-bootstrap-hosts", "a", "b"],
+    "dp ranks count": [*BASE, "--prefiller-dp-ranks", "0", "1"],
+    "dp rank negative": [*BASE, "--prefiller-dp-ranks", "-1"],
+    "dp rank twice": ["--prefiller-hosts", "a", "b", "--prefiller-ports", "1", "2", "--prefiller-dp-ranks", "0", "0"]
+    + ["--prefiller-bootstrap-hosts", "a", "--decoder-hosts", "c", "--decoder-ports", "3"],
     "retries": [*BASE, "--max-retries", "0"],
     "timeout": [*BASE, "--request-timeout", "-1"],
     "timeout nan": [*BASE, "--connect-timeout", "nan"],

@@ -57,9 +57,18 @@ def test_decode_body_keeps_the_request_and_adds_kv_params() -> None:
             "bootstrap_room": 3,
             "bootstrap_host": "10.0.0.7",
             "bootstrap_port": 18800,
-            "prefill_dp_rank": 0,
         },
     }
+
+
+def test_decode_body_names_the_dp_rank_and_bootstrap_host_when_known() -> None:
+    prefiller = Backend("prefill", "10.0.0.8", 8101, 18800, bootstrap_host="10.0.0.7", dp_rank=1)
+    params = decode_body({"prompt": "x"}, 5, prefiller)["kv_transfer_params"]
+    assert params["bootstrap_host"] == "10.0.0.7"
+    assert params["bootstrap_port"] == 18800
+    assert params["prefill_dp_rank"] == 1
+    # Without a DP rank, D asks the bootstrap server (vLLM internal DP picks the engine itself).
+    assert "prefill_dp_rank" not in decode_body({"prompt": "x"}, 5, PREFILLER)["kv_transfer_params"]
 
 
 @pytest.mark.parametrize(

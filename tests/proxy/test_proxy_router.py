@@ -121,7 +121,6 @@ def test_non_streaming_request_reaches_p_and_d(router_ok: Router, path: str) -> 
         "bootstrap_room": room,
         "bootstrap_host": HOST,
         "bootstrap_port": router_ok.bootstrap_port,
-        "prefill_dp_rank": 0,
     }
     assert answer["kv_transfer_params"] == db["kv_transfer_params"]
 

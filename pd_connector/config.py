@@ -40,7 +40,7 @@ class DisaggConfig:
     # D: how long a request waits for its KV before the load counts as failed.
     kv_wait_timeout_s: float = 120.0
     # Bootstrap registration retries (P ranks), seed 000 §5.3.
-    register_retries: int = 10
+    register_retries: int = 60
     register_interval_s: float = 1.0
     http_timeout_s: float = 10.0
     # Worker threads that run Mooncake writes on P.

@@ -6,16 +6,30 @@ surface deep in the engine. Load this with
 and such requests get an OpenAI-style 400 naming the bad field, while the
 server keeps serving. (Without it the connector logs the error and serves the
 request without PD transfer.)
+
+On a decode instance it also checks, before the engine sees the request, that the
+prefill deployment named in the request can feed this instance: it reads the
+deployment's route from its bootstrap server (cached for a while) and compares block
+size and KV dtype with this server's own configuration. A mismatch answers HTTP 409
+with a message naming both values, instead of a generic failed request (the
+connector's handshake check stays as the backstop). When the route cannot be read
+the request goes on and the connector decides.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from pd_connector.protocol import KVParamsError, parse_kv_params
+import httpx
+import msgspec
+
+from pd_connector.compat import kv_dtype_name, route_mismatch
+from pd_connector.protocol import DecodeParams, KVParamsError, Route, parse_kv_params
 
 logger = logging.getLogger(__name__)
 
@@ -25,32 +39,115 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: HTTP status and error type of a request whose prefill deployment cannot feed this instance.
+INCOMPATIBLE_STATUS = 409
+INCOMPATIBLE_TYPE = "kv_transfer_incompatible"
+#: How long a route read from a bootstrap server is trusted, and how long a failed read is not retried.
+ROUTE_TTL_S = 30.0
+ROUTE_FAILURE_TTL_S = 5.0
+ROUTE_TIMEOUT_S = 3.0
 
 
-def error_body(message: str, status: int = 400) -> bytes:
+def error_body(message: str, status: int = 400, error_type: str = "invalid_request_error") -> bytes:
     return json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": "kv_transfer_params", "code": status}}
+        {"error": {"message": message, "type": error_type, "param": "kv_transfer_params", "code": status}}
     ).encode()
+
+
+def parse_body(raw: bytes) -> tuple[DecodeParams | None, str | None]:
+    """(D params if the body asks for a remote prefill, error message if its kv_transfer_params are malformed)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None, None  # not ours to judge: vLLM answers invalid JSON itself
+    if not isinstance(body, dict) or "kv_transfer_params" not in body:
+        return None, None
+    try:
+        params = parse_kv_params(body["kv_transfer_params"])
+    except KVParamsError as exc:
+        return None, str(exc)
+    return (params if isinstance(params, DecodeParams) else None), None
 
 
 def check_body(raw: bytes) -> str | None:
     """Return an error message if the JSON body carries malformed kv_transfer_params."""
+    return parse_body(raw)[1]
+
+
+class CompatibilityCheck:
+    """D's API server: can the prefill deployment a request names feed this instance?"""
+
+    def __init__(self) -> None:
+        self._local: tuple[int, str] | None = None
+        self._local_known = False
+        self._routes: dict[str, tuple[float, Route | None]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _local_config(self, scope: Scope) -> tuple[int, str] | None:
+        """(block size, KV dtype) of this server, or None when it is not a PDConnector decode instance."""
+        if self._local_known:
+            return self._local
+        app = scope.get("app")
+        vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
+        if vllm_config is None:
+            return None  # the app state is set up at startup; ask again on the next request
+        kv = vllm_config.kv_transfer_config
+        block_size = vllm_config.cache_config.block_size
+        if (
+            kv is not None
+            and kv.kv_connector == "PDConnector"
+            and kv.kv_role in ("kv_consumer", "kv_both")
+            and block_size
+        ):
+            self._local = (int(block_size), kv_dtype_name(vllm_config))
+        self._local_known = True
+        return self._local
+
+    async def problem(self, scope: Scope, params: DecodeParams) -> str | None:
+        """Why the request's prefill deployment cannot feed this instance; None if it can or nobody can tell."""
+        local = self._local_config(scope)
+        if local is None:
+            return None
+        host = params.bootstrap_host
+        addr = f"[{host}]:{params.bootstrap_port}" if ":" in host else f"{host}:{params.bootstrap_port}"
+        route = await self._route(addr)
+        if route is None:
+            return None
+        return route_mismatch(route, addr, local[0], local[1], None)
+
+    async def _route(self, addr: str) -> Route | None:
+        cached = self._routes.get(addr)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        lock = self._locks.setdefault(addr, asyncio.Lock())
+        async with lock:
+            cached = self._routes.get(addr)
+            if cached is not None and cached[0] > time.monotonic():
+                return cached[1]
+            route = await _fetch_route(addr)
+            ttl = ROUTE_TTL_S if route is not None else ROUTE_FAILURE_TTL_S
+            self._routes[addr] = (time.monotonic() + ttl, route)
+            return route
+
+
+async def _fetch_route(addr: str) -> Route | None:
+    """The deployment's route when it is complete; None (logged) when it cannot be read."""
     try:
-        body = json.loads(raw)
-    except ValueError:
-        return None  # not ours to judge: vLLM answers invalid JSON itself
-    if not isinstance(body, dict) or "kv_transfer_params" not in body:
+        async with httpx.AsyncClient(timeout=ROUTE_TIMEOUT_S, trust_env=False) as client:
+            resp = await client.get(f"http://{addr}/bootstrap/route")
+        if resp.status_code != 200:
+            raise ValueError(f"HTTP {resp.status_code}")
+        route = msgspec.json.decode(resp.content, type=Route)
+    except (httpx.HTTPError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        logger.info("compatibility check skipped: cannot read the route of bootstrap %s: %r", addr, exc)
         return None
-    try:
-        parse_kv_params(body["kv_transfer_params"])
-    except KVParamsError as exc:
-        return str(exc)
-    return None
+    return route if route.is_ready else None
 
 
 class KVParamsValidationMiddleware:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
+        self.compat = CompatibilityCheck()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in CHECKED_PATHS:
@@ -66,20 +163,31 @@ class KVParamsValidationMiddleware:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         raw = b"".join(chunks)
-        problem = check_body(raw)
+        params, problem = parse_body(raw)
         if problem is not None:
             logger.warning("rejected %s: %s", scope.get("path"), problem)
-            body = error_body(problem)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 400,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
+            await _send_error(send, error_body(problem), 400)
             return
+        if params is not None:
+            conflict = await self.compat.problem(scope, params)
+            if conflict is not None:
+                logger.error("room=%d rejected %s: %s", params.room, scope.get("path"), conflict)
+                await _send_error(
+                    send, error_body(conflict, INCOMPATIBLE_STATUS, INCOMPATIBLE_TYPE), INCOMPATIBLE_STATUS
+                )
+                return
         await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), send)
+
+
+async def _send_error(send: Send, body: bytes, status: int) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(messages: list[Message], then: Receive | None = None) -> Receive:

@@ -14,6 +14,7 @@ import torch
 
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
+from pd_connector.compat import kv_dtype_name
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import memory_ranges, regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
@@ -47,13 +48,6 @@ def _prepare_cpu_device() -> None:
             cpu._init_amx()
     except AttributeError:
         pass
-
-
-def _kv_dtype_name(vllm_config: VllmConfig) -> str:
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype and cache_dtype != "auto":
-        return str(cache_dtype)
-    return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
 def _tp_rank_and_size() -> tuple[int, int]:
@@ -133,7 +127,7 @@ class PDWorker:
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             block_size=self.block_size,
-            kv_dtype=_kv_dtype_name(self.vllm_config),
+            kv_dtype=kv_dtype_name(self.vllm_config),
             num_layers=len(kv_caches),
             total_kv_heads=total_heads,
             local_kv_heads=local,
@@ -156,7 +150,7 @@ class PDWorker:
         assert self.manager is not None
         if spec.dp_rank == 0 and spec.tp_rank == 0 and self.cfg.start_bootstrap_server:
             state = BootstrapState(attn_tp_size=spec.tp_size, attn_dp_size=spec.dp_size)
-            self.bootstrap = BootstrapServer(state, "0.0.0.0", self.cfg.bootstrap_port)
+            self.bootstrap = BootstrapServer(state, self.cfg.local_ip, self.cfg.bootstrap_port)
             self.bootstrap.start()
         register_rank(
             f"{self.cfg.bootstrap_host}:{self.cfg.bootstrap_port}",

@@ -26,6 +26,7 @@ import zmq
 
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache, register_dp_rank
+from pd_connector.compat import route_mismatch
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import LayoutError, Region, block_runs
 from pd_connector.metadata import RecvJob, SendJob
@@ -483,15 +484,10 @@ class KVTransferManager:
     def _start_recv(self, job: RecvJob) -> None:
         try:
             route = self._route_with_retries(job)
-            if route.block_size != self.spec.block_size:
-                raise LayoutError(
-                    f"block size mismatch: prefill at {job.bootstrap_addr} uses {route.block_size}, "
-                    f"this decode instance {self.spec.block_size}"
-                )
-            if route.kv_cache_dtype != self.spec.kv_dtype:
-                raise LayoutError(f"KV dtype mismatch: prefill {route.kv_cache_dtype}, decode {self.spec.kv_dtype}")
-            if route.num_layers and route.num_layers != self.spec.num_layers:
-                raise LayoutError(f"layer count mismatch: prefill {route.num_layers}, decode {self.spec.num_layers}")
+            spec = self.spec
+            problem = route_mismatch(route, job.bootstrap_addr, spec.block_size, spec.kv_dtype, spec.num_layers)
+            if problem is not None:
+                raise LayoutError(problem)
             dp_rank = self._prefill_dp_rank(job, route)
             tp_ranks = decode_contacts(
                 self.spec.heads,

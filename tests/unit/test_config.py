@@ -17,7 +17,7 @@ def test_defaults_prefill() -> None:
     assert cfg.protocol == "tcp"
     assert cfg.room_timeout_s == 120.0
     assert cfg.kv_wait_timeout_s == 120.0
-    assert cfg.register_retries == 10
+    assert cfg.register_retries == 60
     assert cfg.register_interval_s == 1.0
     assert cfg.max_batch_entries == 1024
     assert cfg.start_bootstrap_server is True

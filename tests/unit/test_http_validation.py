@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +15,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from pd_connector.bootstrap.client import register_rank
+from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.http_validation import CHECKED_PATHS, KVParamsValidationMiddleware, check_body
+from pd_connector.protocol import RegisterRank
+from tests.unit.conftest import free_port
 
 GOOD_D = {
     "do_remote_prefill": True,
@@ -202,3 +207,72 @@ def test_check_body_helper() -> None:
     assert check_body(json.dumps({"kv_transfer_params": GOOD_D}).encode()) is None
     msg = check_body(json.dumps({"kv_transfer_params": {**GOOD_D, "bootstrap_port": "x"}}).encode())
     assert msg is not None and "bootstrap_port" in msg
+
+
+# ------------------------------------------- D: is the named prefill deployment compatible?
+
+
+def _compat_app(block_size: int, dtype: str = "float32", role: str = "kv_consumer") -> Starlette:
+    app = make_app()
+    app.state.vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector="PDConnector", kv_role=role),
+        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+        model_config=SimpleNamespace(dtype=f"torch.{dtype}"),
+    )
+    return app
+
+
+@pytest.fixture(scope="module")
+def prefill_bootstrap() -> Iterator[int]:
+    """A real bootstrap server with one registered P rank: block size 32, float32, 2 layers."""
+    server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), "127.0.0.1", free_port())
+    server.start()
+    rank = RegisterRank(
+        attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1, attn_dp_rank=0, rank_ip="127.0.0.1", rank_port=7000,
+        block_size=32, kv_cache_dtype="float32", num_layers=2,
+    )  # fmt: skip
+    assert register_rank(f"127.0.0.1:{server.port}", rank, retries=1, interval_s=0.1, timeout_s=5)
+    try:
+        yield server.port
+    finally:
+        server.stop()
+
+
+def _d_body(port: int) -> dict[str, Any]:
+    params = {**GOOD_D, "bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+    return {"model": "m", "prompt": "hi", "kv_transfer_params": params}
+
+
+def test_block_size_mismatch_with_the_prefill_deployment_is_409(prefill_bootstrap: int) -> None:
+    with TestClient(_compat_app(block_size=64)) as c:
+        for _ in range(2):  # the second answer comes from the cached route
+            r = post(c, "/v1/completions", _d_body(prefill_bootstrap))
+            assert r.status_code == 409
+            err = r.json()["error"]
+            assert err["type"] == "kv_transfer_incompatible" and err["code"] == 409
+            assert "block size mismatch" in err["message"] and "32" in err["message"] and "64" in err["message"]
+        # Requests without a remote prefill are not affected.
+        assert post(c, "/v1/completions", {"model": "m", "prompt": "hi"}).status_code == 200
+
+
+def test_dtype_mismatch_is_409(prefill_bootstrap: int) -> None:
+    with TestClient(_compat_app(block_size=32, dtype="bfloat16")) as c:
+        r = post(c, "/v1/chat/completions", _d_body(prefill_bootstrap))
+        assert r.status_code == 409 and "dtype mismatch" in r.json()["error"]["message"]
+
+
+def test_compatible_deployment_passes(prefill_bootstrap: int) -> None:
+    with TestClient(_compat_app(block_size=32)) as c:
+        r = post(c, "/v1/completions", _d_body(prefill_bootstrap))
+        assert r.status_code == 200 and r.json()["path"] == "/v1/completions"
+
+
+def test_unreachable_bootstrap_is_left_to_the_connector() -> None:
+    with TestClient(_compat_app(block_size=64)) as c:
+        r = post(c, "/v1/completions", _d_body(free_port()))
+        assert r.status_code == 200
+
+
+def test_prefill_instances_are_not_checked(prefill_bootstrap: int) -> None:
+    with TestClient(_compat_app(block_size=64, role="kv_producer")) as c:
+        assert post(c, "/v1/completions", _d_body(prefill_bootstrap)).status_code == 200

@@ -8,8 +8,9 @@ positional arguments:
 
     devices port dp_size dp_rank dp_address dp_rpc_port tp_size [extra vllm serve args...]
 
-Everything after `--` goes to every rank's `vllm serve` unchanged (`--kv-transfer-config ...`,
-`--served-model-name ...`). Examples (two nodes, DP 4, TP 1; then DP 2 on this CPU machine):
+Everything after `--` goes to every rank's `vllm serve` (`--kv-transfer-config ...`,
+`--served-model-name ...`), unchanged but for the per-rank `--kv-transfer-config` of
+`--dp-mode independent` (below). Examples (two nodes, DP 4, TP 1; then DP 2 on this CPU machine, MoE and dense):
 
     python -m launch.launch_online_dp --dp-size 4 --dp-size-local 2 --dp-rank-start 0 \\
         --dp-address 10.0.0.1 --dp-rpc-port 12321 --vllm-start-port 7100 --model /models/x
@@ -18,6 +19,9 @@ Everything after `--` goes to every rank's `vllm serve` unchanged (`--kv-transfe
     python -m launch.launch_online_dp --dp-size 2 --dp-address 127.0.0.1 --dp-rpc-port 13345 \\
         --vllm-start-port 8100 --model ./models/tiny-moe --host 127.0.0.1 --device cpu \\
         -- --dtype float32 --block-size 32 --enforce-eager
+    python -m launch.launch_online_dp --dp-size 2 --dp-address 127.0.0.1 --vllm-start-port 8100 \\
+        --model ./models/tiny-llama --host 127.0.0.1 --device cpu -- --dtype float32 --block-size 32 \\
+        --kv-transfer-config '{"kv_connector":"PDConnector","kv_role":"kv_producer"}'
 
 Devices: on Ascend (`npu-smi` on PATH or `torch_npu` installed, or `--device npu`) rank i sees
 the NPUs `i*tp ... (i+1)*tp - 1` of the node's pool (`--visible-devices`, else
@@ -35,11 +39,23 @@ rank's `/health` answers, forwards SIGINT/SIGTERM to every rank's process group 
 engine died), and exits when the ranks have exited: 0 if all exited 0, else the first failing
 rank's code (128+N for signal N), 128+N when it was stopped by signal N.
 
-vLLM 0.32 (measured on CPU): external DP is refused for dense (non-MoE) models ("Non-MoE models
-do not support external data parallel mode"); run independent instances for those. MoE models
-start (ranks coordinate through rank 0's DP coordinator at --dp-address:--dp-rpc-port), but the
-first forward pass fails on CPU: vLLM's CPU communicator lacks `all_gatherv`, which MoE layers
-use across DP ranks. Torch compilation of such a model also fails there; pass --enforce-eager.
+DP modes (`--dp-mode`): vLLM 0.32 refuses external DP for dense (non-MoE) models ("Non-MoE
+models do not support external data parallel mode"), so the launcher can start the ranks in two
+ways. `vllm`: each rank gets `--data-parallel-size/-rank/-address/-rpc-port` and the ranks
+coordinate through rank 0's DP coordinator at --dp-address:--dp-rpc-port (MoE models).
+`independent`: each rank is a plain `vllm serve` without any `--data-parallel-*` flag (the
+template sees PD_DP_MODE=independent; --dp-rpc-port is unused), and PDConnector learns the
+rank's place from the launcher, which rewrites the JSON of `--kv-transfer-config` per rank: it
+sets `kv_connector_extra_config.dp_rank` (the rank's DP rank) and `.dp_size` (--dp-size), and
+`.bootstrap_host` to --dp-address unless given (the DP master node runs rank 0, which hosts the
+prefill deployment's bootstrap server). `auto` (the default) picks `independent` when `--model`
+is a local directory whose config.json describes a dense model, else `vllm` (an MoE model, or no
+local config.json to read, e.g. a hub name). Without a `--kv-transfer-config` nothing is
+injected: the ranks are plain independent instances (the launcher notes it).
+
+vLLM 0.32 on CPU (measured): MoE models start in `vllm` mode, but the first forward pass fails:
+vLLM's CPU communicator lacks `all_gatherv`, which MoE layers use across DP ranks. Torch
+compilation of such a model also fails there; pass --enforce-eager.
 """
 
 from __future__ import annotations
@@ -49,6 +65,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import ipaddress
+import json
 import os
 import re
 import shlex
@@ -95,6 +112,12 @@ PER_RANK_FLAGS = (
     "--tensor-parallel-size",
     "-tp",
 )
+DP_MODES = ("auto", "vllm", "independent")
+#: config.json keys (top level or in "text_config") whose positive integer value marks an MoE model.
+MOE_CONFIG_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts", "num_experts_per_tok")
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+#: kv_connector_extra_config keys the launcher sets per rank with --dp-mode independent.
+INJECTED_DP_KEYS = ("dp_rank", "dp_size")
 _HOSTNAME_RE = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
 )
@@ -120,6 +143,12 @@ class RankPlan:
     cmd: list[str]
     env: dict[str, str] = field(default_factory=dict)
     health_url: str = ""
+    #: "vllm" (external DP through vLLM's --data-parallel-* flags) or "independent".
+    dp_mode: str = "vllm"
+    #: Why that mode was chosen (one line).
+    dp_mode_reason: str = ""
+    #: independent mode: whether a --kv-transfer-config was found and given this rank's DP place.
+    kv_config_rewritten: bool = False
 
     def shell_line(self) -> str:
         """A copy-pasteable shell line: `env K=V ... bash template args...`."""
@@ -140,12 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp-size-local", type=int, default=-1, help="DP ranks started on this node (-1: all of --dp-size)")
     g.add_argument("--dp-rank-start", type=int, default=0, help="DP rank of this node's first rank (default 0)")
     g.add_argument("--dp-address", required=True, help="address of the DP master node (the one with DP rank 0)")
-    g.add_argument("--dp-rpc-port", type=int, default=12345, help="DP RPC port on the master node (default 12345)")
+    g.add_argument(
+        "--dp-rpc-port",
+        type=int,
+        default=12345,
+        help="DP RPC port on the master node (default 12345; unused with --dp-mode independent)",
+    )
     g.add_argument(
         "--vllm-start-port", type=int, default=9000, help="API port of the first local rank; rank i gets +i (9000)"
     )
     o = p.add_argument_group("PDConnector additions")
     o.add_argument("--model", help="model path or name (sets PD_MODEL for the template)")
+    o.add_argument(
+        "--dp-mode",
+        choices=DP_MODES,
+        default="auto",
+        help="vllm: pass --data-parallel-* to each rank (MoE models); independent: plain `vllm serve` per rank "
+        "(dense models, which vLLM refuses in external DP), with dp_rank, dp_size and bootstrap_host (default "
+        "--dp-address) written into kv_connector_extra_config of --kv-transfer-config; auto (default): "
+        "independent when --model is a local directory whose config.json shows a dense model, else vllm",
+    )
     o.add_argument("--host", default="0.0.0.0", help="address each rank's API server binds (default 0.0.0.0)")
     o.add_argument(
         "--device",
@@ -205,10 +248,11 @@ def _valid_address(addr: str) -> bool:
     return bool(_HOSTNAME_RE.match(addr))
 
 
-def validate(args: argparse.Namespace, extra: Sequence[str]) -> int:
+def validate(args: argparse.Namespace, extra: Sequence[str], dp_mode: str = "vllm") -> int:
     """Check the flags against the deployment guide's constraints; return the local rank count.
 
-    Raises `UsageError` with a one-line message on the first violation.
+    Raises `UsageError` with a one-line message on the first violation. With `dp_mode`
+    "independent" the DP RPC port is unused, so it may fall among the API ports.
     """
     if args.dp_size < 1:
         raise UsageError(f"--dp-size must be >= 1, got {args.dp_size}")
@@ -235,7 +279,7 @@ def validate(args: argparse.Namespace, extra: Sequence[str]) -> int:
         raise UsageError(
             f"--vllm-start-port must leave {local} ports within 1..65535 (got {args.vllm_start_port}..{last_port})"
         )
-    if args.vllm_start_port <= args.dp_rpc_port <= last_port:
+    if dp_mode != "independent" and args.vllm_start_port <= args.dp_rpc_port <= last_port:
         raise UsageError(f"--dp-rpc-port {args.dp_rpc_port} falls in the API ports {args.vllm_start_port}..{last_port}")
     if args.stop_grace_s < 0:
         raise UsageError(f"--stop-grace-s must be >= 0, got {args.stop_grace_s}")
@@ -248,6 +292,115 @@ def validate(args: argparse.Namespace, extra: Sequence[str]) -> int:
     if not args.template.is_file():
         raise UsageError(f"template {args.template} does not exist")
     return local
+
+
+def _moe_markers(config: Mapping[str, object]) -> list[str]:
+    """The MoE keys of a model's config.json (top level and "text_config") with a positive integer value."""
+    found = []
+    for prefix, scope in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(scope, Mapping):
+            continue
+        for key in MOE_CONFIG_KEYS:
+            value = scope.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append(f"{prefix}{key}={value}")
+    return found
+
+
+def detect_dp_mode(model: str | None) -> tuple[str, str]:
+    """("independent", why) for a local model directory whose config.json shows a dense model, else ("vllm", why)."""
+    if not model:
+        return "vllm", "no --model to inspect"
+    config_path = Path(model).expanduser() / "config.json"
+    try:
+        if not config_path.is_file():
+            return "vllm", f"no local {config_path} (a hub name?), so dense vs MoE is unknown"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return "vllm", f"cannot read {config_path}: {exc}"
+    if not isinstance(config, dict):
+        return "vllm", f"{config_path} is not a JSON object"
+    markers = _moe_markers(config)
+    if markers:
+        return "vllm", f"{config_path} shows an MoE model: {', '.join(markers)}"
+    return "independent", f"{config_path} shows a dense model (no expert count), which vLLM refuses in external DP"
+
+
+def resolve_dp_mode(args: argparse.Namespace) -> tuple[str, str]:
+    """The DP mode the ranks run in ("vllm" or "independent") and why."""
+    if args.dp_mode != "auto":
+        return args.dp_mode, f"--dp-mode {args.dp_mode}"
+    mode, why = detect_dp_mode(args.model)
+    return mode, f"auto: {why}"
+
+
+def _flag_name(arg: str) -> str:
+    """`--kv_transfer_config=...` -> `--kv_transfer_config` -> `--kv-transfer-config` (vLLM reads `_` as `-`)."""
+    name = arg.split("=", 1)[0]
+    if not name.startswith("--"):
+        return name
+    head, dot, tail = name[2:].partition(".")
+    return "--" + head.replace("_", "-") + dot + tail
+
+
+def _with_dp_place(value: str, dp_rank: int, dp_size: int, bootstrap_host: str) -> str:
+    """The JSON of --kv-transfer-config with this rank's dp_rank, dp_size (and bootstrap_host) in its extra config."""
+    what = f"{KV_TRANSFER_FLAG} (rewritten per rank with --dp-mode independent)"
+    try:
+        config = json.loads(value)
+    except ValueError as exc:
+        raise UsageError(f"{what} must be a JSON object, got {value!r}: {exc}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{what} must be a JSON object, got {value!r}")
+    extra_config = config.get("kv_connector_extra_config")
+    if extra_config is None:
+        extra_config = config["kv_connector_extra_config"] = {}
+    if not isinstance(extra_config, dict):
+        raise UsageError(f"{what}: kv_connector_extra_config must be a JSON object, got {extra_config!r}")
+    for key in INJECTED_DP_KEYS:
+        if key in extra_config:
+            raise UsageError(
+                f"{KV_TRANSFER_FLAG}: kv_connector_extra_config.{key} is set per rank by the launcher with "
+                "--dp-mode independent (from --dp-rank-start and --dp-size); remove it"
+            )
+    extra_config["dp_rank"] = dp_rank
+    extra_config["dp_size"] = dp_size
+    extra_config.setdefault("bootstrap_host", bootstrap_host)
+    return json.dumps(config, separators=(",", ":"))
+
+
+def rewrite_kv_transfer_config(
+    extra: Sequence[str], *, dp_rank: int, dp_size: int, bootstrap_host: str
+) -> tuple[list[str], bool]:
+    """Give every `--kv-transfer-config JSON` / `--kv-transfer-config=JSON` in `extra` this rank's DP place.
+
+    Returns the rewritten arguments and whether a --kv-transfer-config was found.
+    """
+    out: list[str] = []
+    found = False
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        name = _flag_name(arg)
+        if name.startswith(KV_TRANSFER_FLAG + "."):
+            raise UsageError(
+                f"{arg.split('=', 1)[0]}: with --dp-mode independent pass {KV_TRANSFER_FLAG} as one JSON object "
+                "(the launcher rewrites it per rank), not in dotted form"
+            )
+        if name == KV_TRANSFER_FLAG:
+            found = True
+            if "=" in arg:
+                flag, value = arg.split("=", 1)
+                out.append(f"{flag}={_with_dp_place(value, dp_rank, dp_size, bootstrap_host)}")
+            elif i + 1 < len(extra):
+                out += [arg, _with_dp_place(extra[i + 1], dp_rank, dp_size, bootstrap_host)]
+                i += 1
+            else:
+                raise UsageError(f"{arg} needs a value (a JSON object)")
+        else:
+            out.append(arg)
+        i += 1
+    return out, found
 
 
 def detect_device() -> str:
@@ -389,7 +542,8 @@ def build_plans(
 ) -> list[RankPlan]:
     """Validate the flags and work out every local rank's command line and environment."""
     environ = os.environ if environ is None else environ
-    local = validate(args, extra)
+    dp_mode, dp_mode_reason = resolve_dp_mode(args)
+    local = validate(args, extra, dp_mode)
     device = detect_device() if args.device == "auto" else args.device
     if device == "npu":
         devices = npu_assignments(local, args.tp_size, args.visible_devices, environ)
@@ -405,6 +559,11 @@ def build_plans(
     for i in range(local):
         dp_rank = args.dp_rank_start + i
         port = args.vllm_start_port + i
+        rank_extra, rewritten = list(extra), False
+        if dp_mode == "independent":
+            rank_extra, rewritten = rewrite_kv_transfer_config(
+                extra, dp_rank=dp_rank, dp_size=args.dp_size, bootstrap_host=args.dp_address
+            )
         cmd = [
             "bash",
             str(args.template),
@@ -415,7 +574,7 @@ def build_plans(
             args.dp_address,
             str(args.dp_rpc_port),
             str(args.tp_size),
-            *extra,
+            *rank_extra,
         ]
         env = {
             "PD_DEVICE": device,
@@ -423,6 +582,7 @@ def build_plans(
             "PD_PYTHON": sys.executable,
             "PD_SERVE_CMD": " ".join(serve_cmd),
             "PD_DP_LOCAL_INDEX": str(i),
+            "PD_DP_MODE": dp_mode,
         }
         if args.model:
             env["PD_MODEL"] = args.model
@@ -438,6 +598,9 @@ def build_plans(
                 cmd=cmd,
                 env=env,
                 health_url=f"http://{health_host}:{port}/health",
+                dp_mode=dp_mode,
+                dp_mode_reason=dp_mode_reason,
+                kv_config_rewritten=rewritten,
             )
         )
     return plans
@@ -642,14 +805,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    notes = [f"dp mode {plans[0].dp_mode} ({plans[0].dp_mode_reason})"]
+    if plans[0].dp_mode == "independent" and not plans[0].kv_config_rewritten:
+        notes.append(
+            f"note: no {KV_TRANSFER_FLAG} after --, so nothing to give dp_rank/dp_size: "
+            "the ranks start as plain independent vLLM instances"
+        )
     if args.dry_run:
+        for note in notes:
+            print(f"# {note}")
         for plan in plans:
             print(f"# dp rank {plan.dp_rank} (local {plan.local_index}): {plan.health_url}")
             print(plan.shell_line())
         return 0
+    for note in notes:
+        say(note)
+    if plans[0].dp_mode == "independent":
+        where = f"independent instances, DP master {args.dp_address}"
+    else:
+        where = f"master {args.dp_address}:{args.dp_rpc_port}"
     say(
         f"starting {len(plans)} of {args.dp_size} DP rank(s) "
-        f"({plans[0].dp_rank}..{plans[-1].dp_rank}), tp {args.tp_size}, master {args.dp_address}:{args.dp_rpc_port}"
+        f"({plans[0].dp_rank}..{plans[-1].dp_rank}), tp {args.tp_size}, {where}"
     )
     return run_ranks(
         plans,

@@ -11,11 +11,17 @@
 #   $3  DP size      $4  DP rank      $5  DP address (master node)
 #   $6  DP RPC port  $7  tensor-parallel size
 #   $8… passed to `vllm serve` unchanged (e.g. --kv-transfer-config '{...}')
+# $3-$6 become vLLM's --data-parallel-size/-rank/-address/-rpc-port, except with
+# PD_DP_MODE=independent (below), where they are checked but not passed on.
 #
 # Environment (the launcher sets the PD_* ones; edit the defaults below for a fixed node):
 #   PD_MODEL       model path or name (required unless MODEL below is edited)
 #   PD_HOST        address the API server binds (default 0.0.0.0)
 #   PD_DEVICE      npu | cpu (default: npu when `npu-smi` is on PATH, else cpu)
+#   PD_DP_MODE     vllm (default): external DP through vLLM's --data-parallel-* flags (MoE
+#                  models); independent: plain `vllm serve` with no --data-parallel-* flag, as
+#                  vLLM requires for dense models (the launcher then puts dp_rank, dp_size and
+#                  bootstrap_host into kv_connector_extra_config of --kv-transfer-config)
 #   PD_SERVE_CMD   command that runs vLLM's CLI, split on whitespace (default: `vllm` when
 #                  its console script works, else `$PD_PYTHON -m launch.vllm_cli`)
 #   PD_PYTHON      interpreter for the checks and the fallback (default python3)
@@ -55,6 +61,11 @@ for name in port dp_size dp_rank dp_rpc_port tp_size; do
 done
 [[ -n "$dp_address" ]] || die "dp_address is empty"
 [[ -n "$MODEL" ]] || die "no model: set PD_MODEL (launch_online_dp.py --model) or edit MODEL in $0"
+dp_mode=${PD_DP_MODE:-vllm}
+case $dp_mode in
+    vllm | independent) ;;
+    *) die "PD_DP_MODE must be 'vllm' or 'independent', got '$dp_mode'" ;;
+esac
 
 device=${PD_DEVICE:-}
 if [[ -z "$device" ]]; then
@@ -106,16 +117,15 @@ else
     serve_cmd=("$python" -m launch.vllm_cli)
 fi
 
-cmd=(
-    "${serve_cmd[@]}" serve "$MODEL"
-    --host "$HOST"
-    --port "$port"
-    --data-parallel-size "$dp_size"
-    --data-parallel-rank "$dp_rank"
-    --data-parallel-address "$dp_address"
-    --data-parallel-rpc-port "$dp_rpc_port"
-    --tensor-parallel-size "$tp_size"
-    "$@"
-)
-echo "run_dp_template.sh: dp rank $dp_rank/$dp_size ($device, devices '${devices}'): ${cmd[*]}" >&2
+cmd=("${serve_cmd[@]}" serve "$MODEL" --host "$HOST" --port "$port")
+if [[ "$dp_mode" == vllm ]]; then
+    cmd+=(
+        --data-parallel-size "$dp_size"
+        --data-parallel-rank "$dp_rank"
+        --data-parallel-address "$dp_address"
+        --data-parallel-rpc-port "$dp_rpc_port"
+    )
+fi
+cmd+=(--tensor-parallel-size "$tp_size" "$@")
+echo "run_dp_template.sh: dp rank $dp_rank/$dp_size ($device, devices '${devices}', dp mode $dp_mode): ${cmd[*]}" >&2
 exec "${cmd[@]}"

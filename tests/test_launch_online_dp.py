@@ -2,6 +2,8 @@
 
 - the flag checks of the deployment guide: each violation -> exit code 2 and a one-line message;
 - the per-rank command lines and environments (`build_plans`, `--dry-run`);
+- the DP mode (`--dp-mode auto|vllm|independent`): dense/MoE detection from config.json and the
+  per-rank rewrite of `--kv-transfer-config` in independent mode;
 - `run_dp_template.sh` run with a harmless command in place of `vllm`: arguments and env;
 - the launcher's process handling with a harmless template: exit codes, a failing rank stops
   the others, SIGTERM reaches every rank's process group (SIGKILL after the grace period).
@@ -210,12 +212,223 @@ def test_dry_run_prints_a_runnable_line_per_rank(capsys):
     argv = [*BASE, "--device", "cpu", "--cpu-bind", "0;1", "--model", "/m", "--dry-run", "--", *extra]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "# dp rank 0 (local 0): http://127.0.0.1:18100/health"
-    words = shlex.split(lines[3])
+    assert lines[0].startswith("# dp mode vllm (auto: no local /m/config.json")
+    assert lines[1] == "# dp rank 0 (local 0): http://127.0.0.1:18100/health"
+    words = shlex.split(lines[4])
     assert words[0] == "env"
     assert "PD_MODEL=/m" in words and "PD_DEVICE=cpu" in words
     i = words.index("bash")
     assert words[i + 1 :] == [str(TEMPLATE), "1", "18101", "2", "1", "127.0.0.1", "13345", "1", *extra]
+
+
+# -- DP mode ----------------------------------------------------------------------------------
+DENSE = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4}
+KV = {"kv_connector": "PDConnector", "kv_role": "kv_producer"}
+
+
+def model_dir(tmp_path: Path, config: dict | None, name: str = "model") -> str:
+    path = tmp_path / name
+    path.mkdir()
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def kv_config_of(cmd: list[str]) -> dict:
+    """The JSON of the (last) --kv-transfer-config in a rank's command, either argument form."""
+    found = None
+    for i, arg in enumerate(cmd):
+        if arg == "--kv-transfer-config":
+            found = cmd[i + 1]
+        elif arg.startswith("--kv-transfer-config="):
+            found = arg.split("=", 1)[1]
+    assert found is not None, cmd
+    return json.loads(found)
+
+
+def test_auto_dp_mode_picks_independent_for_a_dense_local_model(tmp_path):
+    model = model_dir(tmp_path, DENSE)
+    plans = plans_for([*BASE, "--device", "cpu", "--cpu-bind", "none", "--model", model])
+    assert [p.dp_mode for p in plans] == ["independent", "independent"]
+    assert [p.env["PD_DP_MODE"] for p in plans] == ["independent", "independent"]
+    assert plans[0].dp_mode_reason.startswith("auto: ")
+    assert "dense model" in plans[0].dp_mode_reason
+    # The template's seven positional arguments stay as they are.
+    assert plans[1].cmd[2:9] == ["", "18101", "2", "1", "127.0.0.1", "13345", "1"]
+
+
+@pytest.mark.parametrize(
+    ("config", "marker"),
+    [
+        ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}, "experts=4"),
+        ({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 8}, "n_routed_experts=8"),
+        ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 16}, "num_experts=16"),
+        ({"text_config": {"num_experts_per_tok": 2}}, "text_config.num_experts_per_tok=2"),
+    ],
+    ids=["mixtral", "deepseek", "qwen-moe", "nested-text-config"],
+)
+def test_auto_dp_mode_picks_vllm_for_an_moe_model(tmp_path, config, marker):
+    model = model_dir(tmp_path, config)
+    plans = plans_for([*BASE, "--device", "cpu", "--cpu-bind", "none", "--model", model])
+    assert [p.dp_mode for p in plans] == ["vllm", "vllm"]
+    assert plans[0].env["PD_DP_MODE"] == "vllm"
+    assert "MoE model" in plans[0].dp_mode_reason
+    assert marker in plans[0].dp_mode_reason
+
+
+def test_auto_dp_mode_ignores_zero_and_non_integer_expert_counts(tmp_path):
+    config = {**DENSE, "num_experts": 0, "num_local_experts": None, "moe_num_experts": "4", "n_routed_experts": True}
+    assert dp.detect_dp_mode(model_dir(tmp_path, config))[0] == "independent"
+
+
+@pytest.mark.parametrize("kind", ["missing-path", "hub-name", "no-config-json", "bad-json", "no-model"])
+def test_auto_dp_mode_picks_vllm_without_a_readable_local_config(tmp_path, kind):
+    if kind == "missing-path":
+        model = str(tmp_path / "nope")
+    elif kind == "hub-name":
+        model = "mistralai/Mixtral-8x7B-v0.1"
+    elif kind == "no-config-json":
+        model = model_dir(tmp_path, None)
+    elif kind == "bad-json":
+        model = model_dir(tmp_path, None)
+        (Path(model) / "config.json").write_text("{not json")
+    else:
+        model = None
+    mode, why = dp.detect_dp_mode(model)
+    assert mode == "vllm", why
+    argv = [*BASE, "--device", "cpu", "--cpu-bind", "none", *(["--model", model] if model else [])]
+    plans = plans_for(argv)
+    assert plans[0].dp_mode == "vllm"
+    assert "--kv-transfer-config" not in plans[0].cmd
+
+
+def test_explicit_dp_mode_overrides_the_detection(tmp_path):
+    dense = model_dir(tmp_path, DENSE)
+    argv = [*BASE, "--device", "cpu", "--cpu-bind", "none"]
+    plans = plans_for([*argv, "--model", dense, "--dp-mode", "vllm"])
+    assert (plans[0].dp_mode, plans[0].dp_mode_reason) == ("vllm", "--dp-mode vllm")
+    plans = plans_for([*argv, "--model", "org/hub-model", "--dp-mode", "independent"])
+    assert (plans[0].dp_mode, plans[0].env["PD_DP_MODE"]) == ("independent", "independent")
+
+
+@pytest.mark.parametrize("form", ["separate", "equals"])
+def test_independent_mode_gives_each_rank_its_dp_place_in_the_kv_transfer_config(form):
+    user = {**KV, "kv_connector_extra_config": {"bootstrap_port": 18800, "local_ip": "10.0.0.9"}}
+    if form == "separate":
+        kv_args = ["--kv-transfer-config", json.dumps(user)]
+    else:
+        kv_args = [f"--kv-transfer-config={json.dumps(user)}"]
+    argv = [
+        "--dp-size", "4", "--dp-size-local", "2", "--dp-rank-start", "2", "--dp-address", "10.0.0.1",
+        "--device", "cpu", "--cpu-bind", "none", "--model", "m", "--dp-mode", "independent",
+        "--", "--dtype", "float32", *kv_args, "--enforce-eager",
+    ]  # fmt: skip
+    plans = plans_for(argv)
+    for plan, rank in zip(plans, (2, 3), strict=True):
+        assert plan.kv_config_rewritten
+        extra = plan.cmd[9:]
+        assert extra[:2] == ["--dtype", "float32"] and extra[-1] == "--enforce-eager"
+        if form == "equals":
+            assert len(extra) == 4 and extra[2].startswith("--kv-transfer-config={")
+        got = kv_config_of(plan.cmd)
+        assert got == {
+            **KV,
+            "kv_connector_extra_config": {
+                "bootstrap_port": 18800,
+                "local_ip": "10.0.0.9",
+                "dp_rank": rank,
+                "dp_size": 4,
+                "bootstrap_host": "10.0.0.1",
+            },
+        }
+
+
+def test_independent_mode_creates_the_extra_config_and_keeps_a_given_bootstrap_host():
+    argv = [*BASE, "--device", "cpu", "--cpu-bind", "none", "--dp-mode", "independent", "--"]
+    plans = plans_for([*argv, "--kv-transfer-config", json.dumps(KV)])
+    assert kv_config_of(plans[1].cmd)["kv_connector_extra_config"] == {
+        "dp_rank": 1,
+        "dp_size": 2,
+        "bootstrap_host": "127.0.0.1",
+    }
+    user = {**KV, "kv_connector_extra_config": {"bootstrap_host": "p-node-0.example"}}
+    plans = plans_for([*argv, "--kv-transfer-config", json.dumps(user)])
+    assert [kv_config_of(p.cmd)["kv_connector_extra_config"]["bootstrap_host"] for p in plans] == [
+        "p-node-0.example",
+        "p-node-0.example",
+    ]
+
+
+def test_vllm_mode_passes_the_kv_transfer_config_unchanged(tmp_path):
+    model = model_dir(tmp_path, {"num_local_experts": 4})
+    kv = json.dumps({**KV, "kv_connector_extra_config": {"dp_rank": 0}})
+    plans = plans_for(
+        [*BASE, "--device", "cpu", "--cpu-bind", "none", "--model", model, "--", "--kv-transfer-config", kv]
+    )
+    assert plans[1].cmd[9:] == ["--kv-transfer-config", kv]
+    assert not plans[1].kv_config_rewritten
+
+
+def test_independent_mode_does_not_use_the_dp_rpc_port():
+    # It may even fall among the API ports: no rank listens on it.
+    plans = plans_for(
+        [*BASE, "--device", "cpu", "--cpu-bind", "none", "--dp-mode", "independent", "--dp-rpc-port", "18101"]
+    )
+    assert [p.port for p in plans] == [18100, 18101]
+
+
+INDEPENDENT = [*BASE, "--device", "cpu", "--cpu-bind", "none", "--dp-mode", "independent"]
+BAD_KV_CONFIGS = [
+    (["--kv-transfer-config", json.dumps({**KV, "kv_connector_extra_config": {"dp_rank": 0}})],
+     "kv_connector_extra_config.dp_rank is set per rank by the launcher"),
+    ([f"--kv-transfer-config={json.dumps({**KV, 'kv_connector_extra_config': {'dp_size': 2}})}"],
+     "kv_connector_extra_config.dp_size is set per rank by the launcher"),
+    (["--kv-transfer-config", "{kv_connector: PDConnector}"], "--kv-transfer-config (rewritten per rank"),
+    (["--kv-transfer-config=[1, 2]"], "must be a JSON object, got '[1, 2]'"),
+    (["--kv-transfer-config", '{"kv_connector_extra_config": 3}'], "kv_connector_extra_config must be a JSON object"),
+    (["--dtype", "float32", "--kv-transfer-config"], "--kv-transfer-config needs a value"),
+    (["--kv-transfer-config.kv_connector", "PDConnector"], "not in dotted form"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_KV_CONFIGS, ids=[m for _, m in BAD_KV_CONFIGS])
+def test_independent_mode_refuses_a_kv_transfer_config_it_cannot_rewrite(extra, message, capsys):
+    with pytest.raises(UsageError) as exc:
+        plans_for([*INDEPENDENT, "--", *extra])
+    assert message in str(exc.value)
+    assert main([*INDEPENDENT, "--dry-run", "--", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1, err
+    assert message in err
+
+
+def test_independent_mode_also_reads_the_underscore_spelling():
+    plans = plans_for([*INDEPENDENT, "--", "--kv_transfer_config", json.dumps(KV)])
+    assert plans[0].cmd[9] == "--kv_transfer_config"
+    assert json.loads(plans[0].cmd[10])["kv_connector_extra_config"]["dp_rank"] == 0
+
+
+def test_dry_run_shows_the_mode_and_each_rank_rewritten_kv_config(tmp_path, capsys):
+    model = model_dir(tmp_path, DENSE)
+    argv = [*BASE, "--device", "cpu", "--cpu-bind", "none", "--model", model, "--dry-run"]
+    assert main([*argv, "--", "--kv-transfer-config", json.dumps(KV)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# dp mode independent (auto: ")
+    assert len(lines) == 5
+    for line, rank in ((lines[2], 0), (lines[4], 1)):
+        words = shlex.split(line)
+        assert "PD_DP_MODE=independent" in words
+        got = kv_config_of(words)
+        assert got["kv_connector_extra_config"] == {"dp_rank": rank, "dp_size": 2, "bootstrap_host": "127.0.0.1"}
+
+
+def test_dry_run_notes_when_independent_mode_has_no_kv_config_to_rewrite(capsys):
+    assert main([*INDEPENDENT, "--dry-run", "--", "--dtype", "float32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "# dp mode independent (--dp-mode independent)"
+    assert lines[1].startswith("# note: no --kv-transfer-config")
+    assert shlex.split(lines[3])[-2:] == ["--dtype", "float32"]
 
 
 # -- the template -----------------------------------------------------------------------------
@@ -264,6 +477,37 @@ def test_template_cpu_runs_the_serve_command_with_the_rank_flags(tmp_path, dump)
     assert data["env"]["HCCL_BUFFSIZE"] is None
     assert data["env"]["PYTHONUNBUFFERED"] == "1"
     assert "dp rank 3/4 (cpu" in proc.stderr
+
+
+DP_FLAGS = ["--data-parallel-size", "--data-parallel-rank", "--data-parallel-address", "--data-parallel-rpc-port"]
+
+
+def test_template_independent_mode_omits_the_data_parallel_flags(tmp_path, dump):
+    kv = '{"kv_connector":"PDConnector","kv_connector_extra_config":{"dp_rank":3,"dp_size":4}}'
+    env = {
+        "PD_MODEL": "/m",
+        "PD_DEVICE": "cpu",
+        "PD_DP_MODE": "independent",
+        "PD_SERVE_CMD": f"{sys.executable} {dump}",
+    }
+    proc, data = run_template([*RANK_ARGS, "--kv-transfer-config", kv], env, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert data["argv"] == [
+        "serve", "/m", "--host", "0.0.0.0", "--port", "8101", "--tensor-parallel-size", "2",
+        "--kv-transfer-config", kv,
+    ]  # fmt: skip
+    assert not any(a.startswith("--data-parallel") for a in data["argv"])
+    assert "dp rank 3/4 (cpu, devices '0-1|2-3', dp mode independent)" in proc.stderr
+
+
+def test_template_vllm_mode_passes_the_data_parallel_flags(tmp_path, dump):
+    env = {"PD_MODEL": "/m", "PD_DEVICE": "cpu", "PD_DP_MODE": "vllm", "PD_SERVE_CMD": f"{sys.executable} {dump}"}
+    proc, data = run_template(RANK_ARGS, env, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    argv = data["argv"]
+    assert [argv[argv.index(f) + 1] for f in DP_FLAGS] == ["4", "3", "10.0.0.1", "12321"]
+    assert argv[-2:] == ["--tensor-parallel-size", "2"]
+    assert "dp mode vllm" in proc.stderr
 
 
 def test_template_cpu_without_cores_keeps_the_default_binding(tmp_path, dump):
@@ -317,6 +561,7 @@ def test_template_falls_back_to_the_vllm_cli_wrapper(tmp_path, dump):
         (["0", "80x1", *RANK_ARGS[2:]], {"PD_MODEL": "m"}, "port must be a non-negative integer, got '80x1'"),
         (["0", "8101", "4", "3", "", "1", "1"], {"PD_MODEL": "m"}, "dp_address is empty"),
         (RANK_ARGS, {"PD_MODEL": "m", "PD_DEVICE": "gpu"}, "PD_DEVICE must be 'npu' or 'cpu', got 'gpu'"),
+        (RANK_ARGS, {"PD_MODEL": "m", "PD_DP_MODE": "dense"}, "PD_DP_MODE must be 'vllm' or 'independent'"),
     ],
 )
 def test_template_rejects_bad_input_with_exit_2(tmp_path, dump, args, env, message):
@@ -399,6 +644,17 @@ def test_launcher_runs_every_rank_and_exits_0_when_they_do(tmp_path, fake):
         assert args[2] == "2"
         assert args[7:] == ["--dtype", "float32"]
     assert "exited with code 0" in out
+
+
+def test_launcher_independent_mode_hands_each_rank_its_kv_config(tmp_path, fake):
+    proc = launcher(fake, tmp_path, {}, "--dp-mode", "independent", "--", "--kv-transfer-config", json.dumps(KV))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "launch_online_dp: dp mode independent (--dp-mode independent)" in out
+    assert "independent instances, DP master 127.0.0.1" in out
+    for rank in (0, 1):
+        args = (tmp_path / f"args_{rank}").read_text().splitlines()
+        assert json.loads(args[8])["kv_connector_extra_config"]["dp_rank"] == rank
 
 
 def test_a_rank_exiting_0_still_stops_the_others(tmp_path, fake):

@@ -313,13 +313,24 @@ class Exchange:
         self.ttfb: float | None = None
         self.late_p_failure: Failure | None = None
         self.stream_done = False
+        #: The last bytes relayed to the client; a stream whose tail is ``data: [DONE]`` is complete
+        #: even if the client hangs up before the Router ends the chunked body.
+        self._tail = b""
 
     # -- the whole request ------------------------------------------------------------------
+
+    @property
+    def sent_done_event(self) -> bool:
+        """Whether the client already has the stream's final ``data: [DONE]`` event."""
+        return self._tail.rstrip().endswith(b"data: [DONE]")
 
     async def run(self) -> web.StreamResponse:
         try:
             return await self._attempts()
         except asyncio.CancelledError:
+            if self.sent_done_event:
+                logger.debug("rid=%s room=%s client closed the connection after [DONE]", self.rid, self.room)
+                raise
             self.status = CLIENT_CLOSED_REQUEST
             self.router.metrics.error(self.endpoint, CLIENT_DISCONNECTED)
             logger.warning(
@@ -585,6 +596,7 @@ class Exchange:
                     eof_sent = True
                 else:
                     await response.write(chunk)
+                self._tail = (self._tail + chunk)[-64:]
                 if self.ttfb is None:
                     self.ttfb = time.monotonic() - self.t0
                 if eof_sent:

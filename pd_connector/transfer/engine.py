@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 logger = logging.getLogger(__name__)
+
+#: Extra tries of a failed batch write.
+WRITE_RETRIES = 1
 
 
 class TransferError(RuntimeError):
@@ -57,17 +60,33 @@ class MooncakeEngine:
         dst: Sequence[int],
         lengths: Sequence[int],
         max_batch: int,
+        still_wanted: Callable[[], bool] | None = None,
     ) -> None:
-        """Write src[i] -> session:dst[i], in batches of at most max_batch entries."""
+        """Write src[i] -> session:dst[i], in batches of at most max_batch entries.
+
+        A failed batch is written once more (the same bytes to the same places, so a repeat is
+        harmless): Mooncake's TCP transport drops a connection that made no progress for
+        MC_TCP_PROGRESS_TIMEOUT_SEC and the next try opens a fresh one. ``still_wanted``, when
+        given, is asked first: a reader that gave up may have handed its blocks to someone else.
+        """
         for start in range(0, len(src), max_batch):
             end = start + max_batch
-            ret = self._engine.batch_transfer_sync_write(
-                session, list(src[start:end]), list(dst[start:end]), list(lengths[start:end])
-            )
-            if ret != 0:
-                raise TransferError(
-                    f"Mooncake batch write of {len(src[start:end])} entries to {session} failed with {ret}"
+            batch = (list(src[start:end]), list(dst[start:end]), list(lengths[start:end]))
+            ret = self._engine.batch_transfer_sync_write(session, *batch)
+            for attempt in range(WRITE_RETRIES):
+                if ret == 0 or (still_wanted is not None and not still_wanted()):
+                    break
+                logger.warning(
+                    "Mooncake batch write of %d entries to %s failed with %d; trying again (%d/%d)",
+                    len(batch[0]),
+                    session,
+                    ret,
+                    attempt + 1,
+                    WRITE_RETRIES,
                 )
+                ret = self._engine.batch_transfer_sync_write(session, *batch)
+            if ret != 0:
+                raise TransferError(f"Mooncake batch write of {len(batch[0])} entries to {session} failed with {ret}")
 
     def close(self) -> None:
         for addr in self._registered:

@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 CLOSED_ROOMS_KEPT = 100_000
 CANCELLED = "decode cancelled the transfer"
+#: How long a D request for a room that was already closed (sent, expired, aborted) waits for a new
+#: prefill of the same room before it is refused with the reason the room was closed.
+CLOSED_ROOM_GRACE_S = 5.0
 POLL_MS = 50
 
 
@@ -104,6 +107,8 @@ class _ReadyRoom:
 class _WaitingRequest:
     req: proto.TransferRequest
     deadline: float
+    #: Why the room was closed when this request came (it waits a short grace for a new prefill).
+    closed_reason: str = ""
 
 
 @dataclass
@@ -333,16 +338,22 @@ class KVTransferManager:
             return
         with self._lock:
             ready = self._ready.get(req.room)
-            closed = self._closed_rooms.get(req.room) if ready is None else None
-            if ready is None and closed is None:
-                deadline = time.monotonic() + self.cfg.room_timeout_s
-                self._waiting.setdefault(req.room, []).append(_WaitingRequest(req, deadline))
+            closed = self._closed_rooms.get(req.room, "") if ready is None else ""
+            if ready is None:
+                # A closed room may be reused by a new request whose prefill has not finished yet
+                # (a client that sends its own room twice): wait a short grace before refusing.
+                wait_s = min(CLOSED_ROOM_GRACE_S, self.cfg.room_timeout_s) if closed else self.cfg.room_timeout_s
+                waiting = _WaitingRequest(req, time.monotonic() + wait_s, closed)
+                self._waiting.setdefault(req.room, []).append(waiting)
         if ready is not None:
             self._accept(ready, req)
-        elif closed is not None:
-            self._reply(req, ok=False, error=closed)
         else:
-            logger.debug("room=%d req=%s: decode asked before prefill finished", req.room, req.request_id)
+            logger.debug(
+                "room=%d req=%s: decode asked before prefill finished%s",
+                req.room,
+                req.request_id,
+                f" (room closed before: {closed})" if closed else "",
+            )
 
     def _expected_requests(self, room: int, peer: proto.PeerHello | None) -> int:
         if peer is None:
@@ -419,7 +430,9 @@ class KVTransferManager:
                     src, dst, lengths = tp_transfer_entries(
                         self.regions, peer_regions, slices, self.spec.local_kv_heads, peer.local_kv_heads, runs
                     )
-                    self.engine.write(peer.session, src, dst, lengths, self.cfg.max_batch_entries)
+                    self.engine.write(
+                        peer.session, src, dst, lengths, self.cfg.max_batch_entries, lambda: not ready.expired
+                    )
                     nbytes, entries = sum(lengths), len(lengths)
         except (TransferError, LayoutError) as exc:
             error = str(exc)
@@ -632,9 +645,12 @@ class KVTransferManager:
                         expired_rooms.append(ready)
                     self._finish_room_if_done(ready)
             for room, waiting in list(self._waiting.items()):
-                if waiting[0].deadline <= now:
-                    del self._waiting[room]
-                    stale_requests.extend(waiting)
+                due = [w for w in waiting if w.deadline <= now]
+                if due:
+                    stale_requests.extend(due)
+                    waiting[:] = [w for w in waiting if w.deadline > now]
+                    if not waiting:
+                        del self._waiting[room]
             for state in list(self._recvs.values()):
                 if state.deadline <= now:
                     timed_out.append(state)
@@ -647,7 +663,8 @@ class KVTransferManager:
                 self.cfg.room_timeout_s,
             )
         for waiting in stale_requests:
-            self._reply(waiting.req, ok=False, error=f"prefill did not produce room {waiting.req.room} in time")
+            error = waiting.closed_reason or f"prefill did not produce room {waiting.req.room} in time"
+            self._reply(waiting.req, ok=False, error=error)
         for state in timed_out:
             self._routes.invalidate(state.job.bootstrap_addr)
             self._fail_recv(state.job.req_id, f"no KV from prefill within {self.cfg.kv_wait_timeout_s:g} s")

@@ -17,6 +17,7 @@ long options below, with underscores). Modes:
 
 ``--stream-delay`` holds a stream's first chunk back after its headers were sent (vLLM sends
 the headers of a stream at once and its first chunk once D has the KV and a token).
+``--done-linger`` keeps a stream open that long after its ``data: [DONE]`` event.
 
 Every generation request is recorded; ``GET /stats`` returns the counts of started,
 completed and disconnected requests and the records (path, X-Request-Id, Authorization,
@@ -78,7 +79,13 @@ def _chunk(path: str, rid: str, index: int, token: str | None, kv: Any, port: in
 
 
 def build_app(
-    mode: str, port: int, delay: float, chunks: int, chunk_interval: float, stream_delay: float = 0.0
+    mode: str,
+    port: int,
+    delay: float,
+    chunks: int,
+    chunk_interval: float,
+    stream_delay: float = 0.0,
+    done_linger: float = 0.0,
 ) -> FastAPI:
     """The fake server for one behaviour ``mode``."""
     app = FastAPI()
@@ -174,6 +181,8 @@ def build_app(
                     yield _usage_chunk(path, rid, len(tokens))
                 yield b"data: [DONE]\n\n"
                 finished = True
+                if done_linger:
+                    await sleep_or_disconnect(request, done_linger)
             finally:
                 if record["state"] != "died":
                     record["state"] = "completed" if finished else "disconnected"
@@ -204,7 +213,7 @@ def build_app(
     return app
 
 
-SPEC_KEYS = {"port", "mode", "delay", "chunks", "chunk_interval", "stream_delay"}
+SPEC_KEYS = {"port", "mode", "delay", "chunks", "chunk_interval", "stream_delay", "done_linger"}
 
 
 async def serve(specs: list[dict[str, Any]], host: str) -> None:
@@ -221,6 +230,7 @@ async def serve(specs: list[dict[str, Any]], host: str) -> None:
             spec.get("chunks", 100),
             spec.get("chunk_interval", 0.2),
             spec.get("stream_delay", 0.0),
+            spec.get("done_linger", 0.0),
         )
         config = uvicorn.Config(app, host=host, port=spec["port"], log_level="warning", access_log=False)
         servers.append(uvicorn.Server(config))
@@ -237,6 +247,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=100, help="slow_stream, die_mid_stream: number of chunks")
     parser.add_argument("--chunk-interval", type=float, default=0.2, help="slow_stream: seconds between chunks")
     parser.add_argument("--stream-delay", type=float, default=0.0, help="seconds between headers and first chunk")
+    parser.add_argument("--done-linger", type=float, default=0.0, help="seconds a stream stays open after [DONE]")
     parser.add_argument("--specs", help="JSON list of backends to serve in this process (instead of --port ...)")
     args = parser.parse_args()
     if args.specs:
@@ -250,6 +261,7 @@ def main() -> None:
                 "chunks": args.chunks,
                 "chunk_interval": args.chunk_interval,
                 "stream_delay": args.stream_delay,
+                "done_linger": args.done_linger,
             }
         ]
     else:

@@ -130,6 +130,7 @@ class Backends:
     late_stream: int
     die_mid_stream: int
     error_event: int
+    lingering_d: int
     down: int
 
 
@@ -156,6 +157,8 @@ BACKEND_SPECS: dict[str, dict[str, Any]] = {
     # Three chunks 50 ms apart, then the connection drops.
     "die_mid_stream": {"mode": "die_mid_stream", "chunks": 3, "chunk_interval": 0.05},
     "error_event": {"mode": "error_event"},
+    # Keeps its stream open 2 s after [DONE] (a client may hang up in between).
+    "lingering_d": {"mode": "ok", "done_linger": 2.0},
 }
 
 

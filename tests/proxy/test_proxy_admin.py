@@ -285,3 +285,18 @@ def test_router_log_line_has_request_id_and_room(router_metrics: Router) -> None
         time.sleep(0.1)
     else:
         pytest.fail(f"no log line with rid={rid} and room=424242: {json.dumps(lines)}")
+
+
+def test_a_client_that_hangs_up_after_done_counts_as_served(router_factory: RouterFactory, backends: Backends) -> None:
+    router = router_factory(backends.ok_p, backends.lingering_d)
+    body = request_body("/v1/completions", stream=True, bootstrap_room=1)
+    with http_client() as client, client.stream("POST", f"{router.url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                break  # close the connection before the stream's end
+    endpoint = "/v1/completions"
+    wait_until(lambda: _value(_samples(router), "pd_router_requests_total", endpoint=endpoint, status="200") == 1, 10)
+    samples = _samples(router)
+    assert _value(samples, "pd_router_requests_total", endpoint=endpoint, status="499") == 0
+    assert _value(samples, "pd_router_errors_total", endpoint=endpoint) == 0

@@ -19,7 +19,7 @@ from pd_connector.config import parse_config
 from pd_connector.layout import memory_ranges, regions_of_kv_caches
 from pd_connector.metadata import RecvJob, SendJob
 from pd_connector.protocol import RegisterRank
-from pd_connector.transfer.engine import MooncakeEngine
+from pd_connector.transfer.engine import MooncakeEngine, TransferError
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 
 from .conftest import HOST, free_port, wait_for
@@ -347,6 +347,26 @@ def test_dropped_room_fails_decode_fast(rig: Rig, pd_logs: pytest.LogCaptureFixt
     assert p.sending == set() and p.idle()
 
 
+def test_a_reused_room_is_served_again_when_its_new_prefill_comes(rig: Rig) -> None:
+    """A client that sends the same room twice: D's second request may reach P before P's second prefill."""
+    p = rig.make("prefill", seed=9)
+    d = rig.make("decode")
+    p.mgr.add_sends([SendJob("p-req-1", 808, [1, 2], 2 * BLOCK_SIZE)])
+    d.mgr.add_recvs([recv_job(rig, "d-req-1", 808, [3, 4])])
+    d.wait_recv("d-req-1")
+    p.wait_sent("p-req-1")
+    # Same room again, D first: P holds the request for a short grace instead of refusing at once.
+    before = snapshot(d.kv)
+    d.mgr.add_recvs([recv_job(rig, "d-req-2", 808, [5, 6])])
+    wait_for(lambda: 808 in p.mgr._waiting, what="P to hold D's second request")
+    p.mgr.add_sends([SendJob("p-req-2", 808, [7, 8], 2 * BLOCK_SIZE)])
+    d.wait_recv("d-req-2")
+    p.wait_sent("p-req-2")
+    assert d.failed == {}
+    assert_landed(p, d, before, [7, 8], [5, 6])
+    assert p.idle() and d.idle()
+
+
 def test_drop_after_decode_asked_fails_decode(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
     p = rig.make("prefill", seed=8)
     d = rig.make("decode")
@@ -455,3 +475,46 @@ def test_prefill_not_registered_fails_fast(fresh_rig: Rig, pd_logs: pytest.LogCa
     d.wait_recv("d-req")
     assert d.failed == {"d-req": [0]}
     assert "not ready" in pd_logs.text
+
+
+class _FlakyEngine:
+    """Stands in for mooncake's TransferEngine: fails the first `failures` batch writes."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls: list[tuple[str, list[int], list[int], list[int]]] = []
+
+    def batch_transfer_sync_write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        self.calls.append((session, src, dst, lengths))
+        if self.failures > 0:
+            self.failures -= 1
+            return -1
+        return 0
+
+
+def _engine_with(fake: _FlakyEngine) -> MooncakeEngine:
+    engine = MooncakeEngine.__new__(MooncakeEngine)
+    engine._engine = fake
+    return engine
+
+
+def test_a_failed_batch_write_is_tried_once_more(pd_logs: pytest.LogCaptureFixture) -> None:
+    fake = _FlakyEngine(failures=1)
+    _engine_with(fake).write("h:1", [1, 2, 3], [4, 5, 6], [8, 8, 8], max_batch=2)
+    # Batch [1, 2] failed and was repeated; batch [3] went through at once.
+    assert [c[1] for c in fake.calls] == [[1, 2], [1, 2], [3]]
+    assert "trying again" in pd_logs.text
+
+
+def test_a_batch_write_that_fails_twice_raises() -> None:
+    fake = _FlakyEngine(failures=2)
+    with pytest.raises(TransferError, match="failed with -1"):
+        _engine_with(fake).write("h:1", [1], [2], [8], max_batch=4)
+    assert len(fake.calls) == 2
+
+
+def test_a_failed_write_is_not_repeated_once_the_reader_gave_up() -> None:
+    fake = _FlakyEngine(failures=1)
+    with pytest.raises(TransferError):
+        _engine_with(fake).write("h:1", [1], [2], [8], max_batch=4, still_wanted=lambda: False)
+    assert len(fake.calls) == 1

@@ -1,0 +1,155 @@
+"""2P as one external data-parallel deployment (DP 2, started by launch_online_dp.py) -> 1D, through the Router.
+
+The prefill side is what an operator runs with the vLLM-Ascend launcher flags:
+`python -m launch.launch_online_dp --dp-size 2 ... -- <vllm serve args> --kv-transfer-config ...`.
+The tiny model is dense, so the launcher runs each DP rank as its own `vllm serve` (vLLM 0.32
+refuses external DP for dense models) and writes `dp_rank`/`dp_size`/`bootstrap_host` into each
+rank's connector config: rank 0 hosts the deployment's bootstrap server, rank 1 registers with it.
+
+Two Routers sit in front of the same P ranks and D:
+- one told each prefiller's DP rank (`--prefiller-dp-ranks 0 1`): D gets `prefill_dp_rank`;
+- one not told: D asks the bootstrap server which DP rank holds each room.
+Rooms are given by the client, so `room % 2` picks the P rank and both ranks serve.
+Answers must be token-identical to a colocated vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.processes import (
+    KV_PARAMS_MIDDLEWARE,
+    ProcessGroup,
+    free_ports,
+    router_cmd,
+    vllm_env,
+    vllm_serve_cmd,
+    wait_all_healthy,
+)
+from tests.e2e.conftest import START_TIMEOUT_S
+from tests.e2e.helpers import PROMPT_LENGTHS, complete, count_in_log, prompts, wait_kv_free
+
+pytestmark = pytest.mark.e2e
+
+HOST = "127.0.0.1"
+SAMPLE = [i for i, n in enumerate(PROMPT_LENGTHS) if n in (1, 32, 33, 129, 300)]
+
+
+def _two_consecutive_free_ports() -> int:
+    """A port p such that p and p + 1 were both free a moment ago (launch_online_dp gives rank i port p + i)."""
+    for _ in range(50):
+        (port,) = free_ports(1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as first, socket.socket() as second:
+            try:
+                first.bind((HOST, port))
+                second.bind((HOST, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports found")
+
+
+def _rank_pids(launcher_log: Path) -> list[int]:
+    text = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
+    return [int(pid) for pid in re.findall(r"started dp rank \d+ \(pid (\d+)", text)]
+
+
+def test_external_dp2_prefill_to_one_decode_through_the_router(
+    reference: dict, tiny_model: Path, tmp_path: Path
+) -> None:
+    bootstrap_port, rpc_port, d_port, router_ranked, router_asking = free_ports(5)
+    p0_port = _two_consecutive_free_ports()
+    p_ports = [p0_port, p0_port + 1]
+    kv_config = {
+        "kv_connector": "PDConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "bootstrap_port": bootstrap_port,
+            "local_ip": HOST,
+            "protocol": "tcp",
+            "room_timeout_s": 60,
+        },
+    }
+    rank_log_dir = tmp_path / "dp-ranks"
+    launcher = [
+        sys.executable, "-m", "launch.launch_online_dp",
+        "--dp-size", "2", "--tp-size", "1",
+        "--dp-address", HOST, "--dp-rpc-port", str(rpc_port),
+        "--vllm-start-port", str(p0_port),
+        "--model", str(tiny_model), "--host", HOST,
+        "--device", "cpu", "--cpu-bind", "0;1",
+        "--log-dir", str(rank_log_dir), "--stop-grace-s", "8",
+        "--",
+        "--dtype", "float32", "--block-size", "32", "--max-model-len", "2048",
+        "--kv-transfer-config", json.dumps(kv_config),
+        "--middleware", KV_PARAMS_MIDDLEWARE,
+    ]  # fmt: skip
+    env = vllm_env("0")
+    env.pop("VLLM_CPU_OMP_THREADS_BIND")  # the launcher binds each rank to its own core
+    with ProcessGroup(tmp_path) as group:
+        try:
+            prefill = group.start("launch-online-dp", launcher, env=env)
+            d_cmd = vllm_serve_cmd(
+                tiny_model, d_port, kv_role="kv_consumer", bootstrap_port=bootstrap_port,
+                extra_config={"kv_wait_timeout_s": 60},
+            )  # fmt: skip
+            decode = group.start("decode", d_cmd, env=vllm_env("1"))
+            prefillers = [(HOST, port, bootstrap_port) for port in p_ports]
+            ranked = group.start(
+                "router-ranked",
+                [*router_cmd(router_ranked, prefillers, [(HOST, d_port)]), "--prefiller-dp-ranks", "0", "1"],
+            )
+            asking = group.start("router-asking", router_cmd(router_asking, prefillers, [(HOST, d_port)]))
+            wait_all_healthy(
+                [(f"http://{HOST}:{port}/health", prefill) for port in p_ports]
+                + [(f"http://{HOST}:{d_port}/health", decode)],
+                START_TIMEOUT_S,
+                watch=[ranked, asking],
+            )
+            wait_all_healthy(
+                [(f"http://{HOST}:{router_ranked}/health", ranked), (f"http://{HOST}:{router_asking}/health", asking)],
+                60,
+            )
+            launcher_log = prefill.log_path.read_text(errors="replace")
+            assert "dp mode independent" in launcher_log, launcher_log[-2000:]
+
+            all_prompts = prompts()
+            requests = 0
+            for first_room, router_port in ((0, router_ranked), (1000, router_asking)):
+                url = f"http://{HOST}:{router_port}"
+                for n, i in enumerate(SAMPLE):
+                    for stream in (False, True):
+                        room = first_room + 2 * n + int(stream)  # unique; both P ranks, streaming and not
+                        got = complete(url, str(tiny_model), all_prompts[i], stream=stream, bootstrap_room=room)
+                        want = reference["completions"][stream][i]
+                        assert got["token_ids"] == want["token_ids"], (
+                            f"router on {router_port}, prompt of {PROMPT_LENGTHS[i]} tokens, stream={stream}, "
+                            f"room {room} (P dp rank {room % 2})"
+                        )
+                        requests += 1
+
+            # Each P rank pushed the KV of the requests routed to it; rank 1 registered with rank 0's server.
+            logs = [rank_log_dir / f"dp_rank_{r}.log" for r in (0, 1)]
+            pushes = [count_in_log(path, r"pushed \d+ blocks") for path in logs]
+            # room % 2 picks the rank, unless the Router found a rank's health check slow at that moment
+            # and skipped it (this box is small), so each rank must have served a good share, not exactly half.
+            assert sum(pushes) >= requests and min(pushes) >= requests // 4, pushes
+            assert count_in_log(logs[1], r"registered rank dp=1 tp=0 with bootstrap") == 1
+            for port in (*p_ports, d_port):
+                assert wait_kv_free(f"http://{HOST}:{port}") == 0.0
+        finally:
+            # The launcher stops its ranks on SIGTERM; make sure by pid in case it could not.
+            pids = _rank_pids(prefill.log_path) if "prefill" in locals() else []
+            group.stop_all()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)

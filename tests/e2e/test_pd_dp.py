@@ -42,6 +42,10 @@ pytestmark = pytest.mark.e2e
 
 HOST = "127.0.0.1"
 SAMPLE = [i for i, n in enumerate(PROMPT_LENGTHS) if n in (1, 32, 33, 129, 300)]
+#: Both P ranks on core 0, D alone on core 1. Measured on this 2-core box: a P process sharing
+#: D's core sees Mooncake TCP writes to D stall past MC_TCP_PROGRESS_TIMEOUT_SEC now and then
+#: (internal DP with P on "0|1": most writes of the rank on core 1 failed; with "0|0": none).
+P_CORES_DP2 = "0|0"
 
 
 def _two_consecutive_free_ports() -> int:
@@ -86,7 +90,7 @@ def test_external_dp2_prefill_to_one_decode_through_the_router(
         "--dp-address", HOST, "--dp-rpc-port", str(rpc_port),
         "--vllm-start-port", str(p0_port),
         "--model", str(tiny_model), "--host", HOST,
-        "--device", "cpu", "--cpu-bind", "0;1",
+        "--device", "cpu", "--cpu-bind", P_CORES_DP2.replace("|", ";"),
         "--log-dir", str(rank_log_dir), "--stop-grace-s", "8",
         "--",
         "--dtype", "float32", "--block-size", "32", "--max-model-len", "2048",
@@ -94,7 +98,7 @@ def test_external_dp2_prefill_to_one_decode_through_the_router(
         "--middleware", KV_PARAMS_MIDDLEWARE,
     ]  # fmt: skip
     env = vllm_env("0")
-    env.pop("VLLM_CPU_OMP_THREADS_BIND")  # the launcher binds each rank to its own core
+    env.pop("VLLM_CPU_OMP_THREADS_BIND")  # the launcher binds each rank
     with ProcessGroup(tmp_path) as group:
         try:
             prefill = group.start("launch-online-dp", launcher, env=env)
@@ -153,3 +157,47 @@ def test_external_dp2_prefill_to_one_decode_through_the_router(
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
+
+
+def test_internal_dp2_prefill_to_one_decode_through_the_router(
+    reference: dict, tiny_model: Path, tmp_path: Path
+) -> None:
+    """P is one `vllm serve --data-parallel-size 2`: vLLM's own load balancer picks the engine per request.
+
+    The Router cannot know which engine that is, so it sends no `prefill_dp_rank` and D asks the
+    bootstrap server (hosted by DP engine 0; engine 1 registers with it) where each room went.
+    vLLM runs a dense model's DP engines as independent engines of DP size 1, so the deployment's
+    size comes from `kv_connector_extra_config.dp_size`.
+    """
+    p_port, bootstrap_port, d_port, router_port = free_ports(4)
+    with ProcessGroup(tmp_path) as group:
+        p_cmd = vllm_serve_cmd(
+            tiny_model, p_port, kv_role="kv_producer", bootstrap_port=bootstrap_port,
+            extra_config={"room_timeout_s": 60, "dp_size": 2},
+            extra_args=["--data-parallel-size", "2"],
+        )  # fmt: skip
+        prefill = group.start("prefill-dp2", p_cmd, env=vllm_env(P_CORES_DP2))
+        d_cmd = vllm_serve_cmd(
+            tiny_model, d_port, kv_role="kv_consumer", bootstrap_port=bootstrap_port,
+            extra_config={"kv_wait_timeout_s": 60},
+        )  # fmt: skip
+        decode = group.start("decode", d_cmd, env=vllm_env("1"))
+        router = group.start("router", router_cmd(router_port, [(HOST, p_port, bootstrap_port)], [(HOST, d_port)]))
+        wait_all_healthy(
+            [(f"http://{HOST}:{p_port}/health", prefill), (f"http://{HOST}:{d_port}/health", decode)],
+            START_TIMEOUT_S,
+            watch=[router],
+        )
+        wait_all_healthy([(f"http://{HOST}:{router_port}/health", router)], 60)
+        url = f"http://{HOST}:{router_port}"
+        all_prompts = prompts()
+        for i in SAMPLE:
+            for stream in (False, True):
+                got = complete(url, str(tiny_model), all_prompts[i], stream=stream)
+                want = reference["completions"][stream][i]
+                assert got["token_ids"] == want["token_ids"], f"prompt of {PROMPT_LENGTHS[i]} tokens, stream={stream}"
+        log = prefill.log_path
+        assert count_in_log(log, r"registered rank dp=1 tp=0 with bootstrap") == 1
+        assert count_in_log(log, r"pushed \d+ blocks") >= 2 * len(SAMPLE)
+        assert wait_kv_free(f"http://{HOST}:{p_port}") == 0.0
+        assert wait_kv_free(f"http://{HOST}:{d_port}") == 0.0

@@ -20,12 +20,39 @@ def kv_dtype_name(vllm_config: Any) -> str:
     return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
-def route_mismatch(route: Route, addr: str, block_size: int, kv_dtype: str, num_layers: int | None) -> str | None:
-    """Why D (``block_size``, ``kv_dtype``, ``num_layers``) cannot use P's ``route``; None if it can.
+def model_fingerprint(vllm_config: Any) -> str:
+    """The served model in the terms that decide whether its KV cache fits another instance's.
+
+    Architecture, layers, hidden size, vocabulary, KV heads and head size: P and D may load the
+    model from different paths, but must agree on these. "" when the config cannot tell (the
+    check is then skipped).
+    """
+    model = vllm_config.model_config
+    try:
+        arch = ",".join(getattr(model, "architectures", None) or []) or "?"
+        layers = getattr(model.hf_text_config, "num_hidden_layers", "?")
+        return (
+            f"{arch} layers={layers} hidden={model.get_hidden_size()} vocab={model.get_vocab_size()} "
+            f"kv_heads={model.get_total_num_kv_heads()} head_size={model.get_head_size()}"
+        )
+    except Exception:  # noqa: BLE001 - an unusual config only loses this check
+        return ""
+
+
+def route_mismatch(
+    route: Route, addr: str, block_size: int, kv_dtype: str, num_layers: int | None, model: str = ""
+) -> str | None:
+    """Why D (``block_size``, ``kv_dtype``, ``num_layers``, ``model``) cannot use P's ``route``; None if it can.
 
     ``num_layers`` None skips the layer check (the API server does not know how many KV layers
-    its workers registered); a route without a layer count (0) skips it too.
+    its workers registered); a route without a layer count (0) skips it too, and an empty
+    ``model`` on either side skips the model check.
     """
+    if model and route.model and model != route.model:
+        return (
+            f"model mismatch: the prefill deployment at {addr} serves [{route.model}], "
+            f"this decode instance [{model}]; P and D must serve the same model"
+        )
     if route.block_size != block_size:
         return (
             f"block size mismatch: the prefill deployment at {addr} uses --block-size {route.block_size}, "

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from pd_connector.compat import kv_dtype_name, route_mismatch
+from pd_connector.compat import kv_dtype_name, model_fingerprint, route_mismatch
 from pd_connector.protocol import DecodeParams, KVParamsError, Route, parse_kv_params
 
 logger = logging.getLogger(__name__)
@@ -78,13 +78,13 @@ class CompatibilityCheck:
     """D's API server: can the prefill deployment a request names feed this instance?"""
 
     def __init__(self) -> None:
-        self._local: tuple[int, str] | None = None
+        self._local: tuple[int, str, str] | None = None
         self._local_known = False
         self._routes: dict[str, tuple[float, Route | None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    def _local_config(self, scope: Scope) -> tuple[int, str] | None:
-        """(block size, KV dtype) of this server, or None when it is not a PDConnector decode instance."""
+    def _local_config(self, scope: Scope) -> tuple[int, str, str] | None:
+        """(block size, KV dtype, model) of this server, or None when it is not a PDConnector decode instance."""
         if self._local_known:
             return self._local
         app = scope.get("app")
@@ -99,7 +99,7 @@ class CompatibilityCheck:
             and kv.kv_role in ("kv_consumer", "kv_both")
             and block_size
         ):
-            self._local = (int(block_size), kv_dtype_name(vllm_config))
+            self._local = (int(block_size), kv_dtype_name(vllm_config), model_fingerprint(vllm_config))
         self._local_known = True
         return self._local
 
@@ -113,7 +113,7 @@ class CompatibilityCheck:
         route = await self._route(addr)
         if route is None:
             return None
-        return route_mismatch(route, addr, local[0], local[1], None)
+        return route_mismatch(route, addr, local[0], local[1], None, local[2])
 
     async def _route(self, addr: str) -> Route | None:
         cached = self._routes.get(addr)

@@ -193,6 +193,8 @@ class RegisterRank(msgspec.Struct, frozen=True):
     attn_cp_size: int = 1
     attn_cp_rank: int = 0
     num_layers: int = 0
+    #: What the rank serves, in the terms that decide whether KV fits (see compat.model_fingerprint).
+    model: str = ""
 
 
 class Route(msgspec.Struct, frozen=True):
@@ -207,6 +209,7 @@ class Route(msgspec.Struct, frozen=True):
     is_ready: bool
     # key "dp,cp,tp"
     ranks: dict[str, RankInfo]
+    model: str = ""
 
     def rank(self, dp: int, cp: int, tp: int) -> RankInfo | None:
         return self.ranks.get(rank_key(dp, cp, tp))

@@ -14,7 +14,7 @@ import torch
 
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
-from pd_connector.compat import kv_dtype_name
+from pd_connector.compat import kv_dtype_name, model_fingerprint
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import memory_ranges, regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
@@ -133,6 +133,7 @@ class PDWorker:
             local_kv_heads=local,
             use_mla=use_mla,
             heads_outermost=_heads_outermost(kv_caches, num_blocks, local),
+            model=model_fingerprint(self.vllm_config),
         )
         self.manager = KVTransferManager(self.cfg, spec, regions, engine)
         if self.cfg.is_prefill:
@@ -164,6 +165,7 @@ class PDWorker:
                 block_size=spec.block_size,
                 kv_cache_dtype=spec.kv_dtype,
                 num_layers=spec.num_layers,
+                model=spec.model,
             ),
             retries=self.cfg.register_retries,
             interval_s=self.cfg.register_interval_s,

@@ -44,6 +44,7 @@ class BootstrapState:
     block_size: int = 0
     kv_cache_dtype: str = ""
     num_layers: int = 0
+    model: str = ""
     rank_table: dict[tuple[int, int, int], RankInfo] = field(default_factory=dict)
     room_to_dp_rank: dict[int, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -81,7 +82,10 @@ class BootstrapState:
                     f"others registered {self.block_size}/{self.kv_cache_dtype}"
                 )
             self.block_size, self.kv_cache_dtype = req.block_size, req.kv_cache_dtype
+            if self.model and req.model and req.model != self.model:
+                raise ValueError(f"rank serves model {req.model!r}, others registered {self.model!r}")
             self.num_layers = req.num_layers or self.num_layers
+            self.model = req.model or self.model
             self.rank_table[key] = RankInfo(rank_ip=req.rank_ip, rank_port=req.rank_port)
 
     def route(self) -> Route:
@@ -96,6 +100,7 @@ class BootstrapState:
                 num_layers=self.num_layers,
                 is_ready=self.is_ready,
                 ranks=ranks,
+                model=self.model,
             )
 
     def register_dp_rank(self, room: int, dp_rank: int) -> None:

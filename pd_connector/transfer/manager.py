@@ -67,6 +67,7 @@ class RankSpec:
     local_kv_heads: int = 1
     use_mla: bool = False
     heads_outermost: bool = True
+    model: str = ""  # compat.model_fingerprint; "" skips the model check
 
     @property
     def heads(self) -> int:
@@ -498,7 +499,9 @@ class KVTransferManager:
         try:
             route = self._route_with_retries(job)
             spec = self.spec
-            problem = route_mismatch(route, job.bootstrap_addr, spec.block_size, spec.kv_dtype, spec.num_layers)
+            problem = route_mismatch(
+                route, job.bootstrap_addr, spec.block_size, spec.kv_dtype, spec.num_layers, spec.model
+            )
             if problem is not None:
                 raise LayoutError(problem)
             dp_rank = self._prefill_dp_rank(job, route)

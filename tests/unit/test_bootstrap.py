@@ -243,6 +243,14 @@ class _Spy:
         return self.fn(*args, **kwargs)
 
 
+def test_register_rank_of_another_model_is_400_and_route_names_the_model(srv: Server) -> None:
+    assert srv.put_rank(_rank(tp=0, model="Llama layers=2")).status_code == 200
+    r = srv.put_rank(_rank(tp=1, model="Llama layers=4"))
+    assert r.status_code == 400 and "model" in r.json()["error"]
+    assert srv.put_rank(_rank(tp=1, model="Llama layers=2")).status_code == 200
+    assert srv.get("/bootstrap/route").json()["model"] == "Llama layers=2"
+
+
 def test_register_rank_client_success(srv: Server) -> None:
     assert register_rank(srv.addr, _rank(tp=0), retries=3, interval_s=0.01, timeout_s=5) is True
     assert register_rank(srv.addr, _rank(tp=1), retries=3, interval_s=0.01, timeout_s=5) is True

@@ -212,12 +212,34 @@ def test_check_body_helper() -> None:
 # ------------------------------------------- D: is the named prefill deployment compatible?
 
 
-def _compat_app(block_size: int, dtype: str = "float32", role: str = "kv_consumer") -> Starlette:
+class _ModelConfig(SimpleNamespace):
+    """The parts of vLLM's ModelConfig that compat.model_fingerprint reads."""
+
+    def get_hidden_size(self) -> int:
+        return self.hidden
+
+    def get_vocab_size(self) -> int:
+        return 259
+
+    def get_total_num_kv_heads(self) -> int:
+        return 2
+
+    def get_head_size(self) -> int:
+        return 32
+
+
+def _compat_app(block_size: int, dtype: str = "float32", role: str = "kv_consumer", hidden: int = 0) -> Starlette:
     app = make_app()
+    model = (
+        _ModelConfig(dtype=f"torch.{dtype}", architectures=["LlamaForCausalLM"], hidden=hidden,
+                     hf_text_config=SimpleNamespace(num_hidden_layers=2))
+        if hidden
+        else SimpleNamespace(dtype=f"torch.{dtype}")
+    )  # fmt: skip
     app.state.vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector="PDConnector", kv_role=role),
         cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
-        model_config=SimpleNamespace(dtype=f"torch.{dtype}"),
+        model_config=model,
     )
     return app
 
@@ -230,6 +252,7 @@ def prefill_bootstrap() -> Iterator[int]:
     rank = RegisterRank(
         attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1, attn_dp_rank=0, rank_ip="127.0.0.1", rank_port=7000,
         block_size=32, kv_cache_dtype="float32", num_layers=2,
+        model="LlamaForCausalLM layers=2 hidden=128 vocab=259 kv_heads=2 head_size=32",
     )  # fmt: skip
     assert register_rank(f"127.0.0.1:{server.port}", rank, retries=1, interval_s=0.1, timeout_s=5)
     try:
@@ -275,4 +298,14 @@ def test_unreachable_bootstrap_is_left_to_the_connector() -> None:
 
 def test_prefill_instances_are_not_checked(prefill_bootstrap: int) -> None:
     with TestClient(_compat_app(block_size=64, role="kv_producer")) as c:
+        assert post(c, "/v1/completions", _d_body(prefill_bootstrap)).status_code == 200
+
+
+def test_model_mismatch_is_409(prefill_bootstrap: int) -> None:
+    with TestClient(_compat_app(block_size=32, hidden=256)) as c:
+        r = post(c, "/v1/completions", _d_body(prefill_bootstrap))
+        assert r.status_code == 409
+        message = r.json()["error"]["message"]
+        assert "model mismatch" in message and "hidden=128" in message and "hidden=256" in message
+    with TestClient(_compat_app(block_size=32, hidden=128)) as c:
         assert post(c, "/v1/completions", _d_body(prefill_bootstrap)).status_code == 200

@@ -116,6 +116,7 @@ class Rig:
         heads: int = HEADS,
         block_size: int = BLOCK_SIZE,
         register: bool = True,
+        model: str = "",
         **extra: Any,
     ) -> Side:
         """A P (KV filled with random values from `seed`) or D (KV filled with -7) manager."""
@@ -135,12 +136,13 @@ class Rig:
             for t in kv.values():
                 t.fill_(-7.0)
         spec = RankSpec(
-            tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, block_size=block_size, kv_dtype=DTYPE, num_layers=LAYERS
-        )
+            tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, block_size=block_size, kv_dtype=DTYPE, num_layers=LAYERS,
+            model=model,
+        )  # fmt: skip
         mgr = KVTransferManager(cfg, spec, regions_of_kv_caches(kv, NUM_BLOCKS), engine)
         side = self.sides[mode] = Side(mgr, kv)
         if mode == "prefill" and register:
-            info = RegisterRank(1, 0, 1, 0, HOST, mgr.rank_port, block_size, DTYPE, num_layers=LAYERS)
+            info = RegisterRank(1, 0, 1, 0, HOST, mgr.rank_port, block_size, DTYPE, num_layers=LAYERS, model=model)
             assert register_rank(f"{HOST}:{self.bport}", info, retries=3, interval_s=0.05, timeout_s=5)
         return side
 
@@ -424,6 +426,19 @@ def test_decode_block_size_mismatch_fails(rig: Rig, pd_logs: pytest.LogCaptureFi
     assert time.monotonic() - t0 < 10
     assert d.failed == {"d-req": [2, 3]}
     assert "block size" in pd_logs.text
+    for name in d.kv:
+        assert torch.equal(d.kv[name], before[name])
+
+
+def test_decode_of_another_model_fails(fresh_rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    p = fresh_rig.make("prefill", seed=11, model="LlamaForCausalLM layers=2 hidden=128")
+    d = fresh_rig.make("decode", model="LlamaForCausalLM layers=2 hidden=256")
+    before = snapshot(d.kv)
+    p.mgr.add_sends([SendJob("p-req", 809, [0, 1], 32)])
+    d.mgr.add_recvs([recv_job(fresh_rig, "d-req", 809, [2, 3])])
+    d.wait_recv("d-req")
+    assert d.failed == {"d-req": [2, 3]}
+    assert "model mismatch" in pd_logs.text and "hidden=128" in pd_logs.text and "hidden=256" in pd_logs.text
     for name in d.kv:
         assert torch.equal(d.kv[name], before[name])
 

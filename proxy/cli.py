@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from proxy.config import ROUTING_POLICIES, Backend, RouterConfig
 
@@ -165,30 +165,32 @@ def _pair(
     return pairs
 
 
+def _one_or_each(
+    parser: argparse.ArgumentParser, flag: str, values: list[Any] | None, count: int, default: Any = None
+) -> list[Any]:
+    """A per-prefiller list from ``values``: one value applies to all; ``default`` for all when absent."""
+    if not values:
+        return [default] * count
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        parser.error(f"{flag} has {len(values)} values; give one, or one per prefiller ({count})")
+    return list(values)
+
+
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RouterConfig:
     """Validate parsed arguments and turn them into a :class:`RouterConfig` (errors exit with code 2)."""
     _check_port(parser, "--port", args.port)
     prefill_pairs = _pair(parser, "prefiller", args.prefiller_hosts, args.prefiller_ports)
     decode_pairs = _pair(parser, "decoder", args.decoder_hosts, args.decoder_ports)
 
-    bootstrap_ports: list[int] = args.prefiller_bootstrap_ports or [DEFAULT_BOOTSTRAP_PORT]
-    if len(bootstrap_ports) == 1:
-        bootstrap_ports = bootstrap_ports * len(prefill_pairs)
-    elif len(bootstrap_ports) != len(prefill_pairs):
-        parser.error(
-            f"--prefiller-bootstrap-ports has {len(bootstrap_ports)} values; give one, or one per "
-            f"prefiller ({len(prefill_pairs)})"
-        )
+    count = len(prefill_pairs)
+    bootstrap_ports = _one_or_each(
+        parser, "--prefiller-bootstrap-ports", args.prefiller_bootstrap_ports, count, DEFAULT_BOOTSTRAP_PORT
+    )
     for port in bootstrap_ports:
         _check_port(parser, "--prefiller-bootstrap-ports", port)
-    bootstrap_hosts: list[str | None] = list(args.prefiller_bootstrap_hosts or [None])
-    if len(bootstrap_hosts) == 1:
-        bootstrap_hosts = bootstrap_hosts * len(prefill_pairs)
-    elif len(bootstrap_hosts) != len(prefill_pairs):
-        parser.error(
-            f"--prefiller-bootstrap-hosts has {len(bootstrap_hosts)} values; give one, or one per "
-            f"prefiller ({len(prefill_pairs)})"
-        )
+    bootstrap_hosts = _one_or_each(parser, "--prefiller-bootstrap-hosts", args.prefiller_bootstrap_hosts, count)
     if any(h is not None and not h.strip() for h in bootstrap_hosts):
         parser.error("--prefiller-bootstrap-hosts: empty host name")
     dp_ranks: list[int | None] = list(args.prefiller_dp_ranks or [None] * len(prefill_pairs))

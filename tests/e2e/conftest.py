@@ -29,8 +29,10 @@ from launch.processes import (
     vllm_serve_cmd,
     wait_http_ok,
 )
+from tests.e2e.helpers import START_TIMEOUT_S
 
-START_TIMEOUT_S = 300.0
+__all__ = ["START_TIMEOUT_S"]  # re-exported: the e2e tests import it from here
+
 #: Short connector timeouts of the session's P/D stack, so failure tests finish quickly.
 #: P: how long a finished prefill keeps its KV blocks for a D that never asks for them.
 P_ROOM_TIMEOUT_S = 20.0

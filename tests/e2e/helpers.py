@@ -5,9 +5,15 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
+
+from launch.processes import LOOPBACK, ManagedProcess, ProcessGroup, router_cmd, wait_all_healthy
+
+#: Seconds a vLLM instance may take to answer /health (each start-up costs about a minute here).
+START_TIMEOUT_S = 300.0
 
 BLOCK_SIZE = 32  # launch.processes serves with --block-size 32
 # Prompt lengths in tokens (the tiny model's tokenizer is byte-level: one ASCII char = one token),
@@ -115,3 +121,48 @@ def wait_kv_free(url: str, timeout: float = 30.0) -> float:
 
 def count_in_log(path: Path, pattern: str) -> int:
     return len(re.findall(pattern, Path(path).read_text(errors="replace")))
+
+
+def assert_matches_reference(
+    url: str,
+    model: str,
+    reference: dict,
+    indices: list[int],
+    what: str,
+    room_of: Callable[[int, bool], int] | None = None,
+) -> int:
+    """Greedy completions of prompts ``indices`` via ``url``, streaming and not, must equal ``reference``'s.
+
+    ``room_of(n, stream)`` gives the n-th prompt's ``bootstrap_room`` (none by default). Returns the
+    number of requests made.
+    """
+    all_prompts = prompts()
+    made = 0
+    for n, i in enumerate(indices):
+        for stream in (False, True):
+            extra = {} if room_of is None else {"bootstrap_room": room_of(n, stream)}
+            got = complete(url, model, all_prompts[i], stream=stream, **extra)
+            want = reference["completions"][stream][i]
+            assert got["token_ids"] == want["token_ids"], (
+                f"{what}: prompt of {PROMPT_LENGTHS[i]} tokens, stream={stream}, {extra or 'random room'}"
+            )
+            made += 1
+    return made
+
+
+def start_router_when_healthy(
+    group: ProcessGroup,
+    router_port: int,
+    prefill: list[tuple[str, int, int]],
+    decode: list[tuple[str, int]],
+    instances: list[tuple[str, ManagedProcess]],
+    extra_args: Sequence[str] = (),
+    name: str = "router",
+) -> str:
+    """Start a Router in front of ``prefill``/``decode``, wait until ``instances`` (health URL, process)
+    and the Router answer, and return the Router's URL."""
+    router = group.start(name, [*router_cmd(router_port, prefill, decode), *extra_args])
+    wait_all_healthy(instances, START_TIMEOUT_S, watch=[router])
+    url = f"http://{LOOPBACK}:{router_port}"
+    wait_all_healthy([(f"{url}/health", router)], 60)
+    return url

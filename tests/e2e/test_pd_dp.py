@@ -30,13 +30,16 @@ from launch.processes import (
     KV_PARAMS_MIDDLEWARE,
     ProcessGroup,
     free_ports,
-    router_cmd,
     vllm_env,
     vllm_serve_cmd,
-    wait_all_healthy,
 )
-from tests.e2e.conftest import START_TIMEOUT_S
-from tests.e2e.helpers import PROMPT_LENGTHS, complete, count_in_log, prompts, wait_kv_free
+from tests.e2e.helpers import (
+    PROMPT_LENGTHS,
+    assert_matches_reference,
+    count_in_log,
+    start_router_when_healthy,
+    wait_kv_free,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -108,38 +111,25 @@ def test_external_dp2_prefill_to_one_decode_through_the_router(
             )  # fmt: skip
             decode = group.start("decode", d_cmd, env=vllm_env("1"))
             prefillers = [(HOST, port, bootstrap_port) for port in p_ports]
-            ranked = group.start(
-                "router-ranked",
-                [*router_cmd(router_ranked, prefillers, [(HOST, d_port)]), "--prefiller-dp-ranks", "0", "1"],
-            )
-            asking = group.start("router-asking", router_cmd(router_asking, prefillers, [(HOST, d_port)]))
-            wait_all_healthy(
-                [(f"http://{HOST}:{port}/health", prefill) for port in p_ports]
-                + [(f"http://{HOST}:{d_port}/health", decode)],
-                START_TIMEOUT_S,
-                watch=[ranked, asking],
-            )
-            wait_all_healthy(
-                [(f"http://{HOST}:{router_ranked}/health", ranked), (f"http://{HOST}:{router_asking}/health", asking)],
-                60,
+            instances = [(f"http://{HOST}:{port}/health", prefill) for port in p_ports]
+            instances.append((f"http://{HOST}:{d_port}/health", decode))
+            ranked_url = start_router_when_healthy(
+                group, router_ranked, prefillers, [(HOST, d_port)], instances,
+                extra_args=["--prefiller-dp-ranks", "0", "1"], name="router-ranked",
+            )  # fmt: skip
+            asking_url = start_router_when_healthy(
+                group, router_asking, prefillers, [(HOST, d_port)], instances, name="router-asking"
             )
             launcher_log = prefill.log_path.read_text(errors="replace")
             assert "dp mode independent" in launcher_log, launcher_log[-2000:]
 
-            all_prompts = prompts()
             requests = 0
-            for first_room, router_port in ((0, router_ranked), (1000, router_asking)):
-                url = f"http://{HOST}:{router_port}"
-                for n, i in enumerate(SAMPLE):
-                    for stream in (False, True):
-                        room = first_room + 2 * n + int(stream)  # unique; both P ranks, streaming and not
-                        got = complete(url, str(tiny_model), all_prompts[i], stream=stream, bootstrap_room=room)
-                        want = reference["completions"][stream][i]
-                        assert got["token_ids"] == want["token_ids"], (
-                            f"router on {router_port}, prompt of {PROMPT_LENGTHS[i]} tokens, stream={stream}, "
-                            f"room {room} (P dp rank {room % 2})"
-                        )
-                        requests += 1
+            for first_room, url, what in ((0, ranked_url, "ranked"), (1000, asking_url, "asking")):
+                # Unique rooms; room % 2 picks the P rank, so both serve, streaming and not.
+                requests += assert_matches_reference(
+                    url, str(tiny_model), reference, SAMPLE, f"external DP2 -> D, Router {what}",
+                    room_of=lambda n, stream, first=first_room: first + 2 * n + int(stream),
+                )  # fmt: skip
 
             # Each P rank pushed the KV of the requests routed to it; rank 1 registered with rank 0's server.
             logs = [rank_log_dir / f"dp_rank_{r}.log" for r in (0, 1)]
@@ -182,20 +172,14 @@ def test_internal_dp2_prefill_to_one_decode_through_the_router(
             extra_config={"kv_wait_timeout_s": 60},
         )  # fmt: skip
         decode = group.start("decode", d_cmd, env=vllm_env("1"))
-        router = group.start("router", router_cmd(router_port, [(HOST, p_port, bootstrap_port)], [(HOST, d_port)]))
-        wait_all_healthy(
+        url = start_router_when_healthy(
+            group,
+            router_port,
+            [(HOST, p_port, bootstrap_port)],
+            [(HOST, d_port)],
             [(f"http://{HOST}:{p_port}/health", prefill), (f"http://{HOST}:{d_port}/health", decode)],
-            START_TIMEOUT_S,
-            watch=[router],
         )
-        wait_all_healthy([(f"http://{HOST}:{router_port}/health", router)], 60)
-        url = f"http://{HOST}:{router_port}"
-        all_prompts = prompts()
-        for i in SAMPLE:
-            for stream in (False, True):
-                got = complete(url, str(tiny_model), all_prompts[i], stream=stream)
-                want = reference["completions"][stream][i]
-                assert got["token_ids"] == want["token_ids"], f"prompt of {PROMPT_LENGTHS[i]} tokens, stream={stream}"
+        assert_matches_reference(url, str(tiny_model), reference, SAMPLE, "internal DP2 -> D")
         log = prefill.log_path
         assert count_in_log(log, r"registered rank dp=1 tp=0 with bootstrap") == 1
         assert count_in_log(log, r"pushed \d+ blocks") >= 2 * len(SAMPLE)

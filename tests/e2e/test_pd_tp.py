@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from launch.processes import ProcessGroup, free_ports, router_cmd, vllm_env, vllm_serve_cmd, wait_all_healthy
-from tests.e2e.conftest import START_TIMEOUT_S
-from tests.e2e.helpers import PROMPT_LENGTHS, complete, count_in_log, prompts, wait_kv_free
+from launch.processes import ProcessGroup, free_ports, vllm_env, vllm_serve_cmd
+from tests.e2e.helpers import (
+    PROMPT_LENGTHS,
+    assert_matches_reference,
+    count_in_log,
+    start_router_when_healthy,
+    wait_kv_free,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -53,24 +58,14 @@ def test_mixed_tp_equivalence(reference: dict, tiny_model: Path, tmp_path: Path,
         p_bind, d_bind = _binds(p_tp, d_tp)
         prefill = group.start("prefill", p_cmd, env=vllm_env(p_bind))
         decode = group.start("decode", d_cmd, env=vllm_env(d_bind))
-        router = group.start(
-            "router", router_cmd(router_port, [("127.0.0.1", p_port, bootstrap_port)], [("127.0.0.1", d_port)])
-        )
-        wait_all_healthy(
+        url = start_router_when_healthy(
+            group,
+            router_port,
+            [("127.0.0.1", p_port, bootstrap_port)],
+            [("127.0.0.1", d_port)],
             [(f"http://127.0.0.1:{p_port}/health", prefill), (f"http://127.0.0.1:{d_port}/health", decode)],
-            START_TIMEOUT_S,
-            watch=[router],
         )
-        wait_all_healthy([(f"http://127.0.0.1:{router_port}/health", router)], 60)
-        url = f"http://127.0.0.1:{router_port}"
-        all_prompts = prompts()
-        for i in SAMPLE:
-            for stream in (False, True):
-                got = complete(url, str(tiny_model), all_prompts[i], stream=stream)
-                want = reference["completions"][stream][i]
-                assert got["token_ids"] == want["token_ids"], (
-                    f"P tp{p_tp} -> D tp{d_tp}, prompt of {PROMPT_LENGTHS[i]} tokens, stream={stream}"
-                )
+        assert_matches_reference(url, str(tiny_model), reference, SAMPLE, f"P tp{p_tp} -> D tp{d_tp}")
         # Two rank pairs per request (P tp2: both P ranks write; D tp2: P writes to both D ranks),
         # streaming and not.
         pushes = count_in_log(prefill.log_path, r"pushed \d+ blocks")

@@ -45,7 +45,7 @@ INCOMPATIBLE_TYPE = "kv_transfer_incompatible"
 #: How long a route read from a bootstrap server is trusted, and how long a failed read is not retried.
 ROUTE_TTL_S = 30.0
 ROUTE_FAILURE_TTL_S = 5.0
-ROUTE_TIMEOUT_S = 3.0
+ROUTE_TIMEOUT_S = 5.0
 
 
 def error_body(message: str, status: int = 400, error_type: str = "invalid_request_error") -> bytes:

@@ -146,10 +146,13 @@ def test_killed_decoder_gives_errors_not_hangs_and_traffic_moves_to_the_live_one
     started: list[int] = []
     with ThreadPoolExecutor(len(rooms)) as pool:
         futures = [pool.submit(_stream, stack.router_url, stack.model, room, STREAM_TOKENS, started) for room in rooms]
+        # Kill as soon as every stream on the extra decoder (odd rooms) is under way: the last of them
+        # has barely begun, so at least one is cut off however fast this machine generates.
+        on_extra = [room for room in rooms if room % 2]
         deadline = time.monotonic() + 120
-        while len(started) < len(rooms) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sorted(started) == rooms, "not every stream started"
+        while not set(on_extra) <= set(started) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert set(on_extra) <= set(started), f"streams on the extra decoder did not start: {sorted(started)}"
         os.killpg(stack.extra_decode.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         outcomes = [f.result(timeout=CLIENT_BOUND_S + 60) for f in futures]

@@ -116,6 +116,7 @@ DP_MODES = ("auto", "vllm", "independent")
 #: config.json keys (top level or in "text_config") whose positive integer value marks an MoE model.
 MOE_CONFIG_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts", "num_experts_per_tok")
 KV_TRANSFER_FLAG = "--kv-transfer-config"
+PD_CONNECTOR = "PDConnector"
 #: kv_connector_extra_config keys the launcher sets per rank with --dp-mode independent.
 INJECTED_DP_KEYS = ("dp_rank", "dp_size")
 _HOSTNAME_RE = re.compile(
@@ -343,8 +344,11 @@ def _flag_name(arg: str) -> str:
     return "--" + head.replace("_", "-") + dot + tail
 
 
-def _with_dp_place(value: str, dp_rank: int, dp_size: int, bootstrap_host: str) -> str:
-    """The JSON of --kv-transfer-config with this rank's dp_rank, dp_size (and bootstrap_host) in its extra config."""
+def _with_dp_place(value: str, dp_rank: int, dp_size: int, bootstrap_host: str) -> str | None:
+    """The JSON of --kv-transfer-config with this rank's dp_rank, dp_size (and bootstrap_host) in its extra config.
+
+    None when the config names another connector than PDConnector (its extra config is left alone).
+    """
     what = f"{KV_TRANSFER_FLAG} (rewritten per rank with --dp-mode independent)"
     try:
         config = json.loads(value)
@@ -352,6 +356,8 @@ def _with_dp_place(value: str, dp_rank: int, dp_size: int, bootstrap_host: str) 
         raise UsageError(f"{what} must be a JSON object, got {value!r}: {exc}") from None
     if not isinstance(config, dict):
         raise UsageError(f"{what} must be a JSON object, got {value!r}")
+    if config.get("kv_connector", PD_CONNECTOR) != PD_CONNECTOR:
+        return None
     extra_config = config.get("kv_connector_extra_config")
     if extra_config is None:
         extra_config = config["kv_connector_extra_config"] = {}
@@ -374,7 +380,7 @@ def rewrite_kv_transfer_config(
 ) -> tuple[list[str], bool]:
     """Give every `--kv-transfer-config JSON` / `--kv-transfer-config=JSON` in `extra` this rank's DP place.
 
-    Returns the rewritten arguments and whether a --kv-transfer-config was found.
+    Returns the rewritten arguments and whether a PDConnector --kv-transfer-config was rewritten.
     """
     out: list[str] = []
     found = False
@@ -388,15 +394,17 @@ def rewrite_kv_transfer_config(
                 "(the launcher rewrites it per rank), not in dotted form"
             )
         if name == KV_TRANSFER_FLAG:
-            found = True
             if "=" in arg:
                 flag, value = arg.split("=", 1)
-                out.append(f"{flag}={_with_dp_place(value, dp_rank, dp_size, bootstrap_host)}")
             elif i + 1 < len(extra):
-                out += [arg, _with_dp_place(extra[i + 1], dp_rank, dp_size, bootstrap_host)]
+                flag, value = arg, extra[i + 1]
                 i += 1
             else:
                 raise UsageError(f"{arg} needs a value (a JSON object)")
+            rewritten = _with_dp_place(value, dp_rank, dp_size, bootstrap_host)
+            found = found or rewritten is not None
+            value = value if rewritten is None else rewritten
+            out += [f"{flag}={value}"] if "=" in arg else [flag, value]
         else:
             out.append(arg)
         i += 1
@@ -808,7 +816,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = [f"dp mode {plans[0].dp_mode} ({plans[0].dp_mode_reason})"]
     if plans[0].dp_mode == "independent" and not plans[0].kv_config_rewritten:
         notes.append(
-            f"note: no {KV_TRANSFER_FLAG} after --, so nothing to give dp_rank/dp_size: "
+            f"note: no PDConnector {KV_TRANSFER_FLAG} after --, so nothing to give dp_rank/dp_size: "
             "the ranks start as plain independent vLLM instances"
         )
     if args.dry_run:

@@ -427,8 +427,18 @@ def test_dry_run_notes_when_independent_mode_has_no_kv_config_to_rewrite(capsys)
     assert main([*INDEPENDENT, "--dry-run", "--", "--dtype", "float32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "# dp mode independent (--dp-mode independent)"
-    assert lines[1].startswith("# note: no --kv-transfer-config")
+    assert lines[1].startswith("# note: no PDConnector --kv-transfer-config")
     assert shlex.split(lines[3])[-2:] == ["--dtype", "float32"]
+
+
+def test_independent_mode_leaves_another_connectors_config_alone(capsys):
+    other = json.dumps({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer"})
+    plans = plans_for([*INDEPENDENT, "--", "--kv-transfer-config", other])
+    assert plans[0].cmd[-2:] == ["--kv-transfer-config", other] and not plans[0].kv_config_rewritten
+    assert main([*INDEPENDENT, "--dry-run", "--", f"--kv-transfer-config={other}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("# note: no PDConnector --kv-transfer-config")
+    assert shlex.split(lines[3])[-1] == f"--kv-transfer-config={other}"
 
 
 # -- the template -----------------------------------------------------------------------------

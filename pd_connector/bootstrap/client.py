@@ -66,19 +66,26 @@ def register_dp_rank(addr: str, room: int, dp_rank: int, timeout_s: float) -> No
         logger.error("room=%d: could not register dp rank %d with bootstrap %s: %r", room, dp_rank, addr, exc)
 
 
-class RouteCache:
-    """GET /bootstrap/route once per prefill deployment, cached until invalidated."""
+#: How long a route read from a bootstrap server is used before it is read again. A restarted
+#: prefill deployment has new rank endpoints; without expiry, D would send its first request
+#: after the restart to the old ones and wait out its whole KV timeout.
+ROUTE_TTL_S = 10.0
 
-    def __init__(self, timeout_s: float) -> None:
+
+class RouteCache:
+    """GET /bootstrap/route per prefill deployment, cached for ``ttl_s`` or until invalidated."""
+
+    def __init__(self, timeout_s: float, ttl_s: float = ROUTE_TTL_S) -> None:
         self._timeout = timeout_s
-        self._routes: dict[str, Route] = {}
+        self._ttl = ttl_s
+        self._routes: dict[str, tuple[float, Route]] = {}
         self._lock = threading.Lock()
 
     def get(self, addr: str) -> Route:
         with self._lock:
-            route = self._routes.get(addr)
-        if route is not None:
-            return route
+            cached = self._routes.get(addr)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
         try:
             resp = httpx.get(f"http://{addr}/bootstrap/route", timeout=self._timeout)
         except httpx.TimeoutException as exc:
@@ -97,7 +104,7 @@ class RouteCache:
                 f"{route.attn_tp_size * route.attn_cp_size * route.dp_size} ranks registered"
             )
         with self._lock:
-            self._routes[addr] = route
+            self._routes[addr] = (time.monotonic() + self._ttl, route)
         return route
 
     def invalidate(self, addr: str) -> None:

@@ -312,6 +312,28 @@ def test_route_cache_caches(srv: Server, monkeypatch: pytest.MonkeyPatch) -> Non
     assert spy.calls == 2
 
 
+def test_route_cache_reads_a_restarted_deployment_after_its_ttl() -> None:
+    """A prefill deployment restarted on the same bootstrap port has new rank endpoints."""
+    port = free_port()
+    cache = RouteCache(timeout_s=5, ttl_s=0.3)
+    old = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), HOST, port)
+    old.start()
+    try:
+        assert Server(old).put_rank(_rank(tp_size=1, rank_port=7100)).status_code == 200
+        assert cache.get(f"{HOST}:{port}").rank(0, 0, 0) == RankInfo("127.0.0.1", 7100)
+    finally:
+        old.stop()
+    new = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), HOST, port)
+    new.start()
+    try:
+        assert Server(new).put_rank(_rank(tp_size=1, rank_port=7200)).status_code == 200
+        assert cache.get(f"{HOST}:{port}").rank(0, 0, 0) == RankInfo("127.0.0.1", 7100)  # still cached
+        time.sleep(0.4)
+        assert cache.get(f"{HOST}:{port}").rank(0, 0, 0) == RankInfo("127.0.0.1", 7200)
+    finally:
+        new.stop()
+
+
 def test_route_cache_unready_raises_and_is_not_cached(srv: Server) -> None:
     srv.put_rank(_rank(tp=0))
     cache = RouteCache(timeout_s=5)

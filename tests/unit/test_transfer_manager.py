@@ -482,12 +482,17 @@ def test_bootstrap_unreachable_fails_fast(rig: Rig, pd_logs: pytest.LogCaptureFi
     assert d.idle()
 
 
-def test_prefill_not_registered_fails_fast(fresh_rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+def test_prefill_not_registered_fails_within_half_the_kv_wait(
+    fresh_rig: Rig, pd_logs: pytest.LogCaptureFixture
+) -> None:
+    """A deployment whose ranks never register: D retries the route for half its KV wait, then fails."""
     rig = fresh_rig
     rig.make("prefill", seed=13, register=False)
-    d = rig.make("decode")
+    d = rig.make("decode", kv_wait_timeout_s=6.0)
+    t0 = time.monotonic()
     d.mgr.add_recvs([recv_job(rig, "d-req", 1201, [0])])
-    d.wait_recv("d-req")
+    d.wait_recv("d-req", timeout=20.0)
+    assert time.monotonic() - t0 < 6.0
     assert d.failed == {"d-req": [0]}
     assert "not ready" in pd_logs.text
 

@@ -83,6 +83,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+from launch.processes import group_alive, signal_group
+
 PROG = "launch_online_dp"
 TEMPLATE = Path(__file__).resolve().parent / "run_dp_template.sh"
 #: Directory that holds the `launch` package (for `python -m launch.vllm_cli` in the ranks).
@@ -626,64 +628,28 @@ def say(message: str, stream: TextIO | None = None) -> None:
     print(f"{PROG}: {message}", file=stream or sys.stderr, flush=True)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
 def stop_ranks(procs: Sequence[tuple[RankPlan, subprocess.Popen[bytes]]], grace_s: float) -> None:
     """SIGTERM every rank's process group, wait up to `grace_s`, then SIGKILL what is left."""
-    live = [(plan, p) for plan, p in procs if p.poll() is None or _members_alive(p.pid)]
+    live = [(plan, p) for plan, p in procs if p.poll() is None or group_alive(p.pid)]
     for plan, p in live:
         say(f"stopping dp rank {plan.dp_rank} (process group {p.pid})")
-        _signal_group(p.pid, signal.SIGTERM)
+        signal_group(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     pending = list(live)
     while pending and time.monotonic() < deadline:
         for item in list(pending):
             _, p = item
             p.poll()  # reap the leader so a zombie does not count as alive
-            if p.poll() is not None and not _members_alive(p.pid):
+            if p.poll() is not None and not group_alive(p.pid):
                 pending.remove(item)
         if pending:
             time.sleep(0.1)
     for plan, p in pending:
         say(f"dp rank {plan.dp_rank} did not stop within {grace_s:.0f} s; sending SIGKILL")
-        _signal_group(p.pid, signal.SIGKILL)
+        signal_group(p.pid, signal.SIGKILL)
     for _, p in pending:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=5)
-
-
-def _members_alive(pgid: int) -> bool:
-    """True if a live (non-zombie) process is left in process group `pgid`.
-
-    Reads /proc (a zombie waiting for its reaper holds nothing); off Linux, asks `killpg(pgid, 0)`.
-    """
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return _group_alive(pgid)
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:

@@ -151,12 +151,13 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """True if any live process is still in process group `pgid`."""
     return bool(group_members(pgid))
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send `sig` to process group `pgid`; a group that is gone (or not ours) is ignored."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 
@@ -232,22 +233,22 @@ class ProcessGroup:
         self._stop(procs, self.stop_grace_s if grace_s is None else grace_s)
 
     def _stop(self, procs: list[ManagedProcess], grace_s: float) -> None:
-        live = [p for p in procs if p.is_running() or _group_alive(p.pid)]
+        live = [p for p in procs if p.is_running() or group_alive(p.pid)]
         for p in live:
             logger.info("stopping %s (pid %d)", p.name, p.pid)
-            _signal_group(p.pid, signal.SIGTERM)
+            signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         pending = list(live)
         while pending and time.monotonic() < deadline:
             for p in list(pending):
                 p.poll()  # reap the leader so it does not count as alive
-                if not p.is_running() and not _group_alive(p.pid):
+                if not p.is_running() and not group_alive(p.pid):
                     pending.remove(p)
             if pending:
                 time.sleep(0.1)
         for p in pending:
             logger.warning("%s (pid %d) did not stop in %.0f s; sending SIGKILL", p.name, p.pid, grace_s)
-            _signal_group(p.pid, signal.SIGKILL)
+            signal_group(p.pid, signal.SIGKILL)
         for p in pending:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=5)

@@ -48,6 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ASCEND_PROXY = (
@@ -71,47 +72,27 @@ def _chunked(data: bytes) -> bytes:
 def backend_responses(chunks: int) -> tuple[bytes, list[bytes], bytes]:
     """(non-streaming answer, streaming answer's writes, plain 200) as raw HTTP/1.1 bytes."""
     created = int(time.time())
+
+    def completion(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return {"id": "cmpl-bench", "object": "text_completion", "created": created, "model": "bench",
+                "choices": [choice], **extra}  # fmt: skip
+
     events = []
     for i in range(chunks):
         choice = {"index": 0, "text": f" token{i}", "logprobs": None, "finish_reason": None, "stop_reason": None}
-        events.append(
-            _sse_event(
-                {
-                    "id": "cmpl-bench",
-                    "object": "text_completion",
-                    "created": created,
-                    "model": "bench",
-                    "choices": [choice],
-                }
-            )
-        )
+        events.append(_sse_event(completion(choice)))
     usage = {"prompt_tokens": 16, "total_tokens": 16 + chunks, "completion_tokens": chunks}
     final = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}
-    events.append(
-        _sse_event(
-            {
-                "id": "cmpl-bench",
-                "object": "text_completion",
-                "created": created,
-                "model": "bench",
-                "choices": [final],
-                "usage": usage,
-            }
-        )
-    )
+    events.append(_sse_event(completion(final, usage=usage)))
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
     writes = [head + _chunked(events[0])] + [_chunked(e) for e in events[1:]]
     writes.append(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
     body = json.dumps(
-        {
-            "id": "cmpl-bench",
-            "object": "text_completion",
-            "created": created,
-            "model": "bench",
-            "choices": [{"index": 0, "text": " token0", "logprobs": None, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 16, "total_tokens": 17, "completion_tokens": 1},
-            "kv_transfer_params": None,
-        }
+        completion(
+            {"index": 0, "text": " token0", "logprobs": None, "finish_reason": "length"},
+            usage={"prompt_tokens": 16, "total_tokens": 17, "completion_tokens": 1},
+            kv_transfer_params=None,
+        )
     ).encode()
     answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
     models = json.dumps({"object": "list", "data": [{"id": "bench", "object": "model"}]}).encode()

@@ -25,9 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import httpx
-import msgspec
-
+from pd_connector.bootstrap.client import BootstrapError, RouteCache
 from pd_connector.compat import kv_dtype_name, model_fingerprint, route_mismatch
 from pd_connector.protocol import DecodeParams, KVParamsError, Route, parse_kv_params
 
@@ -80,7 +78,9 @@ class CompatibilityCheck:
     def __init__(self) -> None:
         self._local: tuple[int, str, str] | None = None
         self._local_known = False
-        self._routes: dict[str, tuple[float, Route | None]] = {}
+        self._routes = RouteCache(ROUTE_TIMEOUT_S, ttl_s=ROUTE_TTL_S)
+        #: Bootstrap addresses whose route could not be read, and until when they are not asked again.
+        self._unreadable: dict[str, float] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
     def _local_config(self, scope: Scope) -> tuple[int, str, str] | None:
@@ -116,32 +116,19 @@ class CompatibilityCheck:
         return route_mismatch(route, addr, local[0], local[1], None, local[2])
 
     async def _route(self, addr: str) -> Route | None:
-        cached = self._routes.get(addr)
-        if cached is not None and cached[0] > time.monotonic():
-            return cached[1]
+        """The deployment's complete route (cached by RouteCache); None, for a while, when it cannot be read."""
+        if self._unreadable.get(addr, 0.0) > time.monotonic():
+            return None
         lock = self._locks.setdefault(addr, asyncio.Lock())
         async with lock:
-            cached = self._routes.get(addr)
-            if cached is not None and cached[0] > time.monotonic():
-                return cached[1]
-            route = await _fetch_route(addr)
-            ttl = ROUTE_TTL_S if route is not None else ROUTE_FAILURE_TTL_S
-            self._routes[addr] = (time.monotonic() + ttl, route)
-            return route
-
-
-async def _fetch_route(addr: str) -> Route | None:
-    """The deployment's route when it is complete; None (logged) when it cannot be read."""
-    try:
-        async with httpx.AsyncClient(timeout=ROUTE_TIMEOUT_S, trust_env=False) as client:
-            resp = await client.get(f"http://{addr}/bootstrap/route")
-        if resp.status_code != 200:
-            raise ValueError(f"HTTP {resp.status_code}")
-        route = msgspec.json.decode(resp.content, type=Route)
-    except (httpx.HTTPError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        logger.info("compatibility check skipped: cannot read the route of bootstrap %s: %r", addr, exc)
-        return None
-    return route if route.is_ready else None
+            if self._unreadable.get(addr, 0.0) > time.monotonic():
+                return None
+            try:
+                return await asyncio.to_thread(self._routes.get, addr)
+            except BootstrapError as exc:
+                logger.info("compatibility check skipped: cannot read the route of bootstrap %s: %s", addr, exc)
+                self._unreadable[addr] = time.monotonic() + ROUTE_FAILURE_TTL_S
+                return None
 
 
 class KVParamsValidationMiddleware:

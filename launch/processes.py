@@ -488,8 +488,15 @@ def start_pd_stack(
     host: str = LOOPBACK,
     router_health_path: str = "/health",
     on_progress: Callable[[str], None] | None = None,
+    p_args: Sequence[str] = (),
+    d_args: Sequence[str] = (),
+    p_cpus: str = "0",
+    d_cpus: str = "1",
 ) -> PDStack:
     """Start P (kv_producer, CPU 0), D (kv_consumer, CPU 1) and the Router; wait until all are healthy.
+
+    `p_args`/`d_args` are extra `vllm serve` flags (e.g. `--tensor-parallel-size 2`), `p_cpus` and
+    `d_cpus` each side's VLLM_CPU_OMP_THREADS_BIND (TP or DP ranks joined by `|`).
 
     P and D start together and are waited on in parallel; the Router starts right after them
     (it only needs their addresses) and is waited on once P and D are up. Raises `ProcessFailed` with the tail
@@ -506,6 +513,7 @@ def start_pd_stack(
         extra_config=extra_p_config,
         served_model_name=served_model_name,
         host=host,
+        extra_args=p_args,
     )
     d_cmd = vllm_serve_cmd(
         model,
@@ -515,10 +523,11 @@ def start_pd_stack(
         extra_config=extra_d_config,
         served_model_name=served_model_name,
         host=host,
+        extra_args=d_args,
     )
     say(f"starting prefill on :{p_port} (bootstrap :{bootstrap_port}) and decode on :{d_port}")
-    prefill = group.start("prefill", p_cmd, env=vllm_env("0"))
-    decode = group.start("decode", d_cmd, env=vllm_env("1"))
+    prefill = group.start("prefill", p_cmd, env=vllm_env(p_cpus))
+    decode = group.start("decode", d_cmd, env=vllm_env(d_cpus))
     r_cmd = router_cmd(router_port, [(host, p_port, bootstrap_port)], [(host, d_port)], host=host)
     say(f"starting router on :{router_port}")
     router_env = dict(os.environ, PYTHONUNBUFFERED="1")

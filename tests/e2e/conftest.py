@@ -31,8 +31,6 @@ from launch.processes import (
 )
 from tests.e2e.helpers import START_TIMEOUT_S
 
-__all__ = ["START_TIMEOUT_S"]  # re-exported: the e2e tests import it from here
-
 #: Short connector timeouts of the session's P/D stack, so failure tests finish quickly.
 #: P: how long a finished prefill keeps its KV blocks for a D that never asks for them.
 P_ROOM_TIMEOUT_S = 20.0

@@ -30,11 +30,13 @@ from launch.processes import (
     KV_PARAMS_MIDDLEWARE,
     ProcessGroup,
     free_ports,
+    start_pd_stack,
     vllm_env,
     vllm_serve_cmd,
 )
 from tests.e2e.helpers import (
     PROMPT_LENGTHS,
+    START_TIMEOUT_S,
     assert_matches_reference,
     count_in_log,
     start_router_when_healthy,
@@ -159,29 +161,15 @@ def test_internal_dp2_prefill_to_one_decode_through_the_router(
     vLLM runs a dense model's DP engines as independent engines of DP size 1, so the deployment's
     size comes from `kv_connector_extra_config.dp_size`.
     """
-    p_port, bootstrap_port, d_port, router_port = free_ports(4)
     with ProcessGroup(tmp_path) as group:
-        p_cmd = vllm_serve_cmd(
-            tiny_model, p_port, kv_role="kv_producer", bootstrap_port=bootstrap_port,
-            extra_config={"room_timeout_s": 60, "dp_size": 2},
-            extra_args=["--data-parallel-size", "2"],
+        stack = start_pd_stack(
+            group, tiny_model,
+            extra_p_config={"room_timeout_s": 60, "dp_size": 2}, extra_d_config={"kv_wait_timeout_s": 60},
+            p_args=["--data-parallel-size", "2"], p_cpus=P_CORES_DP2, timeout=START_TIMEOUT_S,
         )  # fmt: skip
-        prefill = group.start("prefill-dp2", p_cmd, env=vllm_env(P_CORES_DP2))
-        d_cmd = vllm_serve_cmd(
-            tiny_model, d_port, kv_role="kv_consumer", bootstrap_port=bootstrap_port,
-            extra_config={"kv_wait_timeout_s": 60},
-        )  # fmt: skip
-        decode = group.start("decode", d_cmd, env=vllm_env("1"))
-        url = start_router_when_healthy(
-            group,
-            router_port,
-            [(HOST, p_port, bootstrap_port)],
-            [(HOST, d_port)],
-            [(f"http://{HOST}:{p_port}/health", prefill), (f"http://{HOST}:{d_port}/health", decode)],
-        )
-        assert_matches_reference(url, str(tiny_model), reference, SAMPLE, "internal DP2 -> D")
-        log = prefill.log_path
+        assert_matches_reference(stack.router_url, str(tiny_model), reference, SAMPLE, "internal DP2 -> D")
+        log = stack.prefill.log_path
         assert count_in_log(log, r"registered rank dp=1 tp=0 with bootstrap") == 1
         assert count_in_log(log, r"pushed \d+ blocks") >= 2 * len(SAMPLE)
-        assert wait_kv_free(f"http://{HOST}:{p_port}") == 0.0
-        assert wait_kv_free(f"http://{HOST}:{d_port}") == 0.0
+        assert wait_kv_free(stack.prefill_url) == 0.0
+        assert wait_kv_free(stack.decode_url) == 0.0

@@ -11,14 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.processes import ProcessGroup, free_ports, vllm_env, vllm_serve_cmd
-from tests.e2e.helpers import (
-    PROMPT_LENGTHS,
-    assert_matches_reference,
-    count_in_log,
-    start_router_when_healthy,
-    wait_kv_free,
-)
+from launch.processes import ProcessGroup, start_pd_stack
+from tests.e2e.helpers import PROMPT_LENGTHS, START_TIMEOUT_S, assert_matches_reference, count_in_log, wait_kv_free
 
 pytestmark = pytest.mark.e2e
 
@@ -37,38 +31,18 @@ def _binds(p_tp: int, d_tp: int) -> tuple[str, str]:
 
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)], ids=["P-tp2-D-tp1", "P-tp1-D-tp2"])
 def test_mixed_tp_equivalence(reference: dict, tiny_model: Path, tmp_path: Path, p_tp: int, d_tp: int) -> None:
-    p_port, bootstrap_port, d_port, router_port = free_ports(4)
+    p_cpus, d_cpus = _binds(p_tp, d_tp)
     with ProcessGroup(tmp_path) as group:
-        p_cmd = vllm_serve_cmd(
-            tiny_model,
-            p_port,
-            kv_role="kv_producer",
-            bootstrap_port=bootstrap_port,
-            extra_config={"room_timeout_s": 60},
-            extra_args=["--tensor-parallel-size", str(p_tp)],
-        )
-        d_cmd = vllm_serve_cmd(
-            tiny_model,
-            d_port,
-            kv_role="kv_consumer",
-            bootstrap_port=bootstrap_port,
-            extra_config={"kv_wait_timeout_s": 60},
-            extra_args=["--tensor-parallel-size", str(d_tp)],
-        )
-        p_bind, d_bind = _binds(p_tp, d_tp)
-        prefill = group.start("prefill", p_cmd, env=vllm_env(p_bind))
-        decode = group.start("decode", d_cmd, env=vllm_env(d_bind))
-        url = start_router_when_healthy(
-            group,
-            router_port,
-            [("127.0.0.1", p_port, bootstrap_port)],
-            [("127.0.0.1", d_port)],
-            [(f"http://127.0.0.1:{p_port}/health", prefill), (f"http://127.0.0.1:{d_port}/health", decode)],
-        )
-        assert_matches_reference(url, str(tiny_model), reference, SAMPLE, f"P tp{p_tp} -> D tp{d_tp}")
+        stack = start_pd_stack(
+            group, tiny_model,
+            extra_p_config={"room_timeout_s": 60}, extra_d_config={"kv_wait_timeout_s": 60},
+            p_args=["--tensor-parallel-size", str(p_tp)], d_args=["--tensor-parallel-size", str(d_tp)],
+            p_cpus=p_cpus, d_cpus=d_cpus, timeout=START_TIMEOUT_S,
+        )  # fmt: skip
+        assert_matches_reference(stack.router_url, str(tiny_model), reference, SAMPLE, f"P tp{p_tp} -> D tp{d_tp}")
         # Two rank pairs per request (P tp2: both P ranks write; D tp2: P writes to both D ranks),
         # streaming and not.
-        pushes = count_in_log(prefill.log_path, r"pushed \d+ blocks")
+        pushes = count_in_log(stack.prefill.log_path, r"pushed \d+ blocks")
         assert pushes >= 2 * 2 * len(SAMPLE), f"{pushes} pushes logged for {2 * len(SAMPLE)} requests"
-        assert wait_kv_free(f"http://127.0.0.1:{p_port}") == 0.0
-        assert wait_kv_free(f"http://127.0.0.1:{d_port}") == 0.0
+        assert wait_kv_free(stack.prefill_url) == 0.0
+        assert wait_kv_free(stack.decode_url) == 0.0

@@ -7,6 +7,7 @@ P/D pair gives the client a clear error instead of a generic failed request.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pd_connector.protocol import Route
@@ -39,6 +40,42 @@ def model_fingerprint(vllm_config: Any) -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class KVFacts:
+    """What one side's KV cache must share with the other's. None / "" = not known here (not compared)."""
+
+    block_size: int
+    kv_dtype: str
+    num_layers: int | None = None
+    model: str = ""
+
+
+def kv_mismatch(prefill_name: str, prefill: KVFacts, decode_name: str, decode: KVFacts) -> str | None:
+    """Why KV from ``prefill`` cannot go into ``decode`` (a message naming both values); None if it can."""
+    p, d = prefill, decode
+    if p.model and d.model and p.model != d.model:
+        return (
+            f"model mismatch: {prefill_name} serves [{p.model}], {decode_name} [{d.model}]; "
+            "P and D must serve the same model"
+        )
+    if p.block_size != d.block_size:
+        return (
+            f"block size mismatch: {prefill_name} uses --block-size {p.block_size}, {decode_name} {d.block_size}; "
+            "start P and D with the same block size"
+        )
+    if p.kv_dtype != d.kv_dtype:
+        return (
+            f"KV cache dtype mismatch: {prefill_name} uses {p.kv_dtype}, {decode_name} {d.kv_dtype}; "
+            "start P and D with the same --dtype/--kv-cache-dtype"
+        )
+    if p.num_layers is not None and d.num_layers is not None and p.num_layers != d.num_layers:
+        return (
+            f"layer count mismatch: {prefill_name} has {p.num_layers} KV layers, {decode_name} {d.num_layers}; "
+            "P and D must serve the same model"
+        )
+    return None
+
+
 def route_mismatch(
     route: Route, addr: str, block_size: int, kv_dtype: str, num_layers: int | None, model: str = ""
 ) -> str | None:
@@ -48,24 +85,6 @@ def route_mismatch(
     its workers registered); a route without a layer count (0) skips it too, and an empty
     ``model`` on either side skips the model check.
     """
-    if model and route.model and model != route.model:
-        return (
-            f"model mismatch: the prefill deployment at {addr} serves [{route.model}], "
-            f"this decode instance [{model}]; P and D must serve the same model"
-        )
-    if route.block_size != block_size:
-        return (
-            f"block size mismatch: the prefill deployment at {addr} uses --block-size {route.block_size}, "
-            f"this decode instance {block_size}; start P and D with the same block size"
-        )
-    if route.kv_cache_dtype != kv_dtype:
-        return (
-            f"KV cache dtype mismatch: the prefill deployment at {addr} uses {route.kv_cache_dtype}, "
-            f"this decode instance {kv_dtype}; start P and D with the same --dtype/--kv-cache-dtype"
-        )
-    if num_layers is not None and route.num_layers and route.num_layers != num_layers:
-        return (
-            f"layer count mismatch: the prefill deployment at {addr} has {route.num_layers} KV layers, "
-            f"this decode instance {num_layers}; P and D must serve the same model"
-        )
-    return None
+    prefill = KVFacts(route.block_size, route.kv_cache_dtype, route.num_layers or None, route.model)
+    decode = KVFacts(block_size, kv_dtype, num_layers, model)
+    return kv_mismatch(f"the prefill deployment at {addr}", prefill, "this decode instance", decode)

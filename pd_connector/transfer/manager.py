@@ -26,7 +26,7 @@ import zmq
 
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache, register_dp_rank
-from pd_connector.compat import route_mismatch
+from pd_connector.compat import KVFacts, kv_mismatch, route_mismatch
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import LayoutError, Region, block_runs
 from pd_connector.metadata import RecvJob, SendJob
@@ -299,12 +299,11 @@ class KVTransferManager:
             return
         error = ""
         try:
-            if hello.block_size != self.spec.block_size:
-                raise LayoutError(f"block size mismatch: prefill {self.spec.block_size}, decode {hello.block_size}")
-            if hello.kv_dtype != self.spec.kv_dtype:
-                raise LayoutError(f"KV dtype mismatch: prefill {self.spec.kv_dtype}, decode {hello.kv_dtype}")
-            if hello.num_layers != self.spec.num_layers:
-                raise LayoutError(f"layer count mismatch: prefill {self.spec.num_layers}, decode {hello.num_layers}")
+            ours = KVFacts(self.spec.block_size, self.spec.kv_dtype, self.spec.num_layers)
+            theirs = KVFacts(hello.block_size, hello.kv_dtype, hello.num_layers)
+            problem = kv_mismatch("this prefill instance", ours, f"decode instance {hello.peer_id}", theirs)
+            if problem is not None:
+                raise LayoutError(problem)
             if (hello.total_kv_heads, hello.use_mla) != (self.spec.total_kv_heads, self.spec.use_mla):
                 raise LayoutError(
                     f"model mismatch: prefill has {self.spec.total_kv_heads} KV heads (MLA {self.spec.use_mla}), "

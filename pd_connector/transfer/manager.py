@@ -606,37 +606,35 @@ class KVTransferManager:
                 return
             state.done.add(done.tp_rank)
             finished = len(state.done) >= state.expected > 0
-            if finished:
-                del self._recvs[done.request_id]
-                self._finished_recving.add(done.request_id)
-                self._progress.set()
-        if finished:
-            self.stats.recvs_ok += 1
-            logger.info(
-                "room=%d req=%s: KV received (%d blocks)",
-                done.room,
-                done.request_id,
-                len(state.job.dst_block_ids),
-            )
+            if not finished:
+                return
+            del self._recvs[done.request_id]
+        # Logged before vLLM sees the request as received (same order as _fail_recv).
+        self.stats.recvs_ok += 1
+        logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.request_id, len(state.job.dst_block_ids))
+        with self._lock:
+            self._finished_recving.add(done.request_id)
+            self._progress.set()
 
     def _fail_recv(self, req_id: str, reason: str, room: int | None = None) -> None:
         with self._lock:
             state = self._recvs.pop(req_id, None)
             if state is None:
                 return
-            self._finished_recving.add(req_id)
-            self._progress.set()
-            self._failed_recving[req_id] = list(state.job.dst_block_ids)
-        # Other P ranks must not write into blocks vLLM is about to reuse.
+        # Log before vLLM can see the failure, so the reason is in the log by the time the
+        # request ends. Other P ranks must not write into blocks vLLM is about to reuse.
+        logger.error("room=%d req=%s: KV load failed: %s", state.job.room, req_id, reason)
+        self.stats.recvs_failed += 1
         for endpoint in state.endpoints:
             self._send_msg(endpoint, proto.TransferCancel(room=state.job.room, request_id=req_id))
-        self.stats.recvs_failed += 1
-        logger.error("room=%d req=%s: KV load failed: %s", state.job.room, req_id, reason)
+        with self._lock:
+            self._failed_recving[req_id] = list(state.job.dst_block_ids)
+            self._finished_recving.add(req_id)
+            self._progress.set()
 
     # ---------------------------------------------------------------- timeouts
 
     def _expire(self, now: float) -> None:
-        expired_rooms: list[_ReadyRoom] = []
         stale_requests: list[_WaitingRequest] = []
         timed_out: list[_RecvState] = []
         with self._lock:
@@ -644,7 +642,14 @@ class KVTransferManager:
                 if ready.deadline <= now and not ready.expired:
                     ready.expired = True  # accept no more requests; free once in-flight writes end
                     if ready.submitted < max(ready.expected, 1):
-                        expired_rooms.append(ready)
+                        # Logged before the room can be freed, so the reason precedes vLLM seeing it.
+                        self.stats.rooms_expired += 1
+                        logger.warning(
+                            "room=%d req=%s: no decode asked for this KV within %g s; freeing its blocks",
+                            ready.job.room,
+                            ready.job.req_id,
+                            self.cfg.room_timeout_s,
+                        )
                     self._finish_room_if_done(ready)
             for room, waiting in list(self._waiting.items()):
                 due = [w for w in waiting if w.deadline <= now]
@@ -656,14 +661,6 @@ class KVTransferManager:
             for state in list(self._recvs.values()):
                 if state.deadline <= now:
                     timed_out.append(state)
-        for ready in expired_rooms:
-            self.stats.rooms_expired += 1
-            logger.warning(
-                "room=%d req=%s: no decode asked for this KV within %g s; freeing its blocks",
-                ready.job.room,
-                ready.job.req_id,
-                self.cfg.room_timeout_s,
-            )
         for waiting in stale_requests:
             error = waiting.closed_reason or f"prefill did not produce room {waiting.req.room} in time"
             self._reply(waiting.req, ok=False, error=error)

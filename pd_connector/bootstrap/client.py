@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import msgspec
@@ -75,16 +76,19 @@ ROUTE_TTL_S = 10.0
 class RouteCache:
     """GET /bootstrap/route per prefill deployment, cached for ``ttl_s`` or until invalidated."""
 
-    def __init__(self, timeout_s: float, ttl_s: float = ROUTE_TTL_S) -> None:
+    def __init__(
+        self, timeout_s: float, ttl_s: float = ROUTE_TTL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._timeout = timeout_s
         self._ttl = ttl_s
+        self._clock = clock  # tests age entries by hand
         self._routes: dict[str, tuple[float, Route]] = {}
         self._lock = threading.Lock()
 
     def get(self, addr: str) -> Route:
         with self._lock:
             cached = self._routes.get(addr)
-        if cached is not None and cached[0] > time.monotonic():
+        if cached is not None and cached[0] > self._clock():
             return cached[1]
         try:
             resp = httpx.get(f"http://{addr}/bootstrap/route", timeout=self._timeout)
@@ -104,7 +108,7 @@ class RouteCache:
                 f"{route.attn_tp_size * route.attn_cp_size * route.dp_size} ranks registered"
             )
         with self._lock:
-            self._routes[addr] = (time.monotonic() + self._ttl, route)
+            self._routes[addr] = (self._clock() + self._ttl, route)
         return route
 
     def invalidate(self, addr: str) -> None:

@@ -315,7 +315,8 @@ def test_route_cache_caches(srv: Server, monkeypatch: pytest.MonkeyPatch) -> Non
 def test_route_cache_reads_a_restarted_deployment_after_its_ttl() -> None:
     """A prefill deployment restarted on the same bootstrap port has new rank endpoints."""
     port = free_port()
-    cache = RouteCache(timeout_s=5, ttl_s=0.3)
+    now = [1000.0]  # the cache's clock, moved by hand: a slow server restart must not age the entry
+    cache = RouteCache(timeout_s=5, ttl_s=10.0, clock=lambda: now[0])
     old = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), HOST, port)
     old.start()
     try:
@@ -327,8 +328,9 @@ def test_route_cache_reads_a_restarted_deployment_after_its_ttl() -> None:
     new.start()
     try:
         assert Server(new).put_rank(_rank(tp_size=1, rank_port=7200)).status_code == 200
+        now[0] += 9.9
         assert cache.get(f"{HOST}:{port}").rank(0, 0, 0) == RankInfo("127.0.0.1", 7100)  # still cached
-        time.sleep(0.4)
+        now[0] += 0.2
         assert cache.get(f"{HOST}:{port}").rank(0, 0, 0) == RankInfo("127.0.0.1", 7200)
     finally:
         new.stop()

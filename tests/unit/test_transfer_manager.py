@@ -299,14 +299,14 @@ def test_full_local_hit_frees_the_room_without_writing(rig: Rig) -> None:
 
 def test_decode_times_out_when_prefill_never_has_the_room(rig: Rig) -> None:
     p = rig.make("prefill", seed=5)
-    d = rig.make("decode", kv_wait_timeout_s=1.0)
+    d = rig.make("decode", kv_wait_timeout_s=3.0)  # long enough for P to see the request on a busy box
     dst = [4, 5, 6]
     t0 = time.monotonic()
     d.mgr.add_recvs([recv_job(rig, "d-req", 404, dst)])
     wait_for(lambda: 404 in p.mgr._waiting, what="P to hold D's transfer request")
     d.wait_recv("d-req")
     elapsed = time.monotonic() - t0
-    assert 0.9 <= elapsed < 10, elapsed
+    assert 2.9 <= elapsed < 15, elapsed
     assert d.failed == {"d-req": dst}
     assert d.mgr.stats.recvs_failed == 1 and d.mgr.stats.recvs_ok == 0
     # D's TransferCancel clears P's pending request: nothing lingers until P's own room timeout.

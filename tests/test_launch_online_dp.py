@@ -657,7 +657,9 @@ def test_launcher_runs_every_rank_and_exits_0_when_they_do(tmp_path, fake):
 
 
 def test_launcher_independent_mode_hands_each_rank_its_kv_config(tmp_path, fake):
-    proc = launcher(fake, tmp_path, {}, "--dp-mode", "independent", "--", "--kv-transfer-config", json.dumps(KV))
+    # ok-late: a rank that exits at once makes the launcher stop the other, maybe before it wrote its args.
+    modes = {0: "ok-late", 1: "ok-late"}
+    proc = launcher(fake, tmp_path, modes, "--dp-mode", "independent", "--", "--kv-transfer-config", json.dumps(KV))
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "launch_online_dp: dp mode independent (--dp-mode independent)" in out
@@ -733,7 +735,7 @@ def test_sigterm_reaches_every_rank_group_and_sigkill_follows_the_grace_period(t
 
 def test_log_dir_gets_one_log_per_rank(tmp_path, fake):
     logs = tmp_path / "logs"
-    proc = launcher(fake, tmp_path, {}, "--log-dir", str(logs))
+    proc = launcher(fake, tmp_path, {0: "ok-late", 1: "ok-late"}, "--log-dir", str(logs))
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert sorted(p.name for p in logs.iterdir()) == ["dp_rank_0.log", "dp_rank_1.log"]

@@ -1,4 +1,8 @@
-"""HTTP client of the bootstrap server (P ranks register; D ranks read routes)."""
+"""HTTP client of the bootstrap server (P ranks register; D ranks read routes).
+
+Requests ignore HTTP(S)_PROXY: the bootstrap server is on the cluster network, and a proxy set
+for pip or model downloads must not sit between P and D.
+"""
 
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ def register_rank(addr: str, info: RegisterRank, retries: int, interval_s: float
     last = ""
     for attempt in range(1, retries + 1):
         try:
-            resp = httpx.put(url, content=body, headers={"content-type": "application/json"}, timeout=timeout_s)
+            resp = httpx.put(
+                url, content=body, headers={"content-type": "application/json"}, timeout=timeout_s, trust_env=False
+            )
             if resp.status_code == 200:
                 logger.info(
                     "registered rank dp=%d tp=%d with bootstrap %s",
@@ -61,6 +67,7 @@ def register_dp_rank(addr: str, room: int, dp_rank: int, timeout_s: float) -> No
             f"http://{addr}/bootstrap/register_dp_rank",
             json={"bootstrap_room": room, "dp_rank": dp_rank},
             timeout=timeout_s,
+            trust_env=False,
         )
         resp.raise_for_status()
     except httpx.HTTPError as exc:
@@ -91,7 +98,7 @@ class RouteCache:
         if cached is not None and cached[0] > self._clock():
             return cached[1]
         try:
-            resp = httpx.get(f"http://{addr}/bootstrap/route", timeout=self._timeout)
+            resp = httpx.get(f"http://{addr}/bootstrap/route", timeout=self._timeout, trust_env=False)
         except httpx.TimeoutException as exc:
             raise BootstrapBusy(f"bootstrap server {addr} did not answer in time: {exc!r}") from None
         except httpx.HTTPError as exc:
@@ -121,6 +128,7 @@ class RouteCache:
                 f"http://{addr}/bootstrap/query_dp_ranks",
                 json={"bootstrap_rooms": [room]},
                 timeout=self._timeout,
+                trust_env=False,
             )
             resp.raise_for_status()
             value = resp.json().get("dp_ranks", {}).get(str(room))

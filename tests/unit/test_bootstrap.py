@@ -297,6 +297,20 @@ def test_register_rank_does_not_retry_a_refusal(srv: Server, monkeypatch: pytest
     assert spy.calls == 1
 
 
+def test_client_ignores_proxy_settings(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy in the environment (set for pip, say) must not sit between P, D and the bootstrap server."""
+    dead_proxy = f"http://{HOST}:{free_port()}"
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, dead_proxy)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert register_rank(srv.addr, _rank(tp=0), retries=1, interval_s=0.01, timeout_s=5)
+    assert register_rank(srv.addr, _rank(tp=1), retries=1, interval_s=0.01, timeout_s=5)
+    cache = RouteCache(timeout_s=5)
+    assert cache.get(srv.addr).is_ready
+    assert cache.query_dp_rank(srv.addr, 12345) is None
+
+
 def test_route_cache_caches(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     srv.put_rank(_rank(tp=0))
     srv.put_rank(_rank(tp=1))

@@ -609,26 +609,30 @@ class KVTransferManager:
             if not finished:
                 return
             del self._recvs[done.request_id]
-        # Logged before vLLM sees the request as received (same order as _fail_recv).
         self.stats.recvs_ok += 1
         logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.request_id, len(state.job.dst_block_ids))
-        with self._lock:
-            self._finished_recving.add(done.request_id)
-            self._progress.set()
+        self._publish_recv(done.request_id)
 
     def _fail_recv(self, req_id: str, reason: str, room: int | None = None) -> None:
         with self._lock:
             state = self._recvs.pop(req_id, None)
             if state is None:
                 return
-        # Log before vLLM can see the failure, so the reason is in the log by the time the
-        # request ends. Other P ranks must not write into blocks vLLM is about to reuse.
         logger.error("room=%d req=%s: KV load failed: %s", state.job.room, req_id, reason)
         self.stats.recvs_failed += 1
+        # Other P ranks must not write into blocks vLLM is about to reuse.
         for endpoint in state.endpoints:
             self._send_msg(endpoint, proto.TransferCancel(room=state.job.room, request_id=req_id))
+        self._publish_recv(req_id, failed_blocks=list(state.job.dst_block_ids))
+
+    def _publish_recv(self, req_id: str, failed_blocks: list[int] | None = None) -> None:
+        """Hand a finished receive (failed: with its blocks) to vLLM's next take_finished().
+
+        Callers log the outcome first, so its reason is in the log by the time the request ends.
+        """
         with self._lock:
-            self._failed_recving[req_id] = list(state.job.dst_block_ids)
+            if failed_blocks is not None:
+                self._failed_recving[req_id] = failed_blocks
             self._finished_recving.add(req_id)
             self._progress.set()
 

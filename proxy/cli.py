@@ -193,9 +193,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     bootstrap_hosts = _one_or_each(parser, "--prefiller-bootstrap-hosts", args.prefiller_bootstrap_hosts, count)
     if any(h is not None and not h.strip() for h in bootstrap_hosts):
         parser.error("--prefiller-bootstrap-hosts: empty host name")
-    dp_ranks: list[int | None] = list(args.prefiller_dp_ranks or [None] * len(prefill_pairs))
-    if len(dp_ranks) != len(prefill_pairs):
-        parser.error(f"--prefiller-dp-ranks has {len(dp_ranks)} values; give one per prefiller ({len(prefill_pairs)})")
+    dp_ranks: list[int | None] = list(args.prefiller_dp_ranks or [None] * count)
+    if len(dp_ranks) != count:
+        parser.error(f"--prefiller-dp-ranks has {len(dp_ranks)} values; give one per prefiller ({count})")
     if any(r is not None and not 0 <= r < 65536 for r in dp_ranks):
         parser.error(f"--prefiller-dp-ranks: ranks must be in 0..65535 (got {dp_ranks})")
     seen: set[tuple[str, int, int]] = set()

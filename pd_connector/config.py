@@ -12,6 +12,8 @@ import ipaddress
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
+
 PREFILL = "prefill"
 DECODE = "decode"
 
@@ -29,7 +31,7 @@ class DisaggConfig:
     mode: str
     # Bootstrap server of the prefill deployment (hosted by P's leader rank).
     bootstrap_host: str = "127.0.0.1"
-    bootstrap_port: int = 18800
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     # Address this rank advertises to peers (ZMQ and Mooncake). Never probed.
     local_ip: str = "127.0.0.1"
     # Mooncake transport: tcp (CPU), rdma, ascend (HIXL on NPUs).

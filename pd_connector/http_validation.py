@@ -27,7 +27,8 @@ from typing import Any
 
 from pd_connector.bootstrap.client import BootstrapError, RouteCache
 from pd_connector.compat import kv_dtype_name, model_fingerprint, route_mismatch
-from pd_connector.protocol import DecodeParams, KVParamsError, Route, parse_kv_params
+from pd_connector.kv_params import KV_PARAMS_KEY, DecodeParams, KVParamsError, parse_kv_params
+from pd_connector.protocol import Route
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +59,13 @@ def parse_body(raw: bytes) -> tuple[DecodeParams | None, str | None]:
         body = json.loads(raw)
     except ValueError:
         return None, None  # not ours to judge: vLLM answers invalid JSON itself
-    if not isinstance(body, dict) or "kv_transfer_params" not in body:
+    if not isinstance(body, dict) or KV_PARAMS_KEY not in body:
         return None, None
     try:
-        params = parse_kv_params(body["kv_transfer_params"])
+        params = parse_kv_params(body[KV_PARAMS_KEY])
     except KVParamsError as exc:
         return None, str(exc)
     return (params if isinstance(params, DecodeParams) else None), None
-
-
-def check_body(raw: bytes) -> str | None:
-    """Return an error message if the JSON body carries malformed kv_transfer_params."""
-    return parse_body(raw)[1]
 
 
 class CompatibilityCheck:

@@ -1,4 +1,4 @@
-"""Wire formats: per-request kv_transfer_params and the ZMQ messages between ranks.
+"""Wire formats: the ZMQ messages between ranks (kv_transfer_params: `kv_params`).
 
 ZMQ frames carry msgspec msgpack structs, tagged so one decoder reads them all.
 A frame that does not decode is reported as `ProtocolError` and dropped by the
@@ -7,95 +7,7 @@ caller; it is never fatal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import msgspec
-
-MAX_ROOM = 2**63
-
-
-class KVParamsError(ValueError):
-    """kv_transfer_params of a request are malformed."""
-
-
-@dataclass(frozen=True)
-class PrefillParams:
-    """P side: compute the prompt, then push its KV to the D that asks for `room`."""
-
-    room: int
-
-
-@dataclass(frozen=True)
-class DecodeParams:
-    """D side: the prompt's KV comes from the prefill deployment at bootstrap_host:port."""
-
-    room: int
-    bootstrap_host: str
-    bootstrap_port: int
-    prefill_dp_rank: int | None
-
-    @property
-    def bootstrap_addr(self) -> str:
-        return f"{self.bootstrap_host}:{self.bootstrap_port}"
-
-
-def _int_field(params: dict[str, Any], key: str, lo: int, hi: int, required: bool = True) -> int | None:
-    value = params.get(key)
-    if value is None:
-        if required:
-            raise KVParamsError(f"kv_transfer_params.{key} is required")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            # The gate alone is not enough: "²" and "--3" pass it, and int() rejects them.
-            if not (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
-                raise ValueError
-            value = int(value)
-        except ValueError:
-            raise KVParamsError(f"kv_transfer_params.{key} must be an integer, got {value!r}") from None
-    if not lo <= value < hi:
-        raise KVParamsError(f"kv_transfer_params.{key} must be in [{lo}, {hi}), got {value}")
-    return value
-
-
-def _flag(params: dict[str, Any], key: str) -> bool:
-    value = params.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise KVParamsError(f"kv_transfer_params.{key} must be true or false, got {value!r}")
-    return value
-
-
-def parse_kv_params(params: Any) -> PrefillParams | DecodeParams | None:
-    """Parse a request's kv_transfer_params; None if it asks for no PD transfer.
-
-    Raises KVParamsError with a message naming the bad field.
-    """
-    if params is None:
-        return None
-    if not isinstance(params, dict):
-        raise KVParamsError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
-    remote_decode = _flag(params, "do_remote_decode")
-    remote_prefill = _flag(params, "do_remote_prefill")
-    if remote_decode and remote_prefill:
-        raise KVParamsError("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
-    if remote_decode:
-        room = _int_field(params, "bootstrap_room", 0, MAX_ROOM)
-        assert room is not None
-        return PrefillParams(room=room)
-    if remote_prefill:
-        room = _int_field(params, "bootstrap_room", 0, MAX_ROOM)
-        host = params.get("bootstrap_host")
-        if not isinstance(host, str) or not host:
-            raise KVParamsError(f"kv_transfer_params.bootstrap_host must be a non-empty string, got {host!r}")
-        port = _int_field(params, "bootstrap_port", 1, 65536)
-        dp_rank = _int_field(params, "prefill_dp_rank", 0, 1 << 16, required=False)
-        assert room is not None and port is not None
-        return DecodeParams(room=room, bootstrap_host=host, bootstrap_port=port, prefill_dp_rank=dp_rank)
-    return None
-
 
 # ---------------------------------------------------------------- ZMQ messages
 

@@ -12,8 +12,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.config import DisaggConfig
+from pd_connector.kv_params import DecodeParams, KVParamsError, PrefillParams, parse_kv_params, prefill_answer
 from pd_connector.metadata import PDConnectorMetadata, RecvJob, SendJob
-from pd_connector.protocol import DecodeParams, KVParamsError, PrefillParams, parse_kv_params
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -122,7 +122,7 @@ class PDScheduler:
         if finished_normally and block_ids:
             self._sends.append(SendJob(rid, params.room, list(block_ids), request.num_prompt_tokens))
             self._holding.add(rid)
-            return True, {"bootstrap_room": params.room, "prefill_done": True}
+            return True, prefill_answer(params.room)
         logger.warning("room=%d req=%s: prefill ended as %s; no KV to hand over", params.room, rid, request.status.name)
         self._dropped.append(params.room)
         return False, None

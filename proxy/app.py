@@ -36,8 +36,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.backends import BackendPool, BackendState, Lease, check_all, describe_exception, pool_health, probe
-from proxy.cli import DEFAULT_BOOTSTRAP_PORT
 from proxy.config import ROLES, Backend, Role, RouterConfig
 from proxy.errors import (
     CLIENT_DISCONNECTED,

@@ -10,9 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.config import ROUTING_POLICIES, Backend, RouterConfig
 
-DEFAULT_BOOTSTRAP_PORT = 18800
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}

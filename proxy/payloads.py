@@ -8,12 +8,12 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from pd_connector.kv_params import KV_PARAMS_KEY as KV_KEY
+from pd_connector.kv_params import MAX_ROOM, DecodeParams, PrefillParams
+from pd_connector.kv_params import ROOM as ROOM_KEY
 from proxy.config import Backend
 from proxy.errors import INVALID_REQUEST, RouterError
 
-ROOM_LIMIT = 2**63
-ROOM_KEY = "bootstrap_room"
-KV_KEY = "kv_transfer_params"
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 #: Characters per token of the cheap prompt-size estimate used by least-loaded routing.
@@ -32,7 +32,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_room(value: Any, where: str) -> int:
-    if not _is_int(value) or not 0 <= value < ROOM_LIMIT:
+    if not _is_int(value) or not 0 <= value < MAX_ROOM:
         raise _invalid(f"{where} must be an integer in [0, 2**63), got {value!r}", where)
     return value
 
@@ -177,7 +177,7 @@ def prefill_body(body: dict[str, Any], room: int) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out.pop("min_tokens", None)
     out["ignore_eos"] = True
-    out[KV_KEY] = {"do_remote_decode": True, "do_remote_prefill": False, ROOM_KEY: room}
+    out[KV_KEY] = PrefillParams(room).to_json()
     return out
 
 
@@ -186,19 +186,5 @@ def decode_body(body: dict[str, Any], room: int, prefiller: Backend) -> dict[str
     out = dict(body)  # shallow: only top-level keys are replaced
     out.pop(ROOM_KEY, None)
     host, port = prefiller.bootstrap_address
-    params: dict[str, Any] = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        ROOM_KEY: room,
-        "bootstrap_host": host,
-        "bootstrap_port": port,
-    }
-    if prefiller.dp_rank is not None:
-        params["prefill_dp_rank"] = prefiller.dp_rank
-    out[KV_KEY] = params
+    out[KV_KEY] = DecodeParams(room, host, port, prefiller.dp_rank).to_json()
     return out
-
-
-def wants_stream(body: dict[str, Any]) -> bool:
-    """Whether the client asked for a server-sent-event stream."""
-    return body.get("stream") is True

@@ -9,7 +9,7 @@ import pytest
 
 from proxy.config import Backend
 from proxy.errors import RouterError
-from proxy.payloads import decode_body, prefill_body, resolve_room, wants_stream
+from proxy.payloads import decode_body, prefill_body, resolve_room
 
 PREFILLER = Backend("prefill", "10.0.0.7", 8100, 18800)
 
@@ -110,8 +110,3 @@ def test_bad_room_is_400(body: dict[str, Any]) -> None:
     assert info.value.status == 400
     assert info.value.error_type == "invalid_request_error"
 
-
-def test_wants_stream() -> None:
-    assert wants_stream({"stream": True})
-    assert not wants_stream({"stream": False})
-    assert not wants_stream({})

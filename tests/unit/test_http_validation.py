@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
-from pd_connector.http_validation import CHECKED_PATHS, KVParamsValidationMiddleware, check_body
+from pd_connector.http_validation import CHECKED_PATHS, KVParamsValidationMiddleware, parse_body
 from pd_connector.protocol import RegisterRank
 from tests.unit.conftest import free_port
 
@@ -201,12 +201,13 @@ def test_non_http_scope_passes_through() -> None:
     assert len(inner.calls) == 1 and inner.calls[0][0] == {"type": "lifespan"} and sent == []
 
 
-def test_check_body_helper() -> None:
-    assert check_body(b"") is None
-    assert check_body(b"[]") is None
-    assert check_body(json.dumps({"kv_transfer_params": GOOD_D}).encode()) is None
-    msg = check_body(json.dumps({"kv_transfer_params": {**GOOD_D, "bootstrap_port": "x"}}).encode())
-    assert msg is not None and "bootstrap_port" in msg
+def test_parse_body_reports_only_malformed_params() -> None:
+    assert parse_body(b"") == (None, None)
+    assert parse_body(b"[]") == (None, None)
+    params, error = parse_body(json.dumps({"kv_transfer_params": GOOD_D}).encode())
+    assert error is None and params is not None and params.bootstrap_port == GOOD_D["bootstrap_port"]
+    params, msg = parse_body(json.dumps({"kv_transfer_params": {**GOOD_D, "bootstrap_port": "x"}}).encode())
+    assert params is None and msg is not None and "bootstrap_port" in msg
 
 
 # ------------------------------------------- D: is the named prefill deployment compatible?

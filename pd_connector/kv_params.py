@@ -1,0 +1,135 @@
+"""The per-request contract between the Router and PDConnector: ``kv_transfer_params``.
+
+One module builds and parses what a request carries, and holds the constants both
+sides share, so the Router (which must run without vLLM) and the connector cannot
+drift apart. It imports nothing of vLLM.
+
+P's request: ``{do_remote_decode: true, bootstrap_room}``; D's request:
+``{do_remote_prefill: true, bootstrap_room, bootstrap_host, bootstrap_port[, prefill_dp_rank]}``;
+P's answer (vLLM passes it back in the response): ``{bootstrap_room, prefill_done: true}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Key of the request body vLLM hands to the connector untouched.
+KV_PARAMS_KEY = "kv_transfer_params"
+REMOTE_DECODE = "do_remote_decode"
+REMOTE_PREFILL = "do_remote_prefill"
+ROOM = "bootstrap_room"
+BOOTSTRAP_HOST = "bootstrap_host"
+BOOTSTRAP_PORT = "bootstrap_port"
+PREFILL_DP_RANK = "prefill_dp_rank"
+PREFILL_DONE = "prefill_done"
+
+#: Rooms are 63-bit: [0, MAX_ROOM).
+MAX_ROOM = 2**63
+MAX_DP_RANK = 1 << 16
+#: Port of P's bootstrap server when nobody names one.
+DEFAULT_BOOTSTRAP_PORT = 18800
+
+
+class KVParamsError(ValueError):
+    """kv_transfer_params of a request are malformed."""
+
+
+@dataclass(frozen=True)
+class PrefillParams:
+    """P side: compute the prompt, then push its KV to the D that asks for `room`."""
+
+    room: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The kv_transfer_params a Router sends P for this room."""
+        return {REMOTE_DECODE: True, REMOTE_PREFILL: False, ROOM: self.room}
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """D side: the prompt's KV comes from the prefill deployment at bootstrap_host:port."""
+
+    room: int
+    bootstrap_host: str
+    bootstrap_port: int
+    prefill_dp_rank: int | None
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return f"{self.bootstrap_host}:{self.bootstrap_port}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The kv_transfer_params a Router sends D (``prefill_dp_rank`` only when known)."""
+        out: dict[str, Any] = {
+            REMOTE_PREFILL: True,
+            REMOTE_DECODE: False,
+            ROOM: self.room,
+            BOOTSTRAP_HOST: self.bootstrap_host,
+            BOOTSTRAP_PORT: self.bootstrap_port,
+        }
+        if self.prefill_dp_rank is not None:
+            out[PREFILL_DP_RANK] = self.prefill_dp_rank
+        return out
+
+
+def _int_field(params: dict[str, Any], key: str, lo: int, hi: int, required: bool = True) -> int | None:
+    value = params.get(key)
+    if value is None:
+        if required:
+            raise KVParamsError(f"kv_transfer_params.{key} is required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            # The gate alone is not enough: "²" and "--3" pass it, and int() rejects them.
+            if not (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+                raise ValueError
+            value = int(value)
+        except ValueError:
+            raise KVParamsError(f"kv_transfer_params.{key} must be an integer, got {value!r}") from None
+    if not lo <= value < hi:
+        raise KVParamsError(f"kv_transfer_params.{key} must be in [{lo}, {hi}), got {value}")
+    return value
+
+
+def _flag(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise KVParamsError(f"kv_transfer_params.{key} must be true or false, got {value!r}")
+    return value
+
+
+def parse_kv_params(params: Any) -> PrefillParams | DecodeParams | None:
+    """Parse a request's kv_transfer_params; None if it asks for no PD transfer.
+
+    Raises KVParamsError with a message naming the bad field.
+    """
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise KVParamsError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
+    remote_decode = _flag(params, REMOTE_DECODE)
+    remote_prefill = _flag(params, REMOTE_PREFILL)
+    if remote_decode and remote_prefill:
+        raise KVParamsError("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
+    if remote_decode:
+        room = _int_field(params, ROOM, 0, MAX_ROOM)
+        assert room is not None
+        return PrefillParams(room=room)
+    if remote_prefill:
+        room = _int_field(params, ROOM, 0, MAX_ROOM)
+        host = params.get(BOOTSTRAP_HOST)
+        if not isinstance(host, str) or not host:
+            raise KVParamsError(f"kv_transfer_params.bootstrap_host must be a non-empty string, got {host!r}")
+        port = _int_field(params, BOOTSTRAP_PORT, 1, 65536)
+        dp_rank = _int_field(params, PREFILL_DP_RANK, 0, MAX_DP_RANK, required=False)
+        assert room is not None and port is not None
+        return DecodeParams(room=room, bootstrap_host=host, bootstrap_port=port, prefill_dp_rank=dp_rank)
+    return None
+
+
+def prefill_answer(room: int) -> dict[str, Any]:
+    """kv_transfer_params of P's answer once its prefill finished and its KV waits for D."""
+    return {ROOM: room, PREFILL_DONE: True}

@@ -1,4 +1,4 @@
-"""KV-cache memory as transferable regions, and block runs as Mooncake entries.
+"""KV-cache memory as transferable regions, and block id lists as runs of consecutive blocks.
 
 A *region* is one (layer, K/V or MLA part) slab of KV memory seen block by
 block: `base + i * block_stride` is where block i starts and `block_bytes` of
@@ -14,7 +14,7 @@ strides, so every layout in DESIGN §5 is handled by the same code:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,17 +97,6 @@ def memory_ranges(kv_caches: Mapping[str, Any]) -> list[tuple[int, int]]:
     return merged
 
 
-def check_compatible(src: Sequence[Region], dst: Sequence[Region]) -> None:
-    """Raise LayoutError unless both sides have the same regions block for block."""
-    if len(src) != len(dst):
-        raise LayoutError(f"KV region count differs: prefill has {len(src)}, decode has {len(dst)}")
-    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
-        if s.block_bytes != d.block_bytes:
-            raise LayoutError(
-                f"KV region {i}: prefill block is {s.block_bytes} bytes, decode block is {d.block_bytes} bytes"
-            )
-
-
 def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
     """Pair src/dst block ids into runs (src_start, dst_start, count) consecutive on both sides."""
     if len(src_blocks) != len(dst_blocks):
@@ -121,30 +110,3 @@ def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tup
                 continue
         runs.append((s, d, 1))
     return runs
-
-
-def transfer_entries(
-    src: Sequence[Region], dst: Sequence[Region], runs: Iterable[tuple[int, int, int]]
-) -> tuple[list[int], list[int], list[int]]:
-    """Mooncake write entries (src_addrs, dst_addrs, lengths) for the block runs.
-
-    A run over blocks that are dense on both sides is one entry per region;
-    otherwise one entry per block and region.
-    """
-    src_addrs: list[int] = []
-    dst_addrs: list[int] = []
-    lengths: list[int] = []
-    runs = list(runs)
-    for s, d in zip(src, dst, strict=True):
-        dense = s.blocks_contiguous and d.blocks_contiguous
-        for s0, d0, n in runs:
-            if dense:
-                src_addrs.append(s.base + s0 * s.block_stride)
-                dst_addrs.append(d.base + d0 * d.block_stride)
-                lengths.append(n * s.block_bytes)
-            else:
-                for k in range(n):
-                    src_addrs.append(s.base + (s0 + k) * s.block_stride)
-                    dst_addrs.append(d.base + (d0 + k) * d.block_stride)
-                    lengths.append(s.block_bytes)
-    return src_addrs, dst_addrs, lengths

@@ -36,7 +36,7 @@ major": vLLM CPU ``[num_blocks, heads, block_size, 2*head_dim]``, CUDA HND
 ``[2, num_blocks, heads, block_size, head_dim]``). vLLM-Ascend's
 ``[num_blocks, block_size, heads, head_dim]`` (NHD) puts heads inside tokens: a
 head slice there would be one transfer per token, so a plan that splits heads
-is refused for it (:func:`require_head_major`). Plans that copy whole blocks
+is refused for it (the transfer manager checks :func:`is_head_major` at the handshake). Plans that copy whole blocks
 (equal TP, MLA, both sides down to one replicated head) work with any layout.
 
 Everything here is pure: no I/O, no tensors touched.
@@ -60,7 +60,6 @@ __all__ = [
     "local_heads",
     "needs_head_split",
     "plan_decode_rank",
-    "require_head_major",
     "senders_for",
     "slices_from",
     "tp_transfer_entries",
@@ -295,25 +294,6 @@ def is_head_major(
     return all(strides[heads_dim] > strides[d] for d in inner if d != heads_dim and shape[d] > 1)
 
 
-def require_head_major(
-    shape: Sequence[int],
-    num_blocks: int,
-    local_heads: int,
-    *,
-    strides: Sequence[int] | None = None,
-    heads_dim: int | None = None,
-    what: str = "KV tensor",
-) -> None:
-    """Raise MappingError unless :func:`is_head_major`; for plans that split heads."""
-    if not is_head_major(shape, num_blocks, local_heads, strides=strides, heads_dim=heads_dim):
-        raise MappingError(
-            f"{what} of shape {tuple(shape)} keeps heads inside tokens (e.g. vLLM-Ascend "
-            "[num_blocks, block_size, heads, head_dim]): a head slice is not contiguous within a block, "
-            "so prefill and decode with different TP sizes cannot exchange its KV; use equal TP sizes "
-            "or a heads-outermost KV layout"
-        )
-
-
 def _head_bytes(region: Region, heads: int, side: str, index: int | None) -> int:
     where = f"{side} KV region" + (f" {index}" if index is not None else "")
     if heads < 1:
@@ -349,14 +329,14 @@ def head_entries(
     *,
     region_index: int | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Mooncake write entries (src_addrs, dst_addrs, lengths) for one region pair.
+    """Backend write entries (src_addrs, dst_addrs, lengths) for one region pair.
 
     ``slices`` are the ones this P rank sends to one D rank; ``runs`` are
     ``(src_start_block, dst_start_block, count)`` from ``layout.block_runs``.
     Heads must be outermost within a block on both sides (or every slice copies
     whole blocks). A slice covering all heads on both sides copies whole
-    blocks: one entry per run when blocks are dense on both sides, like
-    ``layout.transfer_entries``; otherwise one entry per block and slice.
+    blocks: one entry per run when blocks are dense on both sides; otherwise one
+    entry per block and slice.
     """
     src_hb = _head_bytes(src_region, src_local_heads, "prefill", region_index)
     dst_hb = _head_bytes(dst_region, dst_local_heads, "decode", region_index)

@@ -1,4 +1,4 @@
-"""layout: KV tensors -> regions, block runs -> Mooncake entries, checked byte by byte on CPU."""
+"""layout: KV tensors -> regions and block runs; whole-block write entries (tp_mapping) checked byte by byte on CPU."""
 
 from __future__ import annotations
 
@@ -14,16 +14,24 @@ from pd_connector.layout import (
     LayoutError,
     Region,
     block_runs,
-    check_compatible,
     memory_ranges,
     regions_of_kv_caches,
     regions_of_tensor,
-    transfer_entries,
 )
+from pd_connector.tp_mapping import HeadSlice, check_head_regions, tp_transfer_entries
 
 NB, BS, HEADS, HD = 12, 4, 2, 8
 F16 = torch.float16
 ITEM = 2
+
+#: Equal TP: each block moves whole (one "head" per block on both sides).
+WHOLE_BLOCKS = [HeadSlice(p_rank=0, src_head=0, dst_head=0, num_heads=1)]
+
+
+def whole_block_writes(
+    src: list[Region], dst: list[Region], runs: list[tuple[int, int, int]]
+) -> tuple[list[int], list[int], list[int]]:
+    return tp_transfer_entries(src, dst, WHOLE_BLOCKS, 1, 1, runs)
 
 
 def test_vllm_cpu_layout_one_region_per_layer() -> None:
@@ -139,16 +147,7 @@ def test_memory_ranges_separate_tensors() -> None:
     assert sum(n for _, n in ranges) == sum(t.nbytes for t in tensors)
 
 
-# ------------------------------------------------------------ compatibility
-
-
-def test_check_compatible() -> None:
-    a = [Region(1000, 64, 64), Region(5000, 64, 64)]
-    check_compatible(a, [Region(9000, 128, 64), Region(1, 64, 64)])  # strides and bases may differ
-    with pytest.raises(LayoutError, match="region count"):
-        check_compatible(a, a[:1])
-    with pytest.raises(LayoutError, match=r"region 1: prefill block is 64 bytes, decode block is 32"):
-        check_compatible(a, [Region(9000, 64, 64), Region(1, 64, 32)])
+# ------------------------------------------------------------ runs and entries
 
 
 def test_block_runs_coalesce() -> None:
@@ -165,7 +164,7 @@ def test_dense_run_is_one_entry_per_region() -> None:
     dst = [Region(90_000, 64, 64), Region(20_000, 64, 64)]
     runs = block_runs(list(range(3, 11)), list(range(100, 108)))
     assert runs == [(3, 100, 8)]
-    s, d, n = transfer_entries(src, dst, runs)
+    s, d, n = whole_block_writes(src, dst, runs)
     assert s == [10_000 + 3 * 64, 50_000 + 3 * 64]
     assert d == [90_000 + 100 * 64, 20_000 + 100 * 64]
     assert n == [8 * 64, 8 * 64]
@@ -174,7 +173,7 @@ def test_dense_run_is_one_entry_per_region() -> None:
 def test_strided_run_is_one_entry_per_block() -> None:
     src = [Region(10_000, 128, 64)]
     dst = [Region(90_000, 64, 64)]
-    s, d, n = transfer_entries(src, dst, [(2, 7, 3)])
+    s, d, n = whole_block_writes(src, dst, [(2, 7, 3)])
     assert s == [10_000 + 2 * 128, 10_000 + 3 * 128, 10_000 + 4 * 128]
     assert d == [90_000 + 7 * 64, 90_000 + 8 * 64, 90_000 + 9 * 64]
     assert n == [64, 64, 64]
@@ -279,7 +278,7 @@ def test_simulated_transfer_is_byte_exact(layout: str, seed: int) -> None:
     src_kv, dst_kv = make(nb_src, 100 + seed), make(nb_dst, 200 + seed)
     src_regions = regions_of_kv_caches(src_kv, nb_src)
     dst_regions = regions_of_kv_caches(dst_kv, nb_dst)
-    check_compatible(src_regions, dst_regions)
+    check_head_regions(src_regions, dst_regions, 1, 1)
 
     count = rng.randint(1, nb_dst)
     if seed % 2:  # mostly consecutive ids, as a fresh allocator hands out
@@ -293,7 +292,7 @@ def test_simulated_transfer_is_byte_exact(layout: str, seed: int) -> None:
 
     runs = block_runs(src_ids, dst_ids)
     assert sum(n for _, _, n in runs) == count
-    entries = transfer_entries(src_regions, dst_regions, runs)
+    entries = whole_block_writes(src_regions, dst_regions, runs)
     dense = all(r.blocks_contiguous for r in src_regions + dst_regions)
     assert len(entries[0]) == (len(runs) if dense else count) * len(src_regions)
 
@@ -327,7 +326,7 @@ def test_simulated_transfer_between_different_layouts() -> None:
     src_ids, dst_ids = [0, 1, 2, 5], [4, 5, 6, 0]
     runs = block_runs(src_ids, dst_ids)
     assert runs == [(0, 4, 3), (5, 0, 1)]
-    entries = transfer_entries(src_regions, dst_regions, runs)
+    entries = whole_block_writes(src_regions, dst_regions, runs)
     assert len(entries[0]) == 4 * len(src_regions)
     dst_storages = _storages(dst_kv)
     counts = _apply(entries, dst_storages)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pd_connector.layout import LayoutError, Region, block_runs, regions_of_kv_caches, transfer_entries
+from pd_connector.layout import LayoutError, Region, block_runs, regions_of_kv_caches
 from pd_connector.tp_mapping import (
     HeadSlice,
     MappingError,
@@ -25,7 +25,6 @@ from pd_connector.tp_mapping import (
     local_heads,
     needs_head_split,
     plan_decode_rank,
-    require_head_major,
     senders_for,
     slices_from,
     tp_transfer_entries,
@@ -202,12 +201,29 @@ def test_head_bytes_mismatch_and_bad_slices() -> None:
     check_head_regions([Region(0, 64, 64)] * 2, [Region(0, 32, 32)] * 2, 2, 1)
 
 
-def test_equal_tp_entries_match_layout_transfer_entries() -> None:
+def whole_block_entries(
+    src: Sequence[Region], dst: Sequence[Region], runs: Sequence[tuple[int, int, int]]
+) -> tuple[list[int], list[int], list[int]]:
+    """Reference: whole blocks per region, one entry per run where both sides are dense, else per block."""
+    src_addrs: list[int] = []
+    dst_addrs: list[int] = []
+    lengths: list[int] = []
+    for s, d in zip(src, dst, strict=True):
+        dense = s.blocks_contiguous and d.blocks_contiguous
+        for s0, d0, n in runs:
+            for k in [0] if dense else range(n):
+                src_addrs.append(s.base + (s0 + k) * s.block_stride)
+                dst_addrs.append(d.base + (d0 + k) * d.block_stride)
+                lengths.append((n if dense else 1) * s.block_bytes)
+    return src_addrs, dst_addrs, lengths
+
+
+def test_equal_tp_entries_match_whole_block_entries() -> None:
     src = [Region(1 << 20, 256, 256), Region(2 << 20, 512, 256)]
     dst = [Region(3 << 20, 256, 256), Region(4 << 20, 256, 256)]
     runs = block_runs([3, 4, 5, 9, 1], [7, 8, 9, 2, 3])
     plan = plan_decode_rank(8, 2, 2, 1, is_mla=False)
-    assert tp_transfer_entries(src, dst, plan, 4, 4, runs) == transfer_entries(src, dst, runs)
+    assert tp_transfer_entries(src, dst, plan, 4, 4, runs) == whole_block_entries(src, dst, runs)
 
 
 def test_partial_heads_one_entry_per_block_and_slice() -> None:
@@ -247,12 +263,6 @@ def test_is_head_major_layouts() -> None:
         is_head_major((NB, 4, BS, HD), NB, 3)
     with pytest.raises(MappingError, match="no dimension of size num_blocks"):
         is_head_major((5, 4, BS, HD), NB, 4)
-
-
-def test_require_head_major_refuses_nhd() -> None:
-    require_head_major((NB, 2, BS, 2 * HD), NB, 2)
-    with pytest.raises(MappingError, match=r"keeps heads inside tokens .* different TP sizes"):
-        require_head_major((NB, BS, 2, HD), NB, 2, what="vLLM-Ascend key cache")
 
 
 # ------------------------------------------------------- byte-level simulation
@@ -397,5 +407,5 @@ def test_mla_whole_blocks_coalesce() -> None:
     plan = plan_decode_rank(0, 4, 2, 0, is_mla=True)
     runs = block_runs([0, 1, 2, 5], [3, 4, 5, 0])
     entries = tp_transfer_entries(p.regions, d.regions, plan, 1, 1, runs)
-    assert entries == transfer_entries(p.regions, d.regions, runs)
+    assert entries == whole_block_entries(p.regions, d.regions, runs)
     assert len(entries[2]) == 2 * len(runs)  # latent + rope, one entry per run

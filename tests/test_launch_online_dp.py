@@ -25,8 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from launch import launch_online_dp as dp
-from launch.launch_online_dp import UsageError, build_plans, compact_ids, main, parse_args
+from launch import dp_devices, dp_mode, dp_plan
+from launch.dp_checks import UsageError
+from launch.dp_devices import compact_ids
+from launch.dp_plan import build_plans
+from launch.launch_online_dp import main, parse_args
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "launch" / "run_dp_template.sh"
@@ -170,7 +173,7 @@ def test_cpu_bind_none_and_explicit_lists():
 
 
 def test_cpu_plans_use_the_vllm_cli_wrapper_when_the_console_script_fails(monkeypatch):
-    monkeypatch.setattr(dp.shutil, "which", lambda name: None)
+    monkeypatch.setattr(dp_plan.shutil, "which", lambda name: None)
     plans = plans_for([*BASE, "--device", "cpu", "--host", "127.0.0.1"], environ={"PYTHONPATH": "/x"}, cpus=[0, 1])
     env = plans[1].env
     assert env["PD_SERVE_CMD"] == f"{sys.executable} -m launch.vllm_cli"
@@ -189,11 +192,13 @@ def test_dp_size_local_minus_one_starts_every_rank():
 
 
 def test_device_auto_detection(monkeypatch):
-    monkeypatch.setattr(dp.shutil, "which", lambda name: "/usr/local/bin/npu-smi" if name == "npu-smi" else None)
-    assert dp.detect_device() == "npu"
-    monkeypatch.setattr(dp.shutil, "which", lambda name: None)
-    monkeypatch.setattr(dp.importlib.util, "find_spec", lambda name: None)
-    assert dp.detect_device() == "cpu"
+    monkeypatch.setattr(
+        dp_devices.shutil, "which", lambda name: "/usr/local/bin/npu-smi" if name == "npu-smi" else None
+    )
+    assert dp_devices.detect_device() == "npu"
+    monkeypatch.setattr(dp_devices.shutil, "which", lambda name: None)
+    monkeypatch.setattr(dp_devices.importlib.util, "find_spec", lambda name: None)
+    assert dp_devices.detect_device() == "cpu"
 
 
 def test_ipv6_host_health_url():
@@ -278,7 +283,7 @@ def test_auto_dp_mode_picks_vllm_for_an_moe_model(tmp_path, config, marker):
 
 def test_auto_dp_mode_ignores_zero_and_non_integer_expert_counts(tmp_path):
     config = {**DENSE, "num_experts": 0, "num_local_experts": None, "moe_num_experts": "4", "n_routed_experts": True}
-    assert dp.detect_dp_mode(model_dir(tmp_path, config))[0] == "independent"
+    assert dp_mode.detect_dp_mode(model_dir(tmp_path, config))[0] == "independent"
 
 
 @pytest.mark.parametrize("kind", ["missing-path", "hub-name", "no-config-json", "bad-json", "no-model"])
@@ -294,7 +299,7 @@ def test_auto_dp_mode_picks_vllm_without_a_readable_local_config(tmp_path, kind)
         (Path(model) / "config.json").write_text("{not json")
     else:
         model = None
-    mode, why = dp.detect_dp_mode(model)
+    mode, why = dp_mode.detect_dp_mode(model)
     assert mode == "vllm", why
     argv = [*BASE, "--device", "cpu", "--cpu-bind", "none", *(["--model", model] if model else [])]
     plans = plans_for(argv)

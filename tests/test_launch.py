@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import signal
@@ -22,10 +23,12 @@ from launch.processes import (
     free_port,
     free_ports,
     group_members,
+    port_in_use,
     router_cmd,
     vllm_env,
     vllm_serve_cmd,
     wait_http_ok,
+    watch_health,
 )
 
 # A parent that spawns a child which ignores SIGTERM, prints both pids, then sleeps.
@@ -256,3 +259,101 @@ def test_router_cmd() -> None:
         "--decoder-ports",
         "8200",
     ]
+
+
+def test_port_in_use() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert port_in_use("127.0.0.1", sock.getsockname()[1])
+    assert not port_in_use("127.0.0.1", free_port())
+
+
+def test_echo_prefixes_each_line_on_the_console_and_keeps_the_log(tmp_path: Path) -> None:
+    console = io.StringIO()
+    script = "import sys; print('one'); print('two', file=sys.stderr, flush=True); sys.stdout.write('three')"
+    with ProcessGroup(tmp_path, console=console) as group:
+        both = group.start("both", [sys.executable, "-c", script], echo="[a] ")
+        assert [code for _, code in group.wait()] == [0]
+    lines = console.getvalue().splitlines()
+    assert sorted(lines) == ["[a] one", "[a] three", "[a] two"]
+    assert both.log_path == tmp_path / "both.log"
+    assert sorted(both.log_path.read_text().split()) == ["one", "three", "two"]
+
+
+def test_echo_without_a_log_file(tmp_path: Path) -> None:
+    console = io.StringIO()
+    with ProcessGroup(tmp_path / "logs", console=console) as group:
+        proc = group.start("quiet", [sys.executable, "-c", "print('hi'); raise SystemExit(4)"], log=False, echo="> ")
+        assert group.wait() == [(proc, 4)]
+    assert console.getvalue() == "> hi\n"
+    assert proc.log_path is None
+    assert proc.log_tail() == ""
+    assert "no log file" in proc.describe_failure("exited with code 4")
+    assert list((tmp_path / "logs").iterdir()) == []
+
+
+def test_wait_first_returns_at_the_first_exit_and_reports_it(tmp_path: Path) -> None:
+    said: list[str] = []
+    seen: list[tuple[str, int]] = []
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    with ProcessGroup(tmp_path, report=said.append, stop_grace_s=5.0) as group:
+        sleeper = group.start("sleeper", sleep, label="the sleeper")
+        quitter = group.start("quitter", [sys.executable, "-c", "raise SystemExit(3)"], label="the quitter")
+        exits = group.wait(first=True, interval=0.05, on_exit=lambda p, code: seen.append((p.name, code)))
+        assert exits == [(quitter, 3)]
+        assert seen == [("quitter", 3)]
+        assert sleeper.is_running()
+    assert not sleeper.is_running()
+    assert "the quitter exited with code 3" in said
+    assert f"stopping the sleeper (process group {sleeper.pid})" in said
+
+
+def test_custom_signals_stop_the_group_with_128_plus_n(tmp_path: Path) -> None:
+    """SIGHUP, when listed in `signals`, stops every process; the holder exits 128 + 1."""
+    script = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from launch.processes import ProcessGroup
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        with ProcessGroup({str(tmp_path)!r}, signals=signals, report=print) as group:
+            p = group.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
+            print(p.pid, flush=True)
+            group.wait()
+        """
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        pid = int(holder.stdout.readline())
+        holder.send_signal(signal.SIGHUP)
+        assert holder.wait(timeout=15) == 128 + signal.SIGHUP
+        assert "received SIGHUP; stopping 1 process(es)" in holder.stdout.read()
+        assert not _alive(pid)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+
+
+def test_watch_health_reports_healthy_targets_and_drops_exited_ones(tmp_path: Path) -> None:
+    server = textwrap.dedent(
+        """
+        import http.server, sys
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+        http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+        """
+    )
+    port = free_port()
+    healthy: list[int] = []
+    with ProcessGroup(tmp_path) as group:
+        up = group.start("up", [sys.executable, "-c", server, str(port)])
+        gone = group.start("gone", [sys.executable, "-c", "raise SystemExit(1)"])
+        targets = [(f"http://127.0.0.1:{free_port()}/health", gone), (f"http://127.0.0.1:{port}/health", up)]
+        t0 = time.monotonic()
+        watch_health(targets, healthy.append, interval=0.1)
+        assert time.monotonic() - t0 < 30
+    assert healthy == [1]

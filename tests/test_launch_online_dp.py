@@ -753,3 +753,13 @@ def test_a_failing_rank_log_tail_is_shown(tmp_path, fake):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 3, out
     assert f"last lines of {logs / 'dp_rank_1.log'}:\nrank 1: boom" in out
+
+
+def test_without_log_dir_each_rank_output_is_inline_with_its_prefix(tmp_path, fake):
+    proc = launcher(fake, tmp_path, {0: "sleep", 1: "fail"}, "--stop-grace-s", "5")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3, out
+    assert "started dp rank 1 (pid " in out and "output inline" in out
+    # The rank's own lines come first, then the launcher's report of its exit.
+    assert out.index("[dp rank 1] rank 1: boom\n") < out.index("dp rank 1 exited with code 3")
+    assert "last lines of" not in out

@@ -2,11 +2,8 @@
 
 Everything here runs on the Router's one event loop, so plain attributes need no locks.
 
-- Routing (``--routing``): ``room`` takes ``active[room % n]`` (walking on to the next eligible
-  instance when that one is unhealthy or already failed this request); ``least-loaded`` takes
-  the prefiller with the fewest in-flight prompt tokens (estimated, see
-  :func:`proxy.payloads.estimate_prompt_tokens`) and the decoder with the fewest in-flight
-  requests, ties broken by the room.
+- Routing (``--routing``): :meth:`BackendPool.pick` filters the candidates and hands them to
+  the configured policy of :mod:`proxy.routing`.
 - Health: an instance is *healthy* until a connection to it fails or its ``GET /health`` does
   not answer 2xx; it is then skipped until a health check succeeds again. When no instance of a
   role is healthy, all of them are tried anyway (health information may be stale).
@@ -17,14 +14,14 @@ Everything here runs on the Router's one event loop, so plain attributes need no
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
+from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
-import aiohttp
-
 from proxy.config import ROLES, Backend, Role
+from proxy.routing import POLICIES, Choice, RouteRequest, candidates
 
 logger = logging.getLogger("proxy")
 
@@ -107,9 +104,10 @@ class BackendPool:
     """The prefill and decode instances behind the Router."""
 
     def __init__(self, prefillers: tuple[Backend, ...], decoders: tuple[Backend, ...], routing: str = "room") -> None:
-        if routing not in ("room", "least-loaded"):
+        if routing not in POLICIES:
             raise ValueError(f"unknown routing policy {routing!r}")
         self.routing = routing
+        self.policy = POLICIES[routing]
         #: Active (routable) instances per role, in the order they were added.
         self.active: dict[Role, list[BackendState]] = {"prefill": [], "decode": []}
         #: Removed instances whose in-flight requests have not all ended yet.
@@ -132,46 +130,27 @@ class BackendPool:
 
     # -- routing ---------------------------------------------------------------------------
 
-    def pick(self, role: Role, room: int, exclude: set[BackendState] | None = None) -> BackendState | None:
+    def pick(
+        self,
+        role: Role,
+        room: int,
+        exclude: Collection[BackendState] = (),
+        request: RouteRequest | None = None,
+    ) -> BackendState | None:
         """Choose the instance of ``role`` for a request with bootstrap room ``room``.
 
         ``exclude`` holds instances that already failed this request; they are avoided while
-        another instance exists. Unhealthy instances are avoided while a healthy one exists.
-        Returns ``None`` only when the role has no active instance at all.
+        another instance exists. Unhealthy instances are avoided while a healthy one exists
+        (:func:`proxy.routing.candidates`); the policy chooses among the rest. ``request``
+        tells the policy about the client's request (``room`` alone when absent). Returns
+        ``None`` only when the role has no active instance at all.
         """
         active = self.active[role]
-        n = len(active)
-        if n == 0:
-            return None
-        if n == 1:
-            return active[0]
-        if self.routing == "room":
-            start = room % n
-            for need_healthy, need_fresh in ((True, True), (False, True), (False, False)):
-                for i in range(n):
-                    state = active[(start + i) % n]
-                    if need_healthy and not state.healthy:
-                        continue
-                    if need_fresh and exclude and state in exclude:
-                        continue
-                    return state
-            return active[start]  # pragma: no cover (the last pass accepts anything)
-        # least-loaded
-        for need_healthy, need_fresh in ((True, True), (False, True), (False, False)):
-            candidates = [
-                s
-                for s in active
-                if (not need_healthy or s.healthy) and (not need_fresh or not exclude or s not in exclude)
-            ]
-            if candidates:
-                break
-        if role == "prefill":
-            best = min(s.in_flight_tokens for s in candidates)
-            tied = [s for s in candidates if s.in_flight_tokens == best]
-        else:
-            best = min(s.in_flight for s in candidates)
-            tied = [s for s in candidates if s.in_flight == best]
-        return tied[room % len(tied)]
+        if len(active) <= 1:
+            return active[0] if active else None
+        if request is None or request.room != room:
+            request = RouteRequest(room) if request is None else replace(request, room=room)
+        return self.policy(Choice(role, active, candidates(active, exclude), request))
 
     def lease(self, state: BackendState, tokens: int = 0) -> Lease:
         """Count a request in flight on ``state`` until the returned lease is released."""
@@ -242,34 +221,6 @@ class BackendPool:
             "decoders": [s.record() for s in self.active["decode"]],
             "draining": [s.record() for s in self.draining.values()],
         }
-
-
-async def probe(
-    session: aiohttp.ClientSession, backend: Backend, timeout: float
-) -> tuple[bool, int | None, str | None]:
-    """``GET /health`` on one backend: ``(healthy, status_code, error)`` (never raises)."""
-    try:
-        async with session.get(f"{backend.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            await response.read()
-            if 200 <= response.status < 300:
-                return True, response.status, None
-            return False, response.status, f"HTTP {response.status}"
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        return False, None, describe_exception(exc)
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``Type: message`` (or just the type when the message is empty), on one line."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-async def check_all(session: aiohttp.ClientSession, pool: BackendPool, timeout: float) -> None:
-    """Health-check every instance of the pool at once and record the results."""
-    states = pool.all_states()
-    results = await asyncio.gather(*(probe(session, s.backend, timeout) for s in states))
-    for state, (healthy, status, error) in zip(states, results, strict=True):
-        pool.set_health(state, healthy, status, error)
 
 
 def pool_health(pool: BackendPool) -> tuple[bool, dict[str, Any]]:

@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.config import ROUTING_POLICIES, Backend, RouterConfig
+from proxy.routing import describe
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
@@ -71,12 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--decoder-hosts", nargs="+", metavar="HOST", help="hosts of the decode instances")
     add("--decoder-ports", nargs="+", type=int, metavar="PORT", help="HTTP ports of the decode instances")
+    policies = "; ".join(f"'{name}' = {describe(name)}" for name in ROUTING_POLICIES).replace("%", "%%")
     add(
         "--routing",
         choices=ROUTING_POLICIES,
-        default="room",
-        help="how P and D are chosen: 'room' = prefillers[room %% nP], decoders[room %% nD]; "
-        "'least-loaded' = fewest in-flight prompt tokens (P) and requests (D) (default: %(default)s)",
+        default=ROUTING_POLICIES[0],
+        help=f"how P and D are chosen: {policies} (default: %(default)s)",
     )
     add(
         "--max-retries",

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from proxy.routing import POLICIES
+
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
-#: ``room``: ``prefillers[room % nP]``, ``decoders[room % nD]`` (the source design's rule; a
-#: client retrying with the same room reaches the same pair). ``least-loaded``: the prefiller
-#: with the fewest in-flight prompt tokens and the decoder with the fewest in-flight requests.
-ROUTING_POLICIES = ("room", "least-loaded")
+#: The ``--routing`` names, from :data:`proxy.routing.POLICIES` (the first is the default).
+ROUTING_POLICIES: tuple[str, ...] = tuple(POLICIES)
 
 
 def url_host(host: str) -> str:

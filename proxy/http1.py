@@ -1,12 +1,15 @@
-"""A small, fast HTTP/1.1 client for the Router's hot path (the P and D generation requests).
+"""A small, fast HTTP/1.1 client: every call the Router makes to a backend goes through it.
 
+The P and D generation requests, health checks, ``/v1/models`` and ``/reset_prefix_cache``.
 Why not ``aiohttp``'s or ``httpx``'s client: measured here, one P + D request pair through
 ``aiohttp.ClientSession`` cost about 0.6 ms against a local backend, the same pair over raw
 asyncio protocols about 0.2 ms, and the Router's added latency is mostly that. This client does
-only what the Router needs: ``POST`` with a complete body, keep-alive connections pooled per
-backend, responses parsed by ``httptools`` (the C parser uvicorn uses), the body read whole or
-chunk by chunk (chunked transfer decoding included), one deadline per request, and an abort
-that closes the connection (which makes vLLM abort the request and free its KV blocks).
+only what the Router needs: ``GET`` or ``POST`` (a complete JSON body, or none), keep-alive
+connections pooled per backend, responses parsed by ``httptools`` (the C parser uvicorn uses),
+the body read whole (:meth:`Http1Pool.call`) or chunk by chunk (chunked transfer decoding
+included), one deadline per request, and an abort that closes the connection (which makes vLLM
+abort the request and free its KV blocks). A connection is :class:`ConnState` ``IDLE`` (pooled),
+``BUSY`` (carrying one request) or ``CLOSED`` (never used again).
 
 Errors are :class:`UpstreamError` subclasses: :class:`ConnectFailed` (the connection could not
 be opened: the backend never saw the request), :class:`ConnectionBroken` (it closed or sent an
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import time
+from dataclasses import dataclass
 
 import httptools
 
@@ -29,6 +34,23 @@ MAX_IDLE_PER_BACKEND = 512
 #: A response buffering more unread bytes than this stops reading its connection until the
 #: reader catches up (a slow client slows the backend down instead of filling memory).
 READ_HIGH_WATER = 1 << 20
+
+
+class ConnState(enum.Enum):
+    """Where a pooled connection stands."""
+
+    IDLE = "idle"  # open, in the pool, no request
+    BUSY = "busy"  # carrying a request, until its response is released or closed
+    CLOSED = "closed"  # aborted or lost: never reused
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole response (:meth:`Http1Pool.call`)."""
+
+    status: int
+    body: bytes
+    content_type: str
 
 
 class UpstreamError(Exception):
@@ -58,18 +80,8 @@ class Response:
     """A backend's response: status and headers at once, the body read whole or chunk by chunk."""
 
     __slots__ = (
-        "status",
-        "headers",
-        "_conn",
-        "_chunks",
-        "_buffered",
-        "_paused",
-        "_waiter",
-        "_eof",
-        "_error",
-        "_timer",
-        "_done",
-    )
+        "status", "headers", "_conn", "_chunks", "_buffered", "_paused", "_waiter", "_eof", "_error", "_timer", "_done",
+    )  # fmt: skip
 
     def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
         self.status = status
@@ -199,6 +211,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: Http1Pool, key: tuple[str, int]) -> None:
         self.pool = pool
         self.key = key
+        #: Opened for a request: busy from the start.
+        self.state = ConnState.BUSY
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
@@ -206,7 +220,6 @@ class _Connection(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         #: The current response's body ends when the connection closes (no length, not chunked).
         self._until_close = False
-        self.lost = False
         self.keep_alive = True
         self.message_complete = False
         self.idle_since = 0.0
@@ -230,7 +243,7 @@ class _Connection(asyncio.Protocol):
         return None  # close the transport; connection_lost reports it
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
+        self.state = ConnState.CLOSED
         if self._until_close and exc is None and self.response is not None and not self.message_complete:
             self.keep_alive = False
             self.response._feed_eof()  # the close is the end of this body
@@ -284,14 +297,15 @@ class _Connection(asyncio.Protocol):
             self.response._fail(error)
 
     def abort(self) -> None:
-        self.lost = True
+        self.state = ConnState.CLOSED
         if self.transport is not None:
             self.transport.abort()
 
     def finish(self, reuse: bool) -> None:
         """The current request is over: pool the connection if it is clean, else close it."""
         self.response = None
-        if reuse and self.keep_alive and self.message_complete and not self.lost and not self.transport.is_closing():
+        reusable = self.state is ConnState.BUSY and self.keep_alive and self.message_complete
+        if reuse and reusable and not self.transport.is_closing():
             self.pool._put(self)
         else:
             self.abort()
@@ -311,59 +325,92 @@ class Http1Pool:
         if self._closed or len(idle) >= MAX_IDLE_PER_BACKEND:
             conn.abort()
             return
+        conn.state = ConnState.IDLE
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
-    async def _connection(self, host: str, port: int) -> _Connection:
+    async def _connection(self, host: str, port: int, timeout: float) -> _Connection:
         key = (host, port)
         idle = self._idle.get(key)
         if idle:
             now = time.monotonic()
             while idle:
                 conn = idle.pop()
-                if not conn.lost and not conn.transport.is_closing() and now - conn.idle_since < self.keepalive_s:
-                    return conn
+                if conn.state is ConnState.IDLE and not conn.transport.is_closing():
+                    if now - conn.idle_since < self.keepalive_s:
+                        conn.state = ConnState.BUSY
+                        return conn
                 conn.abort()
         loop = asyncio.get_running_loop()
+        timeout = min(self.connect_timeout, timeout)
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(lambda: _Connection(self, key), host, port)
         except TimeoutError:
-            raise ConnectFailed(f"connect to {host}:{port} timed out after {self.connect_timeout:g}s") from None
+            raise ConnectFailed(f"connect to {host}:{port} timed out after {timeout:g}s") from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
         return conn
 
     async def post(
+        self, host: str, port: int, path: str, body: bytes, headers: dict[str, str], timeout: float
+    ) -> Response:
+        """``POST`` a JSON ``body`` (see :meth:`request`)."""
+        return await self.request("POST", host, port, path, body, headers, timeout)
+
+    async def call(
         self,
+        method: str,
         host: str,
         port: int,
         path: str,
-        body: bytes,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 10.0,
+    ) -> Reply:
+        """One request, its whole response read (a small answer: health, models, admin calls)."""
+        response = await self.request(method, host, port, path, body, headers or {}, timeout)
+        try:
+            content = await response.read()
+        finally:
+            response.release()
+        return Reply(response.status, content, response.content_type)
+
+    async def request(
+        self,
+        method: str,
+        host: str,
+        port: int,
+        path: str,
+        body: bytes | None,
         headers: dict[str, str],
         timeout: float,
     ) -> Response:
-        """``POST`` a JSON ``body``; returns once the status line and headers arrived.
+        """Send ``method path`` with a JSON ``body`` (or none); returns once the status line and
+        headers arrived.
 
-        ``timeout`` bounds the whole request, body included: when it passes, the connection
-        is closed and the pending read raises :class:`UpstreamTimeout`. The caller must
-        ``release()`` or ``close()`` the response.
+        ``timeout`` bounds the whole request, connecting (at most the pool's connect timeout)
+        and the body included: when it passes, the connection is closed and the pending read
+        raises :class:`UpstreamTimeout`. The caller must ``release()`` or ``close()`` the response.
         """
         if timeout <= 0:
             raise UpstreamTimeout("no time left for the request")
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-        conn = await self._connection(host, port)
+        conn = await self._connection(host, port, timeout)
         left = timeout - (time.monotonic() - started)
         authority = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        head = [f"POST {path} HTTP/1.1\r\nHost: {authority}:{port}\r\n"]
+        head = [f"{method} {_clean(path)} HTTP/1.1\r\nHost: {authority}:{port}\r\n"]
         for name, value in headers.items():
             head.append(f"{name}: {_clean(value)}\r\n")
-        head.append(f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        if body is not None:
+            head.append(f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        else:
+            head.append("\r\n" if method == "GET" else "Content-Length: 0\r\n\r\n")
         waiter: asyncio.Future[Response] = loop.create_future()
         conn.headers_waiter = waiter
         conn.message_complete = False
-        conn.transport.writelines((("".join(head)).encode("latin-1"), body))
+        conn.transport.writelines((("".join(head)).encode("latin-1"), body or b""))
 
         def expire() -> None:
             error = UpstreamTimeout(f"{host}:{port} did not answer within {timeout:g}s")

@@ -1,46 +1,29 @@
-"""HTTP calls from the Router to its backends (one shared ``aiohttp`` session) and failure classification.
+"""Backend failures, classified once, and the Router's one-shot backend calls.
 
-The calls here never raise for a backend failure (only ``CancelledError`` escapes): they return
-a :class:`Failure` that says what the client would get and whether another P/D pair may be
-tried, so the request handler can race P and D and decide from plain values.
+Every backend call goes through :class:`proxy.http1.Http1Pool`, whose transport errors are
+:class:`proxy.http1.UpstreamError`; :func:`exception_failure` and :func:`http_failure` turn them
+and non-2xx answers into a :class:`Failure` that says what the client would get and whether
+another P/D pair may be tried. :func:`fetch` (one request, whole answer) never raises for a
+backend failure (only ``CancelledError`` escapes), so callers decide from plain values; health
+checks (:func:`probe`, :func:`check_all`), ``/v1/models``, ``/reset_prefix_cache`` and the
+prefill call use it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
-from proxy.backends import BackendState, describe_exception
-from proxy.config import RouterConfig
+from proxy.backends import BackendPool, BackendState
 from proxy.errors import DECODE_FAILED, PREFILL_FAILED, RouterError, excerpt
-from proxy.http1 import ConnectFailed
+from proxy.http1 import ConnectFailed, Http1Pool, Reply, UpstreamError
 
 #: Statuses worth trying another P/D pair for (besides connection failures and other 5xx).
 RETRYABLE_STATUSES = frozenset({408, 429})
-#: Idle backend connections are closed before a uvicorn backend's own keep-alive timeout
-#: (vLLM: 5 s), so a request is never written onto a connection the backend is just closing.
-KEEPALIVE_S = 4.0
-
-
-def make_session(config: RouterConfig) -> aiohttp.ClientSession:
-    """The Router's one shared, pooled HTTP client session.
-
-    No connection limit (the backends' own queues do the limiting), no ``Accept-Encoding``
-    (backends answer uncompressed, so bytes pass through unchanged), no proxy variables.
-    Timeouts are given per request (see :class:`proxy.app.Exchange`).
-    """
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=60)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout),
-        skip_auto_headers=("Accept-Encoding", "User-Agent"),
-        auto_decompress=False,
-        trust_env=False,
-    )
 
 
 @dataclass(eq=False)
@@ -54,6 +37,8 @@ class Failure:
     retryable: bool
     #: A backend's own error answer ``(status, body, content type)``, passed to the client as is.
     passthrough: tuple[int, bytes, str] | None = None
+    #: What went wrong, without the backend's name (``ConnectFailed: ...``, ``HTTP 503``).
+    detail: str = ""
 
     def response(self, headers: dict[str, str]) -> web.Response:
         """The client's answer when this failure is final."""
@@ -67,22 +52,30 @@ def _error_type(state: BackendState) -> str:
     return PREFILL_FAILED if state.backend.role == "prefill" else DECODE_FAILED
 
 
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` (or just the type when the message is empty), on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def exception_failure(state: BackendState, exc: BaseException, timeout: float) -> Failure:
     """Classify a transport failure talking to ``state``'s backend.
 
-    Connection could not be opened: 503, retryable (and the caller marks the backend
-    unhealthy). Connection broke before the answer: 502, retryable. Request deadline passed:
-    504, final.
+    Connection could not be opened (:class:`proxy.http1.ConnectFailed`): 503, retryable (and
+    the caller marks the backend unhealthy). Deadline passed (a ``TimeoutError``): 504, final.
+    Connection broke before the answer (any other error): 502, retryable.
     """
     name = state.backend.name
     detail = describe_exception(exc)
     error_type = _error_type(state)
-    if isinstance(exc, ConnectFailed | aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return Failure(state, "connect", RouterError(503, f"{name} could not be reached ({detail})", error_type), True)
+    if isinstance(exc, ConnectFailed):
+        error = RouterError(503, f"{name} could not be reached ({detail})", error_type)
+        return Failure(state, "connect", error, True, detail=detail)
     if isinstance(exc, TimeoutError):
         message = f"{name} did not answer in time (request timeout {timeout:g}s; {detail})"
-        return Failure(state, "timeout", RouterError(504, message, error_type), False)
-    return Failure(state, "disconnect", RouterError(502, f"connection to {name} failed ({detail})", error_type), True)
+        return Failure(state, "timeout", RouterError(504, message, error_type), False, detail=detail)
+    error = RouterError(502, f"connection to {name} failed ({detail})", error_type)
+    return Failure(state, "disconnect", error, True, detail=detail)
 
 
 def http_failure(state: BackendState, status: int, body: bytes, content_type: str) -> Failure:
@@ -97,9 +90,10 @@ def http_failure(state: BackendState, status: int, body: bytes, content_type: st
     kind = "http_5xx" if status >= 500 else "http_4xx"
     message = f"{backend.name} answered HTTP {status}: {excerpt(body)}"
     if backend.role == "prefill" and status >= 500:
-        return Failure(state, kind, RouterError(502, message, PREFILL_FAILED), retryable)
+        return Failure(state, kind, RouterError(502, message, PREFILL_FAILED), retryable, detail=f"HTTP {status}")
     error = RouterError(status, message, _error_type(state))
-    return Failure(state, kind, error, retryable, passthrough=(status, body, content_type or "application/json"))
+    passthrough = (status, body, content_type or "application/json")
+    return Failure(state, kind, error, retryable, passthrough, f"HTTP {status}")
 
 
 def error_event_failure(state: BackendState, first: bytes) -> Failure | None:
@@ -133,3 +127,44 @@ def empty_failure(state: BackendState, status: int) -> Failure:
 def passthrough_response(status: int, body: bytes, content_type: str, headers: dict[str, str]) -> web.Response:
     """A backend's answer, relayed with its status and content type."""
     return web.Response(body=body, status=status, headers={**headers, "Content-Type": content_type})
+
+
+async def fetch(
+    http: Http1Pool,
+    state: BackendState,
+    method: str,
+    path: str,
+    timeout: float,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    nominal_timeout: float | None = None,
+) -> Reply | Failure:
+    """One request to ``state``'s backend, its whole answer read: the :class:`Reply` (any
+    status), or the classified transport :class:`Failure`.
+
+    ``timeout`` is the time left for the request; ``nominal_timeout`` (default: ``timeout``)
+    the configured one that a timeout's error message names.
+    """
+    backend = state.backend
+    try:
+        return await http.call(method, backend.host, backend.port, path, body, headers, timeout)
+    except UpstreamError as exc:
+        return exception_failure(state, exc, timeout if nominal_timeout is None else nominal_timeout)
+
+
+async def probe(http: Http1Pool, state: BackendState, timeout: float) -> tuple[bool, int | None, str | None]:
+    """``GET /health`` on one backend: ``(healthy, status_code, error)`` (never raises)."""
+    reply = await fetch(http, state, "GET", "/health", timeout)
+    if isinstance(reply, Failure):
+        return False, None, reply.detail
+    if 200 <= reply.status < 300:
+        return True, reply.status, None
+    return False, reply.status, f"HTTP {reply.status}"
+
+
+async def check_all(http: Http1Pool, pool: BackendPool, timeout: float) -> None:
+    """Health-check every instance of the pool at once and record the results."""
+    states = pool.all_states()
+    results = await asyncio.gather(*(probe(http, s, timeout) for s in states))
+    for state, (healthy, status, error) in zip(states, results, strict=True):
+        pool.set_health(state, healthy, status, error)

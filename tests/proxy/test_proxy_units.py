@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
 import pytest
 
 from proxy.app import parse_instances
 from proxy.backends import BackendPool, BackendState
 from proxy.config import Backend
 from proxy.errors import RouterError
+from proxy.http1 import ConnectFailed, ConnectionBroken, UpstreamTimeout
 from proxy.payloads import estimate_prompt_tokens, validate_body
 from proxy.upstream import empty_failure, error_event_failure, exception_failure, http_failure
 
@@ -203,18 +203,18 @@ def _state(role: str) -> BackendState:
 
 
 def test_connection_refused_is_503_retryable() -> None:
-    key = aiohttp.client_reqrep.ConnectionKey("p", 8100, False, True, None, None, None)
-    exc = aiohttp.ClientConnectorError(key, OSError(111, "Connection refused"))
+    exc = ConnectFailed("cannot connect to p:8100: Connection refused")
     failure = exception_failure(_state("prefill"), exc, 600)
     assert (failure.kind, failure.error.status, failure.retryable) == ("connect", 503, True)
     assert failure.error.error_type == "prefill_failed"
 
 
 def test_broken_connection_is_502_retryable_and_timeout_is_504_final() -> None:
-    broken = exception_failure(_state("decode"), aiohttp.ServerDisconnectedError(), 600)
+    broken = exception_failure(_state("decode"), ConnectionBroken("connection to d:8200 closed"), 600)
     assert (broken.kind, broken.error.status, broken.retryable) == ("disconnect", 502, True)
-    timeout = exception_failure(_state("decode"), TimeoutError(), 5)
-    assert (timeout.kind, timeout.error.status, timeout.retryable) == ("timeout", 504, False)
+    for exc in (TimeoutError(), UpstreamTimeout("d:8200 did not answer within 5s")):
+        timeout = exception_failure(_state("decode"), exc, 5)
+        assert (timeout.kind, timeout.error.status, timeout.retryable) == ("timeout", 504, False)
 
 
 @pytest.mark.parametrize(

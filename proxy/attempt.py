@@ -1,0 +1,224 @@
+"""One attempt of a client request on one P/D pair: :class:`Attempt`.
+
+An attempt owns its pair, its two tasks (P's request and D's), its two leases (in-flight
+counts on P and D) and D's open stream, and :meth:`Attempt.close` ends all of them at once.
+
+- :meth:`Attempt.run` starts P and D as two tasks and waits for D's answer (its first chunk,
+  when streaming) and P's failure together: whichever says how the attempt went first. A P that
+  fails first ends the attempt with P's failure, D still running (the caller closes the
+  attempt, which cancels D's task). Nothing cancels the caller's task, so a cancellation there
+  is always the client going away.
+- After D answered, the attempt is ``STREAMING`` (D's stream is relayed; a P failure now closes
+  D's stream, see :attr:`Attempt.late_p_failure`) or ``ANSWERED`` (D's answer is complete: P is
+  left to end on its own, a failure only logged).
+- :meth:`Attempt.close` (idempotent, synchronous) cancels what still runs and releases the
+  leases. A cancelled task closes its connection when it next runs; closing a backend
+  connection makes vLLM abort the request and free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from proxy.backends import BackendState
+from proxy.http1 import Response, UpstreamError
+from proxy.payloads import decode_body, prefill_body
+from proxy.upstream import Failure, empty_failure, error_event_failure, exception_failure, fetch, http_failure
+
+if TYPE_CHECKING:
+    from proxy.router import Router
+
+logger = logging.getLogger("proxy")
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What every attempt of one client request sends: endpoint, body, headers."""
+
+    endpoint: str
+    rid: str
+    #: The client's parsed body (never changed: P's and D's bodies are copies).
+    body: dict[str, Any]
+    stream: bool
+    #: Estimated prompt tokens (counted in flight on P).
+    tokens: int
+    #: Headers sent to P and D (``X-Request-Id``, ``Authorization``).
+    headers: dict[str, str]
+
+
+class Opened:
+    """D's streamed answer, open: its response and first chunk."""
+
+    __slots__ = ("response", "first")
+
+    def __init__(self, response: Response, first: bytes) -> None:
+        self.response = response
+        self.first = first
+
+
+class Answered:
+    """D's whole (non-streamed) 2xx answer."""
+
+    __slots__ = ("status", "body", "content_type")
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+Outcome = Opened | Answered | Failure
+
+
+class AttemptState(enum.Enum):
+    WAITING = "waiting"  # P and D sent, D has not answered yet
+    STREAMING = "streaming"  # D's stream is open and being relayed
+    ANSWERED = "answered"  # D's answer is complete; P may still run (detached)
+    CLOSED = "closed"  # everything ended (failed, aborted, or finished)
+
+
+class Attempt:
+    """One try of a client request on prefiller ``p`` and decoder ``d`` with bootstrap ``room``."""
+
+    def __init__(self, router: Router, call: Call, p: BackendState, d: BackendState, room: int, timeout: float) -> None:
+        self.router = router
+        self.call = call
+        self.p = p
+        self.d = d
+        self.room = room
+        self.timeout = timeout
+        self.state = AttemptState.WAITING
+        pool = router.pool
+        self.p_lease = pool.lease(p, call.tokens)
+        self.d_lease = pool.lease(d)
+        self.opened: Opened | None = None
+        #: P's failure while D's stream was relayed (the stream then ends with P's error).
+        self.late_p_failure: Failure | None = None
+        self.p_task: asyncio.Task[Failure | None] | None = None
+        self.d_task: asyncio.Task[Outcome] | None = None
+
+    # -- running -----------------------------------------------------------------------------
+
+    async def run(self) -> Outcome:
+        """Send P's and D's requests at once; D's answer (its first chunk, when streaming), or
+        the attempt's failure (P's when P failed: D waits for P's KV, so P's error is the cause)."""
+        router = self.router
+        metrics, endpoint = router.metrics, self.call.endpoint
+        metrics.backend_request(endpoint, self.p.backend)
+        metrics.backend_request(endpoint, self.d.backend)
+        loop = asyncio.get_running_loop()
+        self.p_task = p_task = loop.create_task(self._prefill())
+        p_task.add_done_callback(self._prefill_done)
+        self.d_task = d_task = loop.create_task(self._decode())
+        router.keep(p_task)
+        router.keep(d_task)
+        pending: set[asyncio.Task[Any]] = {p_task, d_task}
+        while d_task in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done and (failure := p_task.result()) is not None:
+                return failure
+        outcome = d_task.result()
+        if isinstance(outcome, Opened):
+            self.state = AttemptState.STREAMING
+        elif isinstance(outcome, Answered):
+            self.state = AttemptState.ANSWERED
+        return outcome
+
+    async def _prefill(self) -> Failure | None:
+        call, state = self.call, self.p
+        data = json.dumps(prefill_body(call.body, self.room), ensure_ascii=False).encode()
+        nominal = self.router.config.request_timeout
+        reply = await fetch(self.router.http, state, "POST", call.endpoint, self.timeout, data, call.headers, nominal)
+        if isinstance(reply, Failure):
+            return reply
+        if reply.status >= 300:
+            return http_failure(state, reply.status, reply.body, reply.content_type)
+        return None
+
+    async def _decode(self) -> Outcome:
+        state, call = self.d, self.call
+        backend = state.backend
+        data = json.dumps(decode_body(call.body, self.room, self.p.backend), ensure_ascii=False).encode()
+        response: Response | None = None
+        try:
+            response = await self.router.http.post(
+                backend.host, backend.port, call.endpoint, data, call.headers, self.timeout
+            )
+            status = response.status
+            content_type = response.content_type
+            if status >= 300 or not call.stream:
+                content = await response.read()
+                response.release()
+                if status >= 300:
+                    return http_failure(state, status, content, content_type)
+                if not content:
+                    return empty_failure(state, status)
+                return Answered(status, content, content_type or "application/json")
+            first = await response.next_chunk()
+            if not first:
+                response.release()
+                return empty_failure(state, status)
+            failure = error_event_failure(state, first)
+            if failure is not None:
+                response.close()
+                return failure
+            self.opened = Opened(response, first)  # from here on, close() closes it
+            return self.opened
+        except BaseException as exc:
+            if response is not None:
+                response.close()
+            if isinstance(exc, UpstreamError):
+                return exception_failure(state, exc, self.router.config.request_timeout)
+            raise
+
+    def _prefill_done(self, task: asyncio.Task[Failure | None]) -> None:
+        self.p_lease.release()
+        if task.cancelled() or task.exception() is not None or (failure := task.result()) is None:
+            return
+        if self.state is AttemptState.STREAMING and self.opened is not None:
+            self.late_p_failure = failure
+            self.opened.response.close()  # the relay sees the stream end, then P's failure
+        elif self.state is AttemptState.ANSWERED:
+            logger.error(
+                "rid=%s room=%s prefill failed after D had answered: %s",
+                self.call.rid,
+                self.room,
+                failure.error.message,
+            )
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """D's stream ended cleanly: its connection goes back to the pool; P runs on, detached."""
+        if self.opened is not None:
+            self.opened.response.release()
+            self.opened = None
+        self.d_lease.release()
+        self.state = AttemptState.ANSWERED
+
+    def close(self) -> None:
+        """End the attempt: cancel what still runs and release the leases (idempotent, synchronous).
+
+        An ``ANSWERED`` attempt stays so: its P, detached, ends on its own.
+        """
+        if self.state is AttemptState.ANSWERED:  # D is done; P runs on, detached
+            self.d_lease.release()
+            return
+        if self.state is AttemptState.CLOSED:
+            return
+        self.state = AttemptState.CLOSED
+        if self.p_task is None:  # never run
+            self.p_lease.release()
+        else:
+            self.p_task.cancel()  # its done callback releases P's lease
+        if self.d_task is not None:
+            self.d_task.cancel()
+        if self.opened is not None:
+            self.opened.response.close()
+            self.opened = None
+        self.d_lease.release()

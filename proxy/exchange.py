@@ -1,0 +1,279 @@
+"""One client generation request: :func:`generate` and its :class:`Exchange`.
+
+An exchange validates the body, then makes up to ``--max-retries`` :class:`proxy.attempt.Attempt`
+objects, one at a time, each on a P/D pair the routing policy picks (avoiding instances that
+already failed this request) with a fresh bootstrap room after the first. The first attempt that
+does not fail gives the answer: D's JSON, or D's stream relayed byte for byte. Its
+``finally`` closes the current attempt and writes the request's one INFO log line.
+
+The handler task is cancelled only by aiohttp, when the client goes away (handler
+cancellation): the exchange then closes both backend requests (vLLM aborts them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from proxy.attempt import Answered, Attempt, Call, Opened
+from proxy.backends import BackendState
+from proxy.errors import (
+    CLIENT_DISCONNECTED,
+    DECODE_FAILED,
+    INTERNAL_ERROR,
+    UPSTREAM_UNAVAILABLE,
+    RouterError,
+    error_response,
+)
+from proxy.http1 import UpstreamError
+from proxy.incoming import backend_headers, read_json, request_id
+from proxy.payloads import estimate_prompt_tokens, new_room, resolve_room, validate_body
+from proxy.router import Router
+from proxy.routing import RouteRequest
+from proxy.upstream import Failure, exception_failure, passthrough_response
+
+logger = logging.getLogger("proxy")
+
+#: Status recorded (nginx convention) when the client went away before the answer ended.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def generate(router: Router, request: web.Request, endpoint: str) -> web.StreamResponse:
+    """Serve ``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+    t0 = time.monotonic()
+    rid = request_id(request)
+    try:
+        body = await read_json(request, router.config.max_body_size)
+        validate_body(body, endpoint)
+        room = resolve_room(body)
+    except RouterError as error:
+        logger.warning("rid=%s POST %s rejected: HTTP %d %s", rid, endpoint, error.status, error.message)
+        router.metrics.error(endpoint, error.error_type)
+        router.metrics.request_done(endpoint, error.status, None, time.monotonic() - t0)
+        return error.to_response({"X-Request-Id": rid})
+    tokens = estimate_prompt_tokens(body)
+    call = Call(
+        endpoint,
+        rid,
+        body,
+        body.get("stream") is True,
+        tokens,
+        backend_headers(request, rid, router.config.backend_authorization),
+    )
+    return await Exchange(router, request, call, room, t0).run()
+
+
+class Exchange:
+    """One client generation request: its attempts, its answer, its cleanup and its log line."""
+
+    def __init__(self, router: Router, request: web.Request, call: Call, room: int, t0: float) -> None:
+        self.router = router
+        self.request = request
+        self.call = call
+        self.endpoint = call.endpoint
+        self.rid = call.rid
+        self.room = room
+        self.t0 = t0
+        self.deadline = t0 + router.config.request_timeout
+        self.out_headers = {"X-Request-Id": call.rid}
+        self.attempt: Attempt | None = None
+        self.attempts = 0
+        self.status = 0
+        self.ttfb: float | None = None
+        #: The last bytes relayed to the client; a stream whose tail is ``data: [DONE]`` is complete
+        #: even if the client hangs up before the Router ends the chunked body.
+        self._tail = b""
+
+    # -- the whole request ------------------------------------------------------------------
+
+    @property
+    def sent_done_event(self) -> bool:
+        """Whether the client already has the stream's final ``data: [DONE]`` event."""
+        return self._tail.rstrip().endswith(b"data: [DONE]")
+
+    async def run(self) -> web.StreamResponse:
+        try:
+            return await self._attempts()
+        except asyncio.CancelledError:
+            if self.sent_done_event:
+                logger.debug("rid=%s room=%s client closed the connection after [DONE]", self.rid, self.room)
+                raise
+            self.status = CLIENT_CLOSED_REQUEST
+            self.router.metrics.error(self.endpoint, CLIENT_DISCONNECTED)
+            logger.warning(
+                "rid=%s room=%s client disconnected %s; closing the backend requests",
+                self.rid,
+                self.room,
+                "mid-stream" if self.ttfb is not None else "before the answer",
+            )
+            raise
+        except Exception as exc:
+            logger.exception("rid=%s room=%s unexpected error", self.rid, self.room)
+            self.status = 500
+            self.router.metrics.error(self.endpoint, INTERNAL_ERROR)
+            if self.ttfb is not None:
+                raise
+            return error_response(500, f"internal Router error: {type(exc).__name__}", INTERNAL_ERROR, self.out_headers)
+        finally:
+            if self.attempt is not None:
+                self.attempt.close()
+            self._log_done()
+
+    def _log_done(self) -> None:
+        elapsed = time.monotonic() - self.t0
+        self.router.metrics.request_done(self.endpoint, self.status, self.ttfb, elapsed)
+        attempt = self.attempt
+        logger.info(
+            "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f",
+            self.rid,
+            self.room,
+            self.endpoint,
+            self.call.stream,
+            attempt.p.backend.address if attempt else "-",
+            attempt.d.backend.address if attempt else "-",
+            self.status,
+            self.attempts,
+            f"{self.ttfb * 1000:.1f}" if self.ttfb is not None else "-",
+            elapsed * 1000,
+        )
+
+    async def _attempts(self) -> web.StreamResponse:
+        router = self.router
+        config = router.config
+        pool = router.pool
+        tried_p: set[BackendState] = set()
+        tried_d: set[BackendState] = set()
+        failure: Failure | None = None
+        for number in range(1, config.max_retries + 1):
+            if number > 1:
+                router.metrics.retry(self.endpoint)
+                self.room = new_room()
+                delay = config.retry_delay * 2 ** (number - 2)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            route = RouteRequest(self.room, self.call.tokens, self.call.body)
+            p = pool.pick("prefill", self.room, tried_p, route)
+            d = pool.pick("decode", self.room, tried_d, route)
+            if p is None or d is None:
+                missing = "prefill" if p is None else "decode"
+                return self._error(RouterError(503, f"no {missing} instance is available", UPSTREAM_UNAVAILABLE))
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self.attempts = number
+            self.attempt = attempt = Attempt(router, self.call, p, d, self.room, remaining)
+            outcome = await attempt.run()
+            if not isinstance(outcome, Failure):
+                return await self._answer(attempt, outcome)
+            failure = outcome
+            attempt.close()
+            router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)
+            if failure.kind == "connect":
+                pool.mark_unhealthy(failure.state, failure.error.message)
+            (tried_p if failure.state.backend.role == "prefill" else tried_d).add(failure.state)
+            if not failure.retryable or number == config.max_retries:
+                break
+            logger.warning(
+                "rid=%s room=%s attempt %d/%d failed (%s); retrying on another pair with a fresh room",
+                self.rid,
+                self.room,
+                number,
+                config.max_retries,
+                failure.error.message,
+            )
+        if failure is None:
+            return self._error(RouterError(504, "the request timed out before a backend answered", DECODE_FAILED))
+        return self._final_failure(failure)
+
+    # -- answers -------------------------------------------------------------------------------
+
+    def _error(self, error: RouterError) -> web.Response:
+        self.status = error.status
+        self.router.metrics.error(self.endpoint, error.error_type)
+        logger.error("rid=%s room=%s answering HTTP %d: %s", self.rid, self.room, error.status, error.message)
+        return error.to_response(self.out_headers)
+
+    def _final_failure(self, failure: Failure) -> web.Response:
+        self.status = failure.passthrough[0] if failure.passthrough else failure.error.status
+        self.router.metrics.error(self.endpoint, failure.error.error_type)
+        logger.error(
+            "rid=%s room=%s answering HTTP %d after %d attempt(s): %s",
+            self.rid,
+            self.room,
+            self.status,
+            self.attempts,
+            failure.error.message,
+        )
+        return failure.response(self.out_headers)
+
+    async def _answer(self, attempt: Attempt, outcome: Opened | Answered) -> web.StreamResponse:
+        if isinstance(outcome, Answered):
+            self.status = outcome.status
+            self.ttfb = time.monotonic() - self.t0
+            return passthrough_response(outcome.status, outcome.body, outcome.content_type, self.out_headers)
+        try:
+            return await self._relay(attempt, outcome)
+        except ConnectionResetError:
+            raise asyncio.CancelledError from None  # the client went away
+
+    async def _relay(self, attempt: Attempt, opened: Opened) -> web.StreamResponse:
+        """Send D's stream to the client unchanged; end it with an error event if P or D fails."""
+        upstream = opened.response
+        response = web.StreamResponse(
+            status=upstream.status,
+            headers={
+                "Content-Type": upstream.content_type or "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.rid,
+            },
+        )
+        self.status = upstream.status
+        failure: Failure | None = None
+        eof_sent = False
+        chunk = opened.first
+        await response.prepare(self.request)
+        while True:
+            if upstream.at_eof() and attempt.late_p_failure is None:
+                # The end of D's stream came with this chunk: send both in one write.
+                await response.write_eof(chunk)
+                eof_sent = True
+            else:
+                await response.write(chunk)
+            self._tail = (self._tail + chunk)[-64:]
+            if self.ttfb is None:
+                self.ttfb = time.monotonic() - self.t0
+            if eof_sent:
+                break
+            try:
+                chunk = await upstream.next_chunk()
+            except UpstreamError as exc:
+                failure = exception_failure(attempt.d, exc, self.router.config.request_timeout)
+                break
+            if not chunk:
+                break
+        if eof_sent:
+            failure = None
+        elif attempt.late_p_failure is not None:
+            failure = attempt.late_p_failure
+        if failure is None:
+            attempt.finish()
+        else:
+            self._stream_cut(attempt, failure)
+            await response.write(failure.error.to_sse())
+        if not eof_sent:
+            await response.write_eof()
+        return response
+
+    def _stream_cut(self, attempt: Attempt, failure: Failure) -> None:
+        self.router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)
+        self.router.metrics.error(self.endpoint, failure.error.error_type)
+        logger.error(
+            "rid=%s room=%s stream cut after it started: %s; ending it with an error event",
+            self.rid,
+            self.room,
+            failure.error.message,
+        )
+        attempt.close()

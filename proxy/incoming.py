@@ -1,0 +1,40 @@
+"""The client's side of a request: its id, its JSON body, the headers passed on to the backends."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from proxy.errors import INVALID_REQUEST, RouterError
+
+
+def backend_headers(request: web.Request, rid: str, authorization: str | None) -> dict[str, str]:
+    """Headers of a call to a backend on behalf of ``request``: its id, and its ``Authorization``
+    (else ``authorization``, the Router's own, if any)."""
+    headers = {"X-Request-Id": rid}
+    if auth := request.headers.get("Authorization") or authorization:
+        headers["Authorization"] = auth
+    return headers
+
+
+def request_id(request: web.Request) -> str:
+    """The client's ``X-Request-Id``, else a new one."""
+    return request.headers.get("X-Request-Id", "").strip() or uuid.uuid4().hex
+
+
+async def read_json(request: web.Request, limit: int) -> Any:
+    """The request's JSON body (HTTP 413 over ``limit`` bytes, 400 if it is not JSON)."""
+    length = request.content_length
+    if length is not None and length > limit:
+        raise RouterError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes", INVALID_REQUEST)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RouterError(413, f"request body exceeds the limit of {limit} bytes", INVALID_REQUEST) from None
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise RouterError(400, f"request body is not valid JSON: {exc}", INVALID_REQUEST) from None

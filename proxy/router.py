@@ -1,0 +1,70 @@
+"""The Router's application state: :class:`Router`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from proxy.admin import Membership
+from proxy.backends import BackendPool
+from proxy.config import RouterConfig
+from proxy.http1 import Http1Pool
+from proxy.metrics import RouterMetrics
+from proxy.upstream import check_all
+
+logger = logging.getLogger("proxy")
+
+
+class Router:
+    """Configuration, backend pool, metrics, the one HTTP client to the backends, membership."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pool = BackendPool(config.prefillers, config.decoders, config.routing)
+        self.metrics = RouterMetrics(self.pool)
+        #: Every call to a backend (P and D requests, health checks, models, admin calls).
+        self.http = Http1Pool(config.connect_timeout)
+        #: Tasks the Router keeps references to until they end (detached prefills, aborts, ...).
+        self.tasks: set[asyncio.Task[Any]] = set()
+        #: Instances added and removed at run time (``/instances/...``).
+        self.membership = Membership(self)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.keep(task)
+        return task
+
+    def keep(self, task: asyncio.Task[Any]) -> None:
+        """Reference ``task`` until it ends (so it is not garbage-collected while running)."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def startup(self, _app: web.Application) -> None:
+        if self.config.health_interval > 0:
+            self.spawn(self._health_loop())
+
+    async def cleanup(self, _app: web.Application) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=2.0)
+        self.http.close()
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # pragma: no cover (check_all does not raise)
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.config.health_interval)
+
+    async def check_health(self) -> None:
+        """Health-check every backend now and record the results."""
+        await check_all(self.http, self.pool, self.config.health_timeout)

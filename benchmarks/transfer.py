@@ -1,11 +1,12 @@
-"""KV hand-off throughput: the connector's transfer path vs one raw Mooncake write.
+"""KV hand-off throughput: the connector's transfer path vs one raw backend write.
 
 Two KVTransferManagers (a prefill rank and a decode rank, each with its own
-Mooncake TCP engine and KV tensors) and a real bootstrap server run in this
+transfer backend -- Mooncake TCP unless --backend names another registered one --
+and KV tensors) and a real bootstrap server run in this
 process. Each round, D asks for a request's KV through the full path
 (route lookup, ZMQ handshake, coalesced batched writes, DONE message) and we
 time submit -> finished_recving. The same number of bytes is then written as
-one large raw Mooncake write between the same engines. Rounds alternate so
+one large raw write between the same backends. Rounds alternate so
 noise hits both alike. Prints one JSON object.
 
 Region table: a Llama-3-8B-like layer stack in vLLM CPU layout
@@ -33,8 +34,8 @@ from pd_connector.config import parse_config  # noqa: E402
 from pd_connector.layout import memory_ranges, regions_of_kv_caches  # noqa: E402
 from pd_connector.metadata import RecvJob, SendJob  # noqa: E402
 from pd_connector.protocol import RegisterRank  # noqa: E402
-from pd_connector.transfer.engine import MooncakeEngine  # noqa: E402
 from pd_connector.transfer.manager import KVTransferManager, RankSpec  # noqa: E402
+from pd_connector.transfer.registry import create_backend, known_backends  # noqa: E402
 
 
 def free_port() -> int:
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--run", type=int, default=4, help="consecutive blocks per run on D (fragmentation)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--backend", default="mooncake", choices=known_backends(), help="transfer backend")
     args = ap.parse_args()
 
     blocks_needed = -(-args.prompt_tokens // args.block_size)
@@ -93,19 +95,18 @@ def main() -> None:
     d_kv = {name: torch.full_like(t, -1.0) for name, t in p_kv.items()}
 
     bport = free_port()
-    extra = {"bootstrap_port": bport, "local_ip": "127.0.0.1"}
+    extra = {"bootstrap_port": bport, "local_ip": "127.0.0.1", "backend": args.backend}
     p_cfg = parse_config("kv_producer", extra)
     d_cfg = parse_config("kv_consumer", extra)
     server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), "127.0.0.1", bport)
     server.start()
     spec = RankSpec(0, 1, 0, 1, args.block_size, "float16", args.layers)
 
-    def manager(cfg, kv):  # noqa: ANN001, ANN202
-        engine = MooncakeEngine("127.0.0.1", "tcp")
-        engine.register(memory_ranges(kv))
-        return KVTransferManager(cfg, spec, regions_of_kv_caches(kv, num_blocks), engine)
-
-    p_mgr, d_mgr = manager(p_cfg, p_kv), manager(d_cfg, d_kv)
+    p_backend, d_backend = create_backend(p_cfg), create_backend(d_cfg)
+    p_backend.register(memory_ranges(p_kv))
+    d_backend.register(memory_ranges(d_kv))
+    p_mgr = KVTransferManager(p_cfg, spec, regions_of_kv_caches(p_kv, num_blocks), p_backend)
+    d_mgr = KVTransferManager(d_cfg, spec, regions_of_kv_caches(d_kv, num_blocks), d_backend)
     register_rank(
         f"127.0.0.1:{bport}",
         RegisterRank(1, 0, 1, 0, "127.0.0.1", p_mgr.rank_port, args.block_size, "float16", num_layers=args.layers),
@@ -122,8 +123,8 @@ def main() -> None:
     # Raw reference: the same bytes as one write (contiguous source and destination).
     raw_src = torch.empty(total, dtype=torch.uint8)
     raw_dst = torch.empty(total, dtype=torch.uint8)
-    p_mgr.engine.register([(raw_src.data_ptr(), total)])
-    d_mgr.engine.register([(raw_dst.data_ptr(), total)])
+    p_backend.register([(raw_src.data_ptr(), total)])
+    d_backend.register([(raw_dst.data_ptr(), total)])
 
     def connector_round(i: int) -> float:
         rid = f"bench-{i}"
@@ -135,7 +136,7 @@ def main() -> None:
 
     def raw_round() -> float:
         t0 = time.perf_counter()
-        p_mgr.engine.write(d_mgr.engine.session, [raw_src.data_ptr()], [raw_dst.data_ptr()], [total], 1)
+        p_backend.write(d_backend.descriptor, [raw_src.data_ptr()], [raw_dst.data_ptr()], [total], 1)
         return time.perf_counter() - t0
 
     connector_round(10_000)  # warm-up: handshake, route cache, connections
@@ -150,7 +151,8 @@ def main() -> None:
         assert torch.equal(p_kv[name][src_blocks], d_kv[name][dst_blocks]), f"KV mismatch in {name}"
 
     conn_s, raw_s = statistics.median(conn_times), statistics.median(raw_times)
-    entries = p_mgr.stats.entries_sent // max(p_mgr.stats.transfers_ok, 1)
+    stats = p_mgr.stats.snapshot()
+    entries = stats.entries_sent // max(stats.transfers_ok, 1)
     result = {
         "bytes": total,
         "entries_per_transfer": entries,
@@ -162,12 +164,15 @@ def main() -> None:
         "raw_gbps": round(total / raw_s / 1e9, 3),
         "ratio": round(raw_s / conn_s, 3),
         "rounds": args.rounds,
-        "transport": "tcp",
+        "backend": args.backend,
+        "transport": p_cfg.protocol if args.backend == "mooncake" else args.backend,
         "pid": os.getpid(),
     }
     print(json.dumps(result))
     p_mgr.close()
     d_mgr.close()
+    p_backend.close()
+    d_backend.close()
     server.stop()
 
 

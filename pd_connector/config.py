@@ -13,11 +13,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
+from pd_connector.transfer.mooncake import PROTOCOLS as MOONCAKE_PROTOCOLS
+from pd_connector.transfer.registry import DEFAULT_BACKEND, known_backends, unknown_backend_message
 
 PREFILL = "prefill"
 DECODE = "decode"
-
-PROTOCOLS = ("tcp", "rdma", "ascend")
 
 
 class ConfigError(ValueError):
@@ -34,7 +34,8 @@ class DisaggConfig:
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     # Address this rank advertises to peers (ZMQ and Mooncake). Never probed.
     local_ip: str = "127.0.0.1"
-    # Mooncake transport: tcp (CPU), rdma, ascend (HIXL on NPUs).
+    # Transfer backend (transfer.registry), and Mooncake's transport: tcp (CPU), rdma, ascend (HIXL on NPUs).
+    backend: str = DEFAULT_BACKEND
     protocol: str = "tcp"
     device_name: str = ""
     # P: how long a finished prefill holds its KV blocks waiting for D.
@@ -45,9 +46,9 @@ class DisaggConfig:
     register_retries: int = 60
     register_interval_s: float = 1.0
     http_timeout_s: float = 10.0
-    # Worker threads that run Mooncake writes on P.
+    # Worker threads that run backend writes on P (and D's handshakes).
     transfer_threads: int = 4
-    # Largest batch of (src, dst, len) entries handed to Mooncake in one call.
+    # Largest batch of (src, dst, len) entries handed to the backend in one call.
     max_batch_entries: int = 1024
     # Start the bootstrap server in this instance's leader (P only).
     start_bootstrap_server: bool = True
@@ -69,6 +70,7 @@ _FIELD_TYPES: dict[str, type] = {
     "bootstrap_host": str,
     "bootstrap_port": int,
     "local_ip": str,
+    "backend": str,
     "protocol": str,
     "device_name": str,
     "room_timeout_s": float,
@@ -134,8 +136,13 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
 def _validate(cfg: DisaggConfig) -> None:
     if not 1 <= cfg.bootstrap_port <= 65535:
         raise ConfigError(f"kv_connector_extra_config.bootstrap_port must be in 1..65535, got {cfg.bootstrap_port}")
-    if cfg.protocol not in PROTOCOLS:
-        raise ConfigError(f"kv_connector_extra_config.protocol must be one of {PROTOCOLS}, got {cfg.protocol!r}")
+    if cfg.backend not in known_backends():
+        raise ConfigError(f"kv_connector_extra_config.backend: {unknown_backend_message(cfg.backend)}")
+    if cfg.protocol not in MOONCAKE_PROTOCOLS:
+        raise ConfigError(
+            f"kv_connector_extra_config.protocol (Mooncake transport) must be one of {MOONCAKE_PROTOCOLS}, "
+            f"got {cfg.protocol!r}"
+        )
     try:
         ip = ipaddress.ip_address(cfg.local_ip)
     except ValueError:

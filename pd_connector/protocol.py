@@ -7,6 +7,8 @@ caller; it is never fatal.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 # ---------------------------------------------------------------- ZMQ messages
@@ -16,7 +18,7 @@ class PeerHello(msgspec.Struct, tag="hello", frozen=True):
     """D rank -> P rank, once per peer: where to write and how D's KV is laid out."""
 
     peer_id: str
-    session: str  # Mooncake session "ip:rpc_port"
+    transfer_descriptor: bytes  # opaque: where the transfer backend writes to reach this rank
     endpoint: str  # D's ZMQ PULL endpoint for replies, "tcp://ip:port"
     tp_rank: int
     tp_size: int
@@ -45,14 +47,33 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     endpoint: str = ""  # D's ZMQ endpoint, so P can answer even a peer it does not know
 
 
+class DoneStatus(enum.IntEnum):
+    """Outcome of one TransferRequest, as P reports it in TransferDone.status."""
+
+    OK = 0
+    UNKNOWN_PEER = 1  # P has no PeerHello from this D rank (P restarted): D must introduce itself again
+    INCOMPATIBLE = 2  # D's KV layout or model does not fit P's
+    ROOM_CLOSED = 3  # the room was closed (sent, expired, cancelled) and no new prefill came
+    ALREADY_SERVED = 4  # P already took every request it expected for the room
+    TIMEOUT = 5  # P did not produce the room within room_timeout_s
+    TRANSFER_FAILED = 6  # the backend write failed
+    ABORTED = 7  # the prefill request was aborted before its KV was ready
+    BAD_REQUEST = 8  # the request does not fit the room (more blocks than P holds)
+    INTERNAL_ERROR = 9
+
+
 class TransferDone(msgspec.Struct, tag="done", frozen=True):
-    """P rank -> D rank: the KV of `room` is in place (ok) or will never be (error)."""
+    """P rank -> D rank: the KV of `room` is in place (OK) or will never be (error names why)."""
 
     room: int
     request_id: str
     tp_rank: int
-    ok: bool
-    error: str = ""
+    status: DoneStatus
+    error: str = ""  # for logs; D decides on ``status``
+
+    @property
+    def ok(self) -> bool:
+        return self.status is DoneStatus.OK
 
 
 class TransferCancel(msgspec.Struct, tag="cancel", frozen=True):

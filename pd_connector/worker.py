@@ -1,6 +1,7 @@
 """Worker side of PDConnector (one per TP rank, in vLLM's worker process).
 
-It owns this rank's KVTransferManager (ZMQ + Mooncake), registers P ranks with
+It owns this rank's transfer backend (``transfer.registry``, Mooncake by default) and
+KVTransferManager (ZMQ), registers P ranks with
 the bootstrap server (the leader, dp 0 / tp 0, also hosts that server) and
 turns each step's metadata into transfer work.
 """
@@ -20,8 +21,9 @@ from pd_connector.layout import memory_ranges, regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.protocol import RegisterRank
 from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
-from pd_connector.transfer.engine import MooncakeEngine
+from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
+from pd_connector.transfer.registry import create_backend
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +92,7 @@ class PDWorker:
                 f"{self.dp_size} (vLLM runs dense-model DP ranks as independent engines); set "
                 "kv_connector_extra_config.dp_size to the deployment's DP size"
             )
+        self.backend: TransferBackend | None = None
         self.manager: KVTransferManager | None = None
         self.bootstrap: BootstrapServer | None = None
         self._failed_blocks: set[int] = set()
@@ -119,8 +122,8 @@ class PDWorker:
         use_mla = bool(getattr(model, "use_mla", False))
         total_heads = 1 if use_mla else model.get_total_num_kv_heads()
         local = len(local_heads(total_heads, tp_size, tp_rank))
-        engine = MooncakeEngine(self.cfg.local_ip, self.cfg.protocol, self.cfg.device_name)
-        engine.register(memory_ranges(kv_caches))
+        self.backend = create_backend(self.cfg)
+        self.backend.register(memory_ranges(kv_caches))
         spec = RankSpec(
             tp_rank=tp_rank,
             tp_size=tp_size,
@@ -135,7 +138,7 @@ class PDWorker:
             heads_outermost=_heads_outermost(kv_caches, num_blocks, local),
             model=model_fingerprint(self.vllm_config),
         )
-        self.manager = KVTransferManager(self.cfg, spec, regions, engine)
+        self.manager = KVTransferManager(self.cfg, spec, regions, self.backend)
         if self.cfg.is_prefill:
             self._join_prefill_deployment(spec)
 
@@ -200,8 +203,10 @@ class PDWorker:
     def shutdown(self) -> None:
         if self.manager is not None:
             self.manager.close()
-            self.manager.engine.close()
             self.manager = None
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
         if self.bootstrap is not None:
             self.bootstrap.stop()
             self.bootstrap = None

@@ -14,6 +14,7 @@ def test_defaults_prefill() -> None:
     assert cfg.bootstrap_host == "127.0.0.1"
     assert cfg.bootstrap_port == 18800
     assert cfg.local_ip == "127.0.0.1"
+    assert cfg.backend == "mooncake"
     assert cfg.protocol == "tcp"
     assert cfg.room_timeout_s == 120.0
     assert cfg.kv_wait_timeout_s == 120.0
@@ -57,6 +58,9 @@ def test_unknown_key_is_named() -> None:
         ("local_ip", "0.0.0.0"),
         ("local_ip", ""),
         ("local_ip", 127),
+        ("backend", "nixl"),
+        ("backend", ""),
+        ("backend", 1),
         ("protocol", "udp"),
         ("protocol", "TCP"),
         ("room_timeout_s", 0),
@@ -81,6 +85,18 @@ def test_bad_value_names_the_key(key: str, value: object) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config("kv_consumer", {key: value})
     assert key in str(info.value)
+
+
+def test_unknown_backend_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"backend: unknown transfer backend 'nixl'; known backends: \[.*'mooncake'"):
+        parse_config("kv_producer", {"backend": "nixl"})
+
+
+def test_protocol_is_the_mooncake_transport() -> None:
+    with pytest.raises(
+        ConfigError, match=r"protocol \(Mooncake transport\) must be one of \('tcp', 'rdma', 'ascend'\)"
+    ):
+        parse_config("kv_producer", {"protocol": "udp"})
 
 
 def test_max_batch_entries_upper_bound_is_inclusive() -> None:

@@ -13,7 +13,7 @@ from pd_connector.protocol import ProtocolError
 MESSAGES = [
     proto.PeerHello(
         peer_id="127.0.0.1:15000/dp0/tp0",
-        session="127.0.0.1:15000",
+        transfer_descriptor=b"127.0.0.1:15000",
         endpoint="tcp://127.0.0.1:5555",
         tp_rank=0,
         tp_size=2,
@@ -24,8 +24,10 @@ MESSAGES = [
     ),
     proto.TransferRequest(room=2**63 - 1, request_id="cmpl-1", peer_id="p", dst_block_ids=[3, 4, 9], start_block=1),
     proto.TransferRequest(room=0, request_id="r", peer_id="p", dst_block_ids=[], start_block=0),
-    proto.TransferDone(room=5, request_id="r", tp_rank=1, ok=True),
-    proto.TransferDone(room=5, request_id="r", tp_rank=1, ok=False, error="block size mismatch"),
+    proto.TransferDone(room=5, request_id="r", tp_rank=1, status=proto.DoneStatus.OK),
+    proto.TransferDone(
+        room=5, request_id="r", tp_rank=1, status=proto.DoneStatus.INCOMPATIBLE, error="block size mismatch"
+    ),
     proto.TransferCancel(room=9, request_id="r"),
 ]
 
@@ -78,12 +80,14 @@ def test_truncated_frames(msg: proto.Message) -> None:
         {"room": 1, "request_id": "r"},  # no tag
         {"type": "cancel", "room": 1},  # missing field
         {"type": "cancel", "room": "1", "request_id": "r"},  # wrong field type
-        {"type": "done", "room": 1, "request_id": "r", "tp_rank": 0, "ok": "yes"},
+        {"type": "done", "room": 1, "request_id": "r", "tp_rank": 0, "status": "ok"},
+        {"type": "done", "room": 1, "request_id": "r", "tp_rank": 0, "status": 99},  # no such status
+        {"type": "done", "room": 1, "request_id": "r", "tp_rank": 0},  # no status
         {"type": "xfer", "room": 1, "request_id": "r", "peer_id": "p", "dst_block_ids": "1,2", "start_block": 0},
         {
             "type": "hello",
             "peer_id": "p",
-            "session": "s",
+            "transfer_descriptor": b"s",
             "endpoint": "e",
             "tp_rank": 0,
             "tp_size": 1,
@@ -97,6 +101,25 @@ def test_truncated_frames(msg: proto.Message) -> None:
 def test_wrong_shape(obj: object) -> None:
     with pytest.raises(ProtocolError):
         proto.decode(msgspec.msgpack.encode(obj))
+
+
+def test_done_status_is_an_int_on_the_wire_and_ok_follows_it() -> None:
+    ok = proto.TransferDone(room=1, request_id="r", tp_rank=0, status=proto.DoneStatus.OK)
+    lost = proto.TransferDone(room=1, request_id="r", tp_rank=0, status=proto.DoneStatus.UNKNOWN_PEER, error="who?")
+    assert msgspec.msgpack.decode(proto.encode(lost))["status"] == 1
+    assert ok.ok and not lost.ok
+    back = proto.decode(proto.encode(lost))
+    assert (
+        isinstance(back, proto.TransferDone) and back.status is proto.DoneStatus.UNKNOWN_PEER and back.error == "who?"
+    )
+    assert len({int(s) for s in proto.DoneStatus}) == len(proto.DoneStatus)
+
+
+def test_hello_carries_an_opaque_descriptor() -> None:
+    hello = MESSAGES[0]
+    assert isinstance(hello, proto.PeerHello)
+    raw = msgspec.msgpack.decode(proto.encode(hello))
+    assert raw["transfer_descriptor"] == b"127.0.0.1:15000" and "session" not in raw
 
 
 def test_json_is_not_msgpack() -> None:

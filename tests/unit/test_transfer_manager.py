@@ -1,5 +1,9 @@
-"""KVTransferManager: a prefill and a decode manager, real Mooncake TCP engines, real ZMQ and
-a real bootstrap server, all in this process on loopback. KV: 2 layers x 16 blocks, vLLM CPU layout."""
+"""KVTransferManager: a prefill and a decode manager, real ZMQ and a real bootstrap server, all in
+this process on loopback. KV: 2 layers x 16 blocks, vLLM CPU layout.
+
+The bytes move through a transfer backend opened by name from the registry: the in-process one
+(tests/unit/inproc_backend.py, registered as "inproc") by default, the real Mooncake TCP backend
+where a test is parametrized with backend_name "mooncake"."""
 
 from __future__ import annotations
 
@@ -18,11 +22,17 @@ from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import parse_config
 from pd_connector.layout import memory_ranges, regions_of_kv_caches
 from pd_connector.metadata import RecvJob, SendJob
-from pd_connector.protocol import RegisterRank
-from pd_connector.transfer.engine import MooncakeEngine, TransferError
+from pd_connector.protocol import DoneStatus, RegisterRank
+from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
+from pd_connector.transfer.registry import create_backend, known_backends
+from pd_connector.transfer.states import LoadState, RoomState
+from pd_connector.transfer.stats import StatsSnapshot
 
 from .conftest import HOST, free_port, wait_for
+from .inproc_backend import InprocBackend, register_inproc
+
+register_inproc()
 
 NUM_BLOCKS = 16
 BLOCK_SIZE = 16
@@ -38,18 +48,20 @@ def make_kv(heads: int = HEADS) -> dict[str, torch.Tensor]:
 
 
 class Engines:
-    """Two Mooncake engines (P, D) with their KV memory registered once for the whole module.
+    """Two backends (P, D) of one kind, opened through the registry, KV memory registered once.
 
-    Destroying a TransferEngine takes about a second, so tests share these and refill the
-    KV tensors in place instead of building engines per test. D also has a second, wider
+    Destroying a Mooncake TransferEngine takes about a second, so tests share these and refill
+    the KV tensors in place instead of opening backends per test. D also has a second, wider
     KV (other bytes per block) for the incompatible-layout test.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.p_kv = make_kv()
         self.d_kv = {HEADS: make_kv(), 2 * HEADS: make_kv(2 * HEADS)}
-        self.p = MooncakeEngine(HOST, "tcp")
-        self.d = MooncakeEngine(HOST, "tcp")
+        extra = {"backend": name, "local_ip": HOST}
+        self.p: TransferBackend = create_backend(parse_config("kv_producer", extra))
+        self.d: TransferBackend = create_backend(parse_config("kv_consumer", extra))
         self.p.register(memory_ranges(self.p_kv))
         for kv in self.d_kv.values():
             self.d.register(memory_ranges(kv))
@@ -60,12 +72,30 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[Engines]:
-    e = Engines()
+def backend_pool() -> Iterator[dict[str, Engines]]:
+    """Backends by name, opened on first use and closed at the end of the module."""
+    pool: dict[str, Engines] = {}
     try:
-        yield e
+        yield pool
     finally:
-        e.close()
+        for e in pool.values():
+            e.close()
+
+
+@pytest.fixture
+def backend_name() -> str:
+    """The backend a test's managers use; tests parametrize it to run on Mooncake too."""
+    return "inproc"
+
+
+@pytest.fixture
+def engines(backend_pool: dict[str, Engines], backend_name: str) -> Engines:
+    if backend_name not in backend_pool:
+        backend_pool[backend_name] = Engines(backend_name)
+    return backend_pool[backend_name]
+
+
+BOTH_BACKENDS = pytest.mark.parametrize("backend_name", ["inproc", "mooncake"])
 
 
 @dataclass
@@ -90,10 +120,31 @@ class Side:
     def wait_recv(self, req_id: str, timeout: float = 15.0) -> None:
         wait_for(lambda: self.poll() or req_id in self.recving, timeout, what=f"{req_id} in finished_recving")
 
+    def stats(self) -> StatsSnapshot:
+        return self.mgr.stats.snapshot()
+
+    def room_state(self, room: int) -> RoomState | None:
+        """P: the room's state; None when it is closed or was never seen."""
+        assert self.mgr.prefill is not None
+        with self.mgr.prefill._lock:
+            entry = self.mgr.prefill._rooms.get(room)
+        return None if entry is None else entry.state
+
     def idle(self) -> bool:
+        """No live room (P) or load (D)."""
         m = self.mgr
-        with m._lock:
-            return not (m._ready or m._waiting or m._recvs)
+        if m.prefill is not None:
+            with m.prefill._lock:
+                return not m.prefill._rooms
+        assert m.decode is not None
+        with m.decode._lock:
+            return not m.decode._loads
+
+    def settled(self) -> bool:
+        """Idle, and nothing finished that vLLM was not told about yet."""
+        reported = len(self.sending) + len(self.recving)
+        self.poll()
+        return self.idle() and len(self.sending) + len(self.recving) == reported
 
 
 class Rig:
@@ -125,6 +176,7 @@ class Rig:
         extra.setdefault("room_timeout_s", 30.0)
         extra.setdefault("bootstrap_port", self.bport)
         extra.setdefault("http_timeout_s", 2.0)
+        extra.setdefault("backend", self.engines.name)
         cfg = parse_config("kv_producer" if mode == "prefill" else "kv_consumer", {"local_ip": HOST, **extra})
         if mode == "prefill":
             engine, kv = self.engines.p, self.engines.p_kv
@@ -149,7 +201,7 @@ class Rig:
     def close(self) -> None:
         for side in self.sides.values():
             side.mgr.close()
-            side.mgr._pool.shutdown(wait=True)  # no write may still be running into the shared KV
+            side.mgr.pool.shutdown(wait=True)  # no write may still be running into the shared KV
 
 
 def start_bootstrap() -> BootstrapServer:
@@ -216,13 +268,14 @@ def snapshot(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------ happy paths
 
 
+@BOTH_BACKENDS
 def test_decode_first_then_prefill(rig: Rig) -> None:
     p = rig.make("prefill", seed=1)
     d = rig.make("decode")
     before = snapshot(d.kv)
     src, dst = [0, 1, 2, 7, 8], [5, 6, 9, 3, 4]
     d.mgr.add_recvs([recv_job(rig, "d-req", 101, dst)])
-    wait_for(lambda: 101 in p.mgr._waiting, what="P to hold D's transfer request")
+    wait_for(lambda: p.room_state(101) is RoomState.AWAITING_PREFILL, what="P to hold D's transfer request")
     assert not d.recving and not p.sending
     p.mgr.add_sends([SendJob("p-req", 101, src, BLOCK_SIZE * len(src))])
     d.wait_recv("d-req")
@@ -230,12 +283,12 @@ def test_decode_first_then_prefill(rig: Rig) -> None:
     assert d.failed == {} and d.recving == {"d-req"} and p.sending == {"p-req"}
     assert_landed(p, d, before, src, dst)
     # Runs (0,5,2), (2,9,1), (7,3,2) -> 3 entries per region, 2 regions.
-    assert p.mgr.stats.transfers_ok == 1 and p.mgr.stats.transfers_failed == 0
-    assert p.mgr.stats.entries_sent == 3 * LAYERS
-    assert p.mgr.stats.bytes_sent == len(src) * LAYERS * p.mgr.regions[0].block_bytes
-    assert d.mgr.stats.recvs_ok == 1 and d.mgr.stats.recvs_failed == 0
+    assert p.stats().transfers_ok == 1 and p.stats().transfers_failed == 0
+    assert p.stats().entries_sent == 3 * LAYERS
+    assert p.stats().bytes_sent == len(src) * LAYERS * p.mgr.regions[0].block_bytes
+    assert d.stats().recvs_ok == 1 and d.stats().recvs_failed == 0
     assert p.idle() and d.idle()
-    assert not p.mgr.has_pending() and not d.mgr.has_pending()
+    assert p.settled() and d.settled()
 
 
 def test_prefill_first_then_decode_with_local_prefix(rig: Rig) -> None:
@@ -244,7 +297,7 @@ def test_prefill_first_then_decode_with_local_prefix(rig: Rig) -> None:
     before = snapshot(d.kv)
     src = [3, 4, 5, 6, 9, 10]
     p.mgr.add_sends([SendJob("p-req", 202, src, 90)])
-    assert 202 in p.mgr._ready
+    assert p.room_state(202) is RoomState.READY
     # D already has the first two blocks locally: it asks for P's blocks 2.. only.
     dst = [12, 13, 14, 15]
     d.mgr.add_recvs([recv_job(rig, "d-req", 202, dst, start_block=2, dp_rank=0, num_tokens=90)])
@@ -252,10 +305,11 @@ def test_prefill_first_then_decode_with_local_prefix(rig: Rig) -> None:
     p.wait_sent("p-req")
     assert d.failed == {}
     assert_landed(p, d, before, src[2:], dst)
-    assert p.mgr.stats.entries_sent == 2 * LAYERS  # runs (5,12,2), (9,14,2)
+    assert p.stats().entries_sent == 2 * LAYERS  # runs (5,12,2), (9,14,2)
     assert p.idle() and d.idle()
 
 
+@BOTH_BACKENDS
 def test_many_rooms_both_orders_and_small_batches(rig: Rig) -> None:
     p = rig.make("prefill", seed=3, max_batch_entries=2)
     d = rig.make("decode")
@@ -266,7 +320,7 @@ def test_many_rooms_both_orders_and_small_batches(rig: Rig) -> None:
         3: ([10, 11, 12], [10, 11, 12]),
     }
     d.mgr.add_recvs([recv_job(rig, f"d{room}", room, dst) for room, (_, dst) in plan.items() if room != 2])
-    wait_for(lambda: {1, 3} <= set(p.mgr._waiting))
+    wait_for(lambda: p.room_state(1) is p.room_state(3) is RoomState.AWAITING_PREFILL)
     p.mgr.add_sends([SendJob(f"p{room}", room, src, 48) for room, (src, _) in plan.items()])
     d.mgr.add_recvs([recv_job(rig, "d2", 2, plan[2][1])])
     for room in plan:
@@ -276,8 +330,8 @@ def test_many_rooms_both_orders_and_small_batches(rig: Rig) -> None:
     all_src = [b for src, _ in plan.values() for b in src]
     all_dst = [b for _, dst in plan.values() for b in dst]
     assert_landed(p, d, before, all_src, all_dst)
-    assert p.mgr.stats.transfers_ok == 3
-    assert len(p.mgr._peers) == 1  # one PeerHello for all requests
+    assert p.stats().transfers_ok == 3
+    assert p.mgr.prefill is not None and len(p.mgr.prefill._peers) == 1  # one PeerHello for all requests
 
 
 def test_full_local_hit_frees_the_room_without_writing(rig: Rig) -> None:
@@ -289,7 +343,7 @@ def test_full_local_hit_frees_the_room_without_writing(rig: Rig) -> None:
     d.wait_recv("d-req")
     p.wait_sent("p-req")
     assert d.failed == {}
-    assert p.mgr.stats.bytes_sent == 0
+    assert p.stats().bytes_sent == 0
     for name in d.kv:
         assert torch.equal(d.kv[name], before[name])
 
@@ -303,16 +357,16 @@ def test_decode_times_out_when_prefill_never_has_the_room(rig: Rig) -> None:
     dst = [4, 5, 6]
     t0 = time.monotonic()
     d.mgr.add_recvs([recv_job(rig, "d-req", 404, dst)])
-    wait_for(lambda: 404 in p.mgr._waiting, what="P to hold D's transfer request")
+    wait_for(lambda: p.room_state(404) is RoomState.AWAITING_PREFILL, what="P to hold D's transfer request")
     d.wait_recv("d-req")
     elapsed = time.monotonic() - t0
     assert 2.9 <= elapsed < 15, elapsed
     assert d.failed == {"d-req": dst}
-    assert d.mgr.stats.recvs_failed == 1 and d.mgr.stats.recvs_ok == 0
+    assert d.stats().recvs_failed == 1 and d.stats().recvs_ok == 0
     # D's TransferCancel clears P's pending request: nothing lingers until P's own room timeout.
     wait_for(p.idle, timeout=10, what="P to drop the cancelled request")
     p.poll()
-    assert p.sending == set() and not p.mgr.has_pending()
+    assert p.sending == set() and p.settled()
     assert d.idle()
 
 
@@ -323,7 +377,7 @@ def test_prefill_room_nobody_asks_for_is_freed(rig: Rig, pd_logs: pytest.LogCapt
     p.mgr.add_sends([SendJob("p-req", 505, [1, 2], 32)])
     p.wait_sent("p-req")
     assert 0.9 <= time.monotonic() - t0 < 10
-    assert p.mgr.stats.rooms_expired == 1 and p.mgr.stats.transfers_ok == 0
+    assert p.stats().rooms_expired == 1 and p.stats().transfers_ok == 0
     assert p.idle()
     assert "no decode asked for this KV within 1 s" in pd_logs.text
     # A D that shows up late fails at once with the reason, instead of waiting for its timeout.
@@ -360,7 +414,7 @@ def test_a_reused_room_is_served_again_when_its_new_prefill_comes(rig: Rig) -> N
     # Same room again, D first: P holds the request for a short grace instead of refusing at once.
     before = snapshot(d.kv)
     d.mgr.add_recvs([recv_job(rig, "d-req-2", 808, [5, 6])])
-    wait_for(lambda: 808 in p.mgr._waiting, what="P to hold D's second request")
+    wait_for(lambda: p.room_state(808) is RoomState.AWAITING_PREFILL, what="P to hold D's second request")
     p.mgr.add_sends([SendJob("p-req-2", 808, [7, 8], 2 * BLOCK_SIZE)])
     d.wait_recv("d-req-2")
     p.wait_sent("p-req-2")
@@ -373,7 +427,7 @@ def test_drop_after_decode_asked_fails_decode(rig: Rig, pd_logs: pytest.LogCaptu
     p = rig.make("prefill", seed=8)
     d = rig.make("decode")
     d.mgr.add_recvs([recv_job(rig, "d-req", 607, [9])])
-    wait_for(lambda: 607 in p.mgr._waiting)
+    wait_for(lambda: p.room_state(607) is RoomState.AWAITING_PREFILL)
     p.mgr.drop_rooms([607])
     d.wait_recv("d-req")
     assert d.failed == {"d-req": [9]}
@@ -401,11 +455,11 @@ def test_garbage_frames_are_dropped(rig: Rig) -> None:
             for frame in frames:
                 sock.send(frame)
             sock.send_multipart([b"multi", b"part"])  # two more bad frames
-            wait_for(lambda t=target: t.mgr.stats.bad_frames == len(frames) + 2, timeout=5, what="bad frames")
+            wait_for(lambda t=target: t.stats().bad_frames == len(frames) + 2, timeout=5, what="bad frames")
             sock.close(linger=0)
     finally:
         ctx.term()
-    assert p.mgr._listener.is_alive() and d.mgr._listener.is_alive()
+    assert p.mgr.channel.listening and d.mgr.channel.listening
     before = snapshot(d.kv)
     d.mgr.add_recvs([recv_job(rig, "d-req", 707, [0, 1])])
     p.mgr.add_sends([SendJob("p-req", 707, [14, 15], 32)])
@@ -453,7 +507,7 @@ def test_incompatible_decode_layout_fails_and_prefill_frees(rig: Rig, pd_logs: p
     d.wait_recv("d-req")
     p.wait_sent("p-req")  # P frees its blocks even though the push failed
     assert d.failed == {"d-req": [2, 3]}
-    assert p.mgr.stats.transfers_failed == 1
+    assert p.stats().transfers_failed == 1
     assert "incompatible decode instance" in pd_logs.text
     for name in d.kv:
         assert torch.equal(d.kv[name], before[name])
@@ -497,44 +551,78 @@ def test_prefill_not_registered_fails_within_half_the_kv_wait(
     assert "not ready" in pd_logs.text
 
 
-class _FlakyEngine:
-    """Stands in for mooncake's TransferEngine: fails the first `failures` batch writes."""
-
-    def __init__(self, failures: int) -> None:
-        self.failures = failures
-        self.calls: list[tuple[str, list[int], list[int], list[int]]] = []
-
-    def batch_transfer_sync_write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
-        self.calls.append((session, src, dst, lengths))
-        if self.failures > 0:
-            self.failures -= 1
-            return -1
-        return 0
+# ------------------------------------------------------------ backends and states
 
 
-def _engine_with(fake: _FlakyEngine) -> MooncakeEngine:
-    engine = MooncakeEngine.__new__(MooncakeEngine)
-    engine._engine = fake
-    return engine
+def test_a_registered_backend_runs_a_push(rig: Rig) -> None:
+    """The in-process backend, registered as "inproc" through the registry, carries a real P->D push."""
+    assert "inproc" in known_backends() and "mooncake" in known_backends()
+    p = rig.make("prefill", seed=21)
+    d = rig.make("decode")
+    assert p.mgr.cfg.backend == d.mgr.cfg.backend == "inproc"
+    assert isinstance(rig.engines.p, InprocBackend) and isinstance(rig.engines.p, TransferBackend)
+    batches = rig.engines.p.batches
+    before = snapshot(d.kv)
+    src, dst = [4, 5, 6, 11], [0, 1, 2, 8]
+    p.mgr.add_sends([SendJob("p-req", 2101, src, 4 * BLOCK_SIZE)])
+    d.mgr.add_recvs([recv_job(rig, "d-req", 2101, dst)])
+    d.wait_recv("d-req")
+    p.wait_sent("p-req")
+    assert d.failed == {}
+    assert_landed(p, d, before, src, dst)
+    assert rig.engines.p.batches == batches + 1  # 2 runs x 2 regions: one batch
+    assert p.stats().entries_sent == 2 * LAYERS
 
 
-def test_a_failed_batch_write_is_tried_once_more(pd_logs: pytest.LogCaptureFixture) -> None:
-    fake = _FlakyEngine(failures=1)
-    _engine_with(fake).write("h:1", [1, 2, 3], [4, 5, 6], [8, 8, 8], max_batch=2)
-    # Batch [1, 2] failed and was repeated; batch [3] went through at once.
-    assert [c[1] for c in fake.calls] == [[1, 2], [1, 2], [3]]
-    assert "trying again" in pd_logs.text
+def test_unknown_peer_status_makes_decode_introduce_itself_again(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+    """P that lost its peers (a restart on the same port) answers UNKNOWN_PEER; D says hello again."""
+    p = rig.make("prefill", seed=22)
+    d = rig.make("decode")
+    p.mgr.add_sends([SendJob("p-1", 2201, [0], BLOCK_SIZE)])
+    d.mgr.add_recvs([recv_job(rig, "d-1", 2201, [1])])
+    d.wait_recv("d-1")
+    assert p.mgr.prefill is not None and d.mgr.decode is not None
+    with p.mgr.prefill._lock:
+        p.mgr.prefill._peers.clear()
+    p.mgr.add_sends([SendJob("p-2", 2202, [2], BLOCK_SIZE)])
+    t0 = time.monotonic()
+    d.mgr.add_recvs([recv_job(rig, "d-2", 2202, [3])])
+    d.wait_recv("d-2")
+    assert time.monotonic() - t0 < 10  # answered, not left to D's 30 s KV wait
+    assert d.failed == {"d-2": [3]}
+    assert "unknown decode peer" in pd_logs.text and "UNKNOWN_PEER" in pd_logs.text
+    before = snapshot(d.kv)
+    p.mgr.add_sends([SendJob("p-3", 2203, [4, 5], 2 * BLOCK_SIZE)])
+    d.mgr.add_recvs([recv_job(rig, "d-3", 2203, [6, 7])])
+    d.wait_recv("d-3")
+    assert "d-3" not in d.failed
+    assert_landed(p, d, before, [4, 5], [6, 7])
 
 
-def test_a_batch_write_that_fails_twice_raises() -> None:
-    fake = _FlakyEngine(failures=2)
-    with pytest.raises(TransferError, match="failed with -1"):
-        _engine_with(fake).write("h:1", [1], [2], [8], max_batch=4)
-    assert len(fake.calls) == 2
+def test_decode_acts_on_the_status_not_the_error_text(rig: Rig) -> None:
+    d = rig.make("decode")
+    assert d.mgr.decode is not None
+    side = d.mgr.decode
+    with side._hello_lock:
+        side._hello_sent.add("tcp://127.0.0.1:1")
+    text = "unknown decode peer x (no PeerHello received)"
+    side.on_done(proto.TransferDone(room=1, request_id="nobody", tp_rank=0, status=DoneStatus.TIMEOUT, error=text))
+    assert side._hello_sent == {"tcp://127.0.0.1:1"}
+    side.on_done(proto.TransferDone(room=1, request_id="nobody", tp_rank=0, status=DoneStatus.UNKNOWN_PEER))
+    assert side._hello_sent == set()
 
 
-def test_a_failed_write_is_not_repeated_once_the_reader_gave_up() -> None:
-    fake = _FlakyEngine(failures=1)
-    with pytest.raises(TransferError):
-        _engine_with(fake).write("h:1", [1], [2], [8], max_batch=4, still_wanted=lambda: False)
-    assert len(fake.calls) == 1
+def test_load_states_resolving_then_awaiting_kv(rig: Rig) -> None:
+    p = rig.make("prefill", seed=23)
+    d = rig.make("decode")
+    assert d.mgr.decode is not None
+    d.mgr.add_recvs([recv_job(rig, "d-req", 2301, [1, 2])])
+    with d.mgr.decode._lock:
+        assert d.mgr.decode._loads["d-req"].state in (LoadState.RESOLVING, LoadState.AWAITING_KV)
+    wait_for(lambda: p.room_state(2301) is RoomState.AWAITING_PREFILL, what="P to hold D's request")
+    with d.mgr.decode._lock:
+        load = d.mgr.decode._loads["d-req"]
+        assert load.state is LoadState.AWAITING_KV and len(load.endpoints) == 1
+    p.mgr.add_sends([SendJob("p-req", 2301, [3, 4], 2 * BLOCK_SIZE)])
+    d.wait_recv("d-req")
+    assert load.state is LoadState.RECEIVED and d.idle()

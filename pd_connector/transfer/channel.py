@@ -1,0 +1,112 @@
+"""Channel: one rank's ZMQ side: a PULL socket peers send to, PUSH sockets to peers, a listener thread.
+
+The listener decodes every frame and hands the message to ``on_message``; a frame that is not a
+PDConnector message is counted (``bad_frames``) and dropped. Between polls it calls ``on_tick``
+with the monotonic time, which drives the timeouts. Handlers run on the listener thread and must
+not block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from pd_connector import protocol as proto
+from pd_connector.transfer.stats import TransferStats
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 50
+SEND_HWM = 10_000
+
+
+class Channel:
+    def __init__(
+        self,
+        local_ip: str,
+        stats: TransferStats,
+        on_message: Callable[[proto.Message], None],
+        on_tick: Callable[[float], None],
+    ) -> None:
+        self._stats = stats
+        self._on_message = on_message
+        self._on_tick = on_tick
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self.port = self._pull.bind_to_random_port("tcp://0.0.0.0")
+        self.endpoint = f"tcp://{local_ip}:{self.port}"
+        self._push: dict[str, zmq.Socket] = {}
+        self._push_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._listener = threading.Thread(target=self._listen, name="pd-listener", daemon=True)
+
+    def start(self) -> None:
+        self._listener.start()
+
+    @property
+    def listening(self) -> bool:
+        return self._listener.is_alive()
+
+    def send(self, endpoint: str, msg: proto.Message) -> None:
+        """Queue ``msg`` to ``endpoint`` without blocking (a full queue drops it, logged)."""
+        frame = proto.encode(msg)
+        with self._push_lock:
+            sock = self._push.get(endpoint)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+                sock.connect(endpoint)
+                self._push[endpoint] = sock
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                logger.error("ZMQ send queue to %s is full; %s dropped", endpoint, type(msg).__name__)
+
+    def stop(self) -> None:
+        """Stop the listener (no more handlers run); sending still works until close()."""
+        self._stop.set()
+        if self._listener.is_alive():
+            self._listener.join(timeout=2)
+
+    def close(self) -> None:
+        self.stop()
+        with self._push_lock:
+            for sock in self._push.values():
+                sock.close(linger=0)
+            self._push.clear()
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    def _listen(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(POLL_MS))
+                if self._pull in events:
+                    while True:
+                        try:
+                            frame = self._pull.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frame(frame)
+                self._on_tick(time.monotonic())
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # noqa: BLE001 - the listener must survive anything
+                logger.exception("KV transfer listener error (continuing)")
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            msg = proto.decode(frame)
+        except proto.ProtocolError as exc:
+            self._stats.inc("bad_frames")
+            logger.warning("dropping malformed ZMQ frame on %s: %s", self.endpoint, exc)
+            return
+        self._on_message(msg)

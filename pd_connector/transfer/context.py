@@ -1,0 +1,48 @@
+"""What both transfer sides share: this rank's KV facts and the manager's plumbing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pd_connector import protocol as proto
+from pd_connector.config import DisaggConfig
+from pd_connector.layout import Region
+from pd_connector.transfer.outbox import Outbox
+from pd_connector.transfer.stats import TransferStats
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where this worker sits in its instance and how its KV looks."""
+
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    block_size: int
+    kv_dtype: str
+    num_layers: int
+    total_kv_heads: int = 1  # 1 for MLA
+    local_kv_heads: int = 1
+    use_mla: bool = False
+    heads_outermost: bool = True
+    model: str = ""  # compat.model_fingerprint; "" skips the model check
+
+    @property
+    def heads(self) -> int:
+        """Head count the TP mapping works with (MLA's latent is one replicated head)."""
+        return 1 if self.use_mla else self.total_kv_heads
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One rank's settings, KV regions and the manager's channel, pool, stats and outbox."""
+
+    cfg: DisaggConfig
+    spec: RankSpec
+    regions: Sequence[Region]
+    send: Callable[[str, proto.Message], None]  # Channel.send(endpoint, msg)
+    submit: Callable[..., None]  # TaskPool.submit(fn, *args)
+    stats: TransferStats
+    outbox: Outbox

@@ -1,0 +1,212 @@
+"""DecodeSide: a D rank's KV loads.
+
+Each `RecvJob` resolves P's topology (bootstrap route, cached), sends `PeerHello` once per P
+rank and a `TransferRequest` per request, then waits for `TransferDone` from every P rank it
+asked. Errors and kv_wait_timeout_s end the load as failed; vLLM then recomputes or fails the
+request. Load states (``states.LoadState``): RESOLVING (handshake on the task pool) ->
+AWAITING_KV -> RECEIVED or FAILED (the load then leaves the table).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pd_connector import protocol as proto
+from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache
+from pd_connector.compat import route_mismatch
+from pd_connector.layout import LayoutError
+from pd_connector.metadata import RecvJob
+from pd_connector.protocol import DoneStatus
+from pd_connector.tp_mapping import decode_contacts
+from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.states import LoadState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Load:
+    job: RecvJob
+    deadline: float
+    state: LoadState = LoadState.RESOLVING
+    endpoints: list[str] = field(default_factory=list)  # P ranks asked (AWAITING_KV)
+    done: set[int] = field(default_factory=set)  # P tp ranks that reported OK
+
+    @property
+    def complete(self) -> bool:
+        return self.state is LoadState.AWAITING_KV and len(self.done) >= len(self.endpoints) > 0
+
+
+class DecodeSide:
+    def __init__(self, ctx: RankContext, descriptor: bytes, peer_id: str, endpoint: str) -> None:
+        self._ctx = ctx
+        self._cfg = ctx.cfg
+        self._spec = ctx.spec
+        self._descriptor = descriptor
+        self._peer_id = peer_id
+        self._endpoint = endpoint
+        self._lock = threading.Lock()
+        self._loads: dict[str, Load] = {}
+        self._hello_sent: set[str] = set()
+        self._hello_lock = threading.Lock()
+        self._routes = RouteCache(self._cfg.http_timeout_s)
+
+    def add_recvs(self, jobs: Sequence[RecvJob]) -> None:
+        """Start fetching these requests' KV (the handshake runs off the step loop)."""
+        now = time.monotonic()
+        for job in jobs:
+            with self._lock:
+                self._loads[job.req_id] = Load(job, now + self._cfg.kv_wait_timeout_s)
+            self._ctx.submit(self._start, job)
+
+    # ------------------------------------------------------------- handshake
+
+    def _start(self, job: RecvJob) -> None:
+        try:
+            endpoints = self._resolve(job)
+        except (BootstrapError, LayoutError) as exc:
+            self._routes.invalidate(job.bootstrap_addr)
+            self._fail(job.req_id, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("room=%d req=%s: handshake error", job.room, job.req_id)
+            self._fail(job.req_id, f"internal error: {exc!r}")
+            return
+        request = proto.TransferRequest(
+            room=job.room,
+            request_id=job.req_id,
+            peer_id=self._peer_id,
+            dst_block_ids=list(job.dst_block_ids),
+            start_block=job.start_block,
+            endpoint=self._endpoint,
+        )
+        with self._lock:
+            load = self._loads.get(job.req_id)
+            if load is None:  # already failed (timeout) while resolving
+                return
+            load.endpoints = endpoints
+            load.state = LoadState.AWAITING_KV
+        for endpoint in endpoints:
+            with self._hello_lock:  # the hello must leave before any request to that endpoint
+                if endpoint not in self._hello_sent:
+                    self._ctx.send(endpoint, self._hello())
+                    self._hello_sent.add(endpoint)
+            self._ctx.send(endpoint, request)
+        logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, endpoints, len(job.dst_block_ids))
+
+    def _resolve(self, job: RecvJob) -> list[str]:
+        """ZMQ endpoints of the P ranks that hold this rank's part of the room."""
+        route = self._route_with_retries(job)
+        spec = self._spec
+        problem = route_mismatch(route, job.bootstrap_addr, spec.block_size, spec.kv_dtype, spec.num_layers, spec.model)
+        if problem is not None:
+            raise LayoutError(problem)
+        dp_rank = self._prefill_dp_rank(job, route)
+        tp_ranks = decode_contacts(
+            spec.heads,
+            route.attn_tp_size,
+            spec.tp_size,
+            spec.tp_rank,
+            is_mla=spec.use_mla,
+            spread=job.room % route.attn_tp_size,
+        )
+        endpoints = []
+        for tp in tp_ranks:
+            info = route.rank(dp_rank, 0, tp)
+            if info is None:
+                raise BootstrapError(f"prefill rank dp={dp_rank} tp={tp} is not registered at {job.bootstrap_addr}")
+            endpoints.append(f"tcp://{info.rank_ip}:{info.rank_port}")
+        return endpoints
+
+    def _route_with_retries(self, job: RecvJob) -> proto.Route:
+        """P's topology; a busy or still-starting prefill gets a few more tries within the KV wait."""
+        deadline = time.monotonic() + min(self._cfg.kv_wait_timeout_s / 2, 30.0)
+        while True:
+            try:
+                return self._routes.get(job.bootstrap_addr)
+            except BootstrapBusy as exc:
+                if time.monotonic() + 0.5 >= deadline:
+                    raise
+                logger.warning("room=%d req=%s: %s; retrying", job.room, job.req_id, exc)
+                time.sleep(0.5)
+
+    def _prefill_dp_rank(self, job: RecvJob, route: proto.Route) -> int:
+        if job.prefill_dp_rank is not None:
+            if job.prefill_dp_rank >= route.dp_size:
+                raise BootstrapError(f"prefill_dp_rank {job.prefill_dp_rank} but prefill has dp_size {route.dp_size}")
+            return job.prefill_dp_rank
+        if route.dp_size == 1:
+            return 0
+        deadline = time.monotonic() + min(self._cfg.kv_wait_timeout_s, 30.0)
+        while time.monotonic() < deadline:
+            dp = self._routes.query_dp_rank(job.bootstrap_addr, job.room)
+            if dp is not None:
+                return dp
+            time.sleep(0.05)
+        raise BootstrapError(f"prefill never registered a dp rank for room {job.room}")
+
+    def _hello(self) -> proto.PeerHello:
+        spec = self._spec
+        return proto.PeerHello(
+            peer_id=self._peer_id,
+            transfer_descriptor=self._descriptor,
+            endpoint=self._endpoint,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
+            block_size=spec.block_size,
+            kv_dtype=spec.kv_dtype,
+            num_layers=spec.num_layers,
+            regions=[r.as_tuple() for r in self._ctx.regions],
+            total_kv_heads=spec.total_kv_heads,
+            local_kv_heads=spec.local_kv_heads,
+            use_mla=spec.use_mla,
+            heads_outermost=spec.heads_outermost,
+        )
+
+    # ------------------------------------------------------------- outcomes
+
+    def on_done(self, done: proto.TransferDone) -> None:
+        if not done.ok:
+            if done.status is DoneStatus.UNKNOWN_PEER:
+                with self._hello_lock:
+                    self._hello_sent.clear()  # P restarted: introduce ourselves again next time
+            self._fail(done.request_id, f"prefill rank tp={done.tp_rank}: {done.error}")
+            return
+        with self._lock:
+            load = self._loads.get(done.request_id)
+            if load is None or load.job.room != done.room:
+                logger.warning("room=%d req=%s: late or unknown TransferDone ignored", done.room, done.request_id)
+                return
+            load.done.add(done.tp_rank)
+            if not load.complete:
+                return
+            del self._loads[done.request_id]
+            load.state = LoadState.RECEIVED
+        self._ctx.stats.inc("recvs_ok")
+        logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.request_id, len(load.job.dst_block_ids))
+        self._ctx.outbox.received(done.request_id)
+
+    def _fail(self, req_id: str, reason: str) -> None:
+        with self._lock:
+            load = self._loads.pop(req_id, None)
+            if load is None:
+                return
+            load.state = LoadState.FAILED
+        # Logged before vLLM can see the request finished, so the reason is in the log by then.
+        logger.error("room=%d req=%s: KV load failed: %s", load.job.room, req_id, reason)
+        self._ctx.stats.inc("recvs_failed")
+        # Other P ranks must not write into blocks vLLM is about to reuse.
+        for endpoint in load.endpoints:
+            self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id))
+        self._ctx.outbox.received(req_id, failed_blocks=list(load.job.dst_block_ids))
+
+    def expire(self, now: float) -> None:
+        with self._lock:
+            timed_out = [load for load in self._loads.values() if load.deadline <= now]
+        for load in timed_out:
+            self._routes.invalidate(load.job.bootstrap_addr)
+            self._fail(load.job.req_id, f"no KV from prefill within {self._cfg.kv_wait_timeout_s:g} s")

@@ -1,0 +1,92 @@
+"""P side, pure: does a decode peer fit this rank, and which bytes go to it for one request."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pd_connector import protocol as proto
+from pd_connector.compat import KVFacts, kv_mismatch
+from pd_connector.layout import LayoutError, Region, block_runs
+from pd_connector.metadata import SendJob
+from pd_connector.tp_mapping import (
+    MappingError,
+    check_head_regions,
+    expected_requests,
+    needs_head_split,
+    plan_decode_rank,
+    slices_from,
+    tp_transfer_entries,
+)
+from pd_connector.transfer.context import RankSpec
+
+Entries = tuple[list[int], list[int], list[int]]
+
+
+class BlockRangeError(LayoutError):
+    """D asks for more blocks than the room holds (its prompt differs from P's)."""
+
+
+def peer_problem(spec: RankSpec, regions: Sequence[Region], hello: proto.PeerHello) -> str | None:
+    """Why KV of this P rank cannot go to the decode rank that sent ``hello``; None if it can."""
+    try:
+        ours = KVFacts(spec.block_size, spec.kv_dtype, spec.num_layers)
+        theirs = KVFacts(hello.block_size, hello.kv_dtype, hello.num_layers)
+        problem = kv_mismatch("this prefill instance", ours, f"decode instance {hello.peer_id}", theirs)
+        if problem is not None:
+            raise LayoutError(problem)
+        if (hello.total_kv_heads, hello.use_mla) != (spec.total_kv_heads, spec.use_mla):
+            raise LayoutError(
+                f"model mismatch: prefill has {spec.total_kv_heads} KV heads (MLA {spec.use_mla}), "
+                f"decode {hello.total_kv_heads} (MLA {hello.use_mla})"
+            )
+        check_head_regions(regions, [Region(*r) for r in hello.regions], spec.local_kv_heads, hello.local_kv_heads)
+        plan = plan_decode_rank(spec.heads, spec.tp_size, hello.tp_size, hello.tp_rank, is_mla=spec.use_mla)
+        if needs_head_split(plan, spec.local_kv_heads, hello.local_kv_heads) and not (
+            spec.heads_outermost and hello.heads_outermost
+        ):
+            raise MappingError(
+                f"prefill TP {spec.tp_size} / decode TP {hello.tp_size} split KV heads inside a block, "
+                "but the KV layout keeps heads inside tokens (NHD); use equal TP sizes"
+            )
+    except LayoutError as exc:
+        return f"incompatible decode instance {hello.peer_id}: {exc}"
+    return None
+
+
+def expected_requests_from(spec: RankSpec, room: int, peer: proto.PeerHello | None) -> int:
+    """How many ranks of the peer's decode instance will ask this P rank for ``room`` (>= 1)."""
+    if peer is None:
+        return 1
+    try:
+        return expected_requests(
+            spec.heads, spec.tp_size, peer.tp_size, spec.tp_rank, is_mla=spec.use_mla, spread=room % spec.tp_size
+        )
+    except LayoutError:
+        return 1
+
+
+def push_entries(
+    spec: RankSpec, regions: Sequence[Region], peer: proto.PeerHello, job: SendJob, req: proto.TransferRequest
+) -> Entries | None:
+    """(src, dst, lengths) to write for ``req``; None when this rank only frees the room.
+
+    Raises BlockRangeError when D asks for blocks the room does not have, LayoutError when the
+    layouts do not pair up.
+    """
+    if not req.dst_block_ids:
+        return None
+    end = req.start_block + len(req.dst_block_ids)
+    if req.start_block < 0 or end > len(job.block_ids):
+        raise BlockRangeError(
+            f"decode asks for blocks {req.start_block}..{end - 1} but prefill holds "
+            f"{len(job.block_ids)} blocks ({job.num_tokens} tokens): prompts differ?"
+        )
+    plan = plan_decode_rank(
+        spec.heads, spec.tp_size, peer.tp_size, peer.tp_rank, is_mla=spec.use_mla, spread=job.room % spec.tp_size
+    )
+    slices = slices_from(plan, spec.tp_rank)
+    if not slices:  # no D rank reads from this one
+        return None
+    runs = block_runs(job.block_ids[req.start_block : end], req.dst_block_ids)
+    peer_regions = [Region(*r) for r in peer.regions]
+    return tp_transfer_entries(regions, peer_regions, slices, spec.local_kv_heads, peer.local_kv_heads, runs)

@@ -1,0 +1,329 @@
+"""PrefillSide: a P rank's rooms and the pushes of their KV into D's blocks.
+
+A room becomes sendable when both halves are here, in either order: the scheduler's `SendJob`
+(prefill done, KV in these blocks) and D's `TransferRequest` (write into those blocks). The
+write runs on the task pool, then `TransferDone` goes to D and the request goes to the outbox
+so vLLM frees P's blocks. A room nobody asks for is freed after room_timeout_s.
+
+Room states (``states.RoomState``): AWAITING_PREFILL (D asked first) -> READY (prefill done)
+-> DRAINING (expired / cancelled, in-flight writes still running) -> CLOSED, or READY ->
+CLOSED once every expected request was served. A closed room remembers its ``CloseReason``
+for a D request that comes later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pd_connector import protocol as proto
+from pd_connector.bootstrap.client import register_dp_rank
+from pd_connector.layout import LayoutError
+from pd_connector.metadata import SendJob
+from pd_connector.protocol import DoneStatus
+from pd_connector.transfer.backend import TransferBackend, TransferError, describe
+from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.peers import BlockRangeError, expected_requests_from, peer_problem, push_entries
+from pd_connector.transfer.states import CloseReason, RoomState
+
+logger = logging.getLogger(__name__)
+
+CLOSED_ROOMS_KEPT = 100_000
+#: How long a D request for a room that was already closed (sent, expired, aborted) waits for a new
+#: prefill of the same room before it is refused with the reason the room was closed.
+CLOSED_ROOM_GRACE_S = 5.0
+
+
+@dataclass
+class WaitingRequest:
+    """A D request for a room whose prefill has not finished."""
+
+    req: proto.TransferRequest
+    deadline: float
+    closed_before: CloseReason | None = None  # the room was closed when this came: wait a short grace
+
+
+@dataclass
+class Room:
+    room: int
+    state: RoomState
+    job: SendJob | None = None  # set from READY on
+    deadline: float = 0.0  # READY: when unclaimed KV is freed
+    expected: int = 0  # requests this rank will get for the room (0: unknown yet)
+    submitted: int = 0
+    finished: int = 0
+    waiting: list[WaitingRequest] = field(default_factory=list)  # AWAITING_PREFILL
+
+    @property
+    def served(self) -> bool:
+        """Every write ended, and no more will come (all expected submitted, or draining)."""
+        idle = self.finished == self.submitted
+        all_in = self.expected > 0 and self.submitted >= self.expected
+        return idle and (self.state is RoomState.DRAINING or all_in)
+
+
+class _Refused(Exception):
+    def __init__(self, status: DoneStatus, error: str) -> None:
+        super().__init__(error)
+        self.status = status
+
+
+class PrefillSide:
+    def __init__(self, ctx: RankContext, backend: TransferBackend) -> None:
+        self._ctx = ctx
+        self._cfg = ctx.cfg
+        self._spec = ctx.spec
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._rooms: dict[int, Room] = {}  # rooms not CLOSED
+        self._closed: OrderedDict[int, CloseReason] = OrderedDict()
+        self._peers: dict[str, proto.PeerHello] = {}
+        self._peer_errors: dict[str, str] = {}
+
+    # ------------------------------------------------------------ from the worker
+
+    def add_sends(self, jobs: Sequence[SendJob]) -> None:
+        """These rooms finished prefill; send each as soon as its D ranks ask."""
+        now = time.monotonic()
+        for job in jobs:
+            ready = Room(job.room, RoomState.READY, job, now + self._cfg.room_timeout_s)
+            with self._lock:
+                old = self._rooms.get(job.room)
+                waiting = old.waiting if old is not None and old.state is RoomState.AWAITING_PREFILL else []
+                cancelled = not waiting and self._closed.get(job.room) is CloseReason.CANCELLED
+                if cancelled:  # D gave up before this prefill finished: free at once
+                    self._rooms.pop(job.room, None)
+                    self._ctx.outbox.sent(job.req_id)
+                else:
+                    self._rooms[job.room] = ready
+            if cancelled:
+                logger.warning("room=%d req=%s: decode had cancelled; freeing the KV now", job.room, job.req_id)
+                continue
+            logger.debug("room=%d req=%s: prefill done, %d blocks ready", job.room, job.req_id, len(job.block_ids))
+            if self._spec.dp_size > 1 and self._spec.tp_rank == 0:
+                # D ranks told no prefill_dp_rank look the room up on the bootstrap server.
+                addr = f"{self._cfg.bootstrap_host}:{self._cfg.bootstrap_port}"
+                self._ctx.submit(register_dp_rank, addr, job.room, self._spec.dp_rank, self._cfg.http_timeout_s)
+            for w in waiting:
+                with self._lock:
+                    accepted = self._accept(ready, w.req)
+                self._start_push(ready, w.req, accepted)
+
+    def drop_rooms(self, rooms: Sequence[int]) -> None:
+        """These rooms will never have KV (request aborted); tell their D if it asks."""
+        for room in rooms:
+            with self._lock:
+                self._remember_closed(room, CloseReason.ABORTED)
+                waiting: list[WaitingRequest] = []
+                pending = self._rooms.get(room)
+                if pending is not None and pending.state is RoomState.AWAITING_PREFILL:
+                    del self._rooms[room]
+                    waiting = pending.waiting
+            for w in waiting:
+                self._reply(w.req, DoneStatus.ABORTED, "prefill request was aborted")
+
+    # ------------------------------------------------------------ from D ranks
+
+    def on_hello(self, hello: proto.PeerHello) -> None:
+        error = peer_problem(self._spec, self._ctx.regions, hello)
+        if error:
+            logger.error("%s", error)
+        with self._lock:
+            self._peers[hello.peer_id] = hello
+            if error:
+                self._peer_errors[hello.peer_id] = error
+            else:
+                self._peer_errors.pop(hello.peer_id, None)
+        logger.info(
+            "decode peer %s registered (transfer descriptor %s)", hello.peer_id, describe(hello.transfer_descriptor)
+        )
+
+    def on_transfer_request(self, req: proto.TransferRequest) -> None:
+        closed: CloseReason | None = None
+        accepted = waits = False
+        with self._lock:
+            room = self._rooms.get(req.room)
+            if room is not None and room.state is not RoomState.AWAITING_PREFILL:
+                accepted = self._accept(room, req)
+            else:
+                # A closed room may be reused by a new request whose prefill has not finished yet
+                # (a client that sends its own room twice): wait a short grace before refusing.
+                waits = True
+                closed = self._closed.get(req.room)
+                timeout = self._cfg.room_timeout_s
+                wait_s = min(CLOSED_ROOM_GRACE_S, timeout) if closed is not None else timeout
+                if room is None:
+                    room = self._rooms[req.room] = Room(req.room, RoomState.AWAITING_PREFILL)
+                room.waiting.append(WaitingRequest(req, time.monotonic() + wait_s, closed))
+        if not waits:
+            self._start_push(room, req, accepted)
+            return
+        logger.debug(
+            "room=%d req=%s: decode asked before prefill finished%s",
+            req.room,
+            req.request_id,
+            f" (room closed before: {closed.message(self._cfg.room_timeout_s)})" if closed else "",
+        )
+
+    def on_cancel(self, cancel: proto.TransferCancel) -> None:
+        with self._lock:
+            room = self._rooms.get(cancel.room)
+            if room is None or room.state is RoomState.AWAITING_PREFILL:
+                self._rooms.pop(cancel.room, None)
+                self._remember_closed(cancel.room, CloseReason.CANCELLED)
+            else:
+                # Nothing more will come for this room: free it once in-flight writes end.
+                room.state = RoomState.DRAINING if room.state is RoomState.READY else room.state
+                self._finish_if_served(room)
+        logger.warning("room=%d req=%s: decode cancelled the transfer", cancel.room, cancel.request_id)
+
+    # ---------------------------------------------------------------- pushes
+
+    def _accept(self, room: Room, req: proto.TransferRequest) -> bool:
+        """Count one D rank's request for a ready room; False for one too many. Caller holds the lock."""
+        if room.expected == 0:
+            assert room.job is not None
+            room.expected = expected_requests_from(self._spec, room.job.room, self._peers.get(req.peer_id))
+        if room.state is not RoomState.READY or room.submitted >= room.expected:
+            return False
+        room.submitted += 1
+        return True
+
+    def _start_push(self, room: Room, req: proto.TransferRequest, accepted: bool) -> None:
+        if accepted:
+            self._ctx.submit(self._push, room, req)
+        else:
+            self._reply(req, DoneStatus.ALREADY_SERVED, f"room {req.room} was already served")
+
+    def _push(self, room: Room, req: proto.TransferRequest) -> None:
+        job = room.job
+        assert job is not None
+        t0 = time.perf_counter()
+        status, error = DoneStatus.OK, ""
+        nbytes = entries = 0
+        try:
+            with self._lock:
+                peer = self._peers.get(req.peer_id)
+                peer_error = self._peer_errors.get(req.peer_id)
+            if peer is None:
+                raise _Refused(DoneStatus.UNKNOWN_PEER, f"unknown decode peer {req.peer_id} (no PeerHello received)")
+            if peer_error:
+                raise _Refused(DoneStatus.INCOMPATIBLE, peer_error)
+            plan = push_entries(self._spec, self._ctx.regions, peer, job, req)
+            if plan is not None:
+                src, dst, lengths = plan
+                still_wanted = lambda: room.state is RoomState.READY  # noqa: E731
+                self._backend.write(
+                    peer.transfer_descriptor, src, dst, lengths, self._cfg.max_batch_entries, still_wanted
+                )
+                nbytes, entries = sum(lengths), len(lengths)
+        except _Refused as exc:
+            status, error = exc.status, str(exc)
+        except BlockRangeError as exc:
+            status, error = DoneStatus.BAD_REQUEST, str(exc)
+        except LayoutError as exc:
+            status, error = DoneStatus.INCOMPATIBLE, str(exc)
+        except TransferError as exc:
+            status, error = DoneStatus.TRANSFER_FAILED, str(exc)
+        except Exception as exc:  # noqa: BLE001 - report, never leak the room
+            logger.exception("room=%d req=%s: unexpected send error", job.room, job.req_id)
+            status, error = DoneStatus.INTERNAL_ERROR, f"internal error: {exc!r}"
+        self._log_push(job, req, status, error, nbytes, entries, (time.perf_counter() - t0) * 1e3)
+        self._reply(req, status, error)
+        with self._lock:
+            room.finished += 1
+            self._finish_if_served(room)
+
+    def _log_push(
+        self,
+        job: SendJob,
+        req: proto.TransferRequest,
+        status: DoneStatus,
+        error: str,
+        nbytes: int,
+        entries: int,
+        ms: float,
+    ) -> None:
+        stats = self._ctx.stats
+        if status is not DoneStatus.OK:
+            stats.inc("transfers_failed")
+            logger.error(
+                "room=%d req=%s: KV push to %s failed (%s): %s", job.room, job.req_id, req.peer_id, status.name, error
+            )
+            return
+        stats.inc("transfers_ok")
+        stats.inc("bytes_sent", nbytes)
+        stats.inc("entries_sent", entries)
+        logger.info(
+            "room=%d req=%s: pushed %d blocks (%d bytes, %d entries) to %s in %.2f ms",
+            job.room,
+            job.req_id,
+            len(req.dst_block_ids),
+            nbytes,
+            entries,
+            req.peer_id,
+            ms,
+        )
+
+    def _finish_if_served(self, room: Room) -> None:
+        """Close a room and let vLLM free its blocks once every write for it ended. Caller holds the lock."""
+        if room.served and self._rooms.get(room.room) is room:
+            assert room.job is not None
+            del self._rooms[room.room]
+            room.state = RoomState.CLOSED
+            self._remember_closed(room.room, CloseReason.EXPIRED if room.submitted == 0 else CloseReason.SENT)
+            self._ctx.outbox.sent(room.job.req_id)
+
+    def _reply(self, req: proto.TransferRequest, status: DoneStatus, error: str = "") -> None:
+        with self._lock:
+            peer = self._peers.get(req.peer_id)
+        # A peer P does not know (P restarted) is answered at the endpoint its request names.
+        endpoint = peer.endpoint if peer is not None else req.endpoint
+        if not endpoint:
+            logger.error("room=%d req=%s: cannot answer unknown peer %s", req.room, req.request_id, req.peer_id)
+            return
+        done = proto.TransferDone(
+            room=req.room, request_id=req.request_id, tp_rank=self._spec.tp_rank, status=status, error=error
+        )
+        self._ctx.send(endpoint, done)
+
+    def _remember_closed(self, room: int, reason: CloseReason) -> None:
+        """Remember a room that will not (again) be sent. Caller holds the lock."""
+        self._closed[room] = reason
+        self._closed.move_to_end(room)
+        while len(self._closed) > CLOSED_ROOMS_KEPT:
+            self._closed.popitem(last=False)
+
+    # -------------------------------------------------------------- timeouts
+
+    def expire(self, now: float) -> None:
+        stale: list[WaitingRequest] = []
+        with self._lock:
+            for room in list(self._rooms.values()):
+                if room.state is RoomState.READY and room.deadline <= now:
+                    room.state = RoomState.DRAINING  # accept no more requests; free once in-flight writes end
+                    if room.submitted < max(room.expected, 1):
+                        # Logged before the room can be freed, so the reason precedes vLLM seeing it.
+                        assert room.job is not None
+                        self._ctx.stats.inc("rooms_expired")
+                        logger.warning(
+                            "room=%d req=%s: no decode asked for this KV within %g s; freeing its blocks",
+                            room.room,
+                            room.job.req_id,
+                            self._cfg.room_timeout_s,
+                        )
+                    self._finish_if_served(room)
+                elif room.state is RoomState.AWAITING_PREFILL:
+                    stale += [w for w in room.waiting if w.deadline <= now]
+                    room.waiting = [w for w in room.waiting if w.deadline > now]
+                    if not room.waiting:
+                        del self._rooms[room.room]
+        for w in stale:
+            if w.closed_before is not None:
+                self._reply(w.req, DoneStatus.ROOM_CLOSED, w.closed_before.message(self._cfg.room_timeout_s))
+            else:
+                self._reply(w.req, DoneStatus.TIMEOUT, f"prefill did not produce room {w.req.room} in time")

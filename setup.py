@@ -33,7 +33,15 @@ setup(
             "vllm-ascend>=0.23.0",
             "mooncake-transfer-engine-npu>=0.3.13",
         ],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "openai>=1.40", "ruff>=0.5", "transformers", "tokenizers"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "openai>=1.40",
+            "ruff>=0.5",
+            "transformers",
+            "tokenizers",
+            "kubernetes-validate>=1.30",
+        ],
     },
     entry_points={
         "vllm.general_plugins": ["pd_connector = pd_connector:register"],

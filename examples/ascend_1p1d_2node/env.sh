@@ -1,0 +1,32 @@
+# Shared settings of the 2-node 1P1D example; sourced by prefill.sh, decode.sh and router.sh.
+# Edit these for your cluster (or set them in the environment before running a script).
+P_IP=${P_IP:-192.0.2.10}          # prefill node
+D_IP=${D_IP:-192.0.2.20}          # decode node
+NIC_NAME=${NIC_NAME:-eth0}        # NIC of the node's own address (HCCL / Gloo sockets)
+MODEL=${MODEL:-/path/to/DeepSeek-V4-Flash}
+SERVED_NAME=${SERVED_NAME:-dsv4}
+P_PORT=${P_PORT:-8100}
+D_PORT=${D_PORT:-8200}
+BOOTSTRAP_PORT=${BOOTSTRAP_PORT:-18800}  # P's bootstrap server (hosted by P's DP-rank-0 leader)
+ROUTER_PORT=${ROUTER_PORT:-8000}
+DP_SIZE=${DP_SIZE:-4}             # internal DP engines per instance (one NPU each, TP 1)
+
+# A proxy exported for pip or model downloads must not sit between P, D and the Router.
+unset http_proxy https_proxy ftp_proxy HTTP_PROXY HTTPS_PROXY FTP_PROXY
+
+ascend_env() {  # local_ip
+    export HCCL_IF_IP=$1
+    export GLOO_SOCKET_IFNAME=$NIC_NAME
+    export TP_SOCKET_IFNAME=$NIC_NAME
+    export HCCL_BUFFSIZE=${HCCL_BUFFSIZE:-512}
+    export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-120}
+    export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
+    export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-1}
+    export ASCEND_RT_VISIBLE_DEVICES=${ASCEND_RT_VISIBLE_DEVICES:-0,1,2,3}
+    # Atlas 850/950 (A5) SuperPod: HIXL generates its UB endpoints itself (HIXL >= 9.1.0).
+    # These are read by Mooncake's ascend transport; PDConnector passes them through untouched.
+    if [[ -n "${ASCEND_A5:-}" ]]; then
+        export ASCEND_LOCAL_COMM_RES=${ASCEND_LOCAL_COMM_RES:-'{"version":"1.3"}'}
+        export ASCEND_GLOBAL_RESOURCE_CONFIG=${ASCEND_GLOBAL_RESOURCE_CONFIG:-'{"comm_resource_config.protocol_desc":["uboe:device"]}'}
+    fi
+}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +42,7 @@ class Membership:
 
     async def _check(self, state: BackendState) -> bool:
         healthy, status, error = await probe(self.router.http, state, self.config.health_timeout)
-        state.status_code, state.last_error, state.last_check = status, error, time.time()
+        state.status_code, state.last_error = status, error
         return healthy
 
     async def add(self, backend: Backend) -> str:

@@ -15,7 +15,6 @@ Everything here runs on the Router's one event loop, so plain attributes need no
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
@@ -36,9 +35,7 @@ class BackendState:
         "in_flight",
         "in_flight_tokens",
         "last_error",
-        "last_check",
         "status_code",
-        "added_at",
     )
 
     def __init__(self, backend: Backend, healthy: bool = True) -> None:
@@ -50,9 +47,7 @@ class BackendState:
         #: Estimated prompt tokens of those requests (meaningful for prefillers).
         self.in_flight_tokens = 0
         self.last_error: str | None = None
-        self.last_check: float | None = None
         self.status_code: int | None = None
-        self.added_at = time.time()
 
     def record(self) -> dict[str, Any]:
         """JSON-ready status of this instance (``/health``, ``/instances``)."""
@@ -167,7 +162,6 @@ class BackendPool:
 
     def set_health(self, state: BackendState, healthy: bool, status_code: int | None, error: str | None) -> None:
         """Record the result of a health check of ``state``."""
-        state.last_check = time.time()
         state.status_code = status_code
         if healthy:
             if not state.healthy:

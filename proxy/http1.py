@@ -6,7 +6,7 @@ Why not ``aiohttp``'s or ``httpx``'s client: measured here, one P + D request pa
 asyncio protocols about 0.2 ms, and the Router's added latency is mostly that. This client does
 only what the Router needs: ``GET`` or ``POST`` (a complete JSON body, or none), keep-alive
 connections pooled per backend, responses parsed by ``httptools`` (the C parser uvicorn uses),
-the body read whole (:meth:`Http1Pool.call`) or chunk by chunk (chunked transfer decoding
+the body read whole or chunk by chunk (chunked transfer decoding
 included), one deadline per request, and an abort that closes the connection (which makes vLLM
 abort the request and free its KV blocks). A connection is :class:`ConnState` ``IDLE`` (pooled),
 ``BUSY`` (carrying one request) or ``CLOSED`` (never used again).
@@ -22,7 +22,6 @@ import asyncio
 import collections
 import enum
 import time
-from dataclasses import dataclass
 
 import httptools
 
@@ -42,15 +41,6 @@ class ConnState(enum.Enum):
     IDLE = "idle"  # open, in the pool, no request
     BUSY = "busy"  # carrying a request, until its response is released or closed
     CLOSED = "closed"  # aborted or lost: never reused
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """A whole response (:meth:`Http1Pool.call`)."""
-
-    status: int
-    body: bytes
-    content_type: str
 
 
 class UpstreamError(Exception):
@@ -357,24 +347,6 @@ class Http1Pool:
     ) -> Response:
         """``POST`` a JSON ``body`` (see :meth:`request`)."""
         return await self.request("POST", host, port, path, body, headers, timeout)
-
-    async def call(
-        self,
-        method: str,
-        host: str,
-        port: int,
-        path: str,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        timeout: float = 10.0,
-    ) -> Reply:
-        """One request, its whole response read (a small answer: health, models, admin calls)."""
-        response = await self.request(method, host, port, path, body, headers or {}, timeout)
-        try:
-            content = await response.read()
-        finally:
-            response.release()
-        return Reply(response.status, content, response.content_type)
 
     async def request(
         self,

@@ -20,10 +20,19 @@ from aiohttp import web
 
 from proxy.backends import BackendPool, BackendState
 from proxy.errors import DECODE_FAILED, PREFILL_FAILED, RouterError, excerpt
-from proxy.http1 import ConnectFailed, Http1Pool, Reply, UpstreamError
+from proxy.http1 import ConnectFailed, Http1Pool, UpstreamError
 
 #: Statuses worth trying another P/D pair for (besides connection failures and other 5xx).
 RETRYABLE_STATUSES = frozenset({408, 429})
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A backend's whole answer (:func:`fetch`), whatever its status."""
+
+    status: int
+    body: bytes
+    content_type: str
 
 
 @dataclass(eq=False)
@@ -147,7 +156,12 @@ async def fetch(
     """
     backend = state.backend
     try:
-        return await http.call(method, backend.host, backend.port, path, body, headers, timeout)
+        response = await http.request(method, backend.host, backend.port, path, body, headers or {}, timeout)
+        try:
+            content = await response.read()
+        finally:
+            response.release()
+        return Reply(response.status, content, response.content_type)
     except UpstreamError as exc:
         return exception_failure(state, exc, timeout if nominal_timeout is None else nominal_timeout)
 

@@ -172,3 +172,23 @@ def test_bad_flags_exit_2_as_a_process(case: str) -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("python -m proxy: error: ")
     assert result.stdout == ""
+
+
+def test_routing_choices_help_and_readme_come_from_the_policy_table() -> None:
+    from proxy.cli import build_parser
+    from proxy.config import ROUTING_POLICIES
+    from proxy.routing import POLICIES, describe
+
+    assert ROUTING_POLICIES == tuple(POLICIES)
+    (action,) = [a for a in build_parser()._actions if a.dest == "routing"]
+    assert tuple(action.choices) == ROUTING_POLICIES and action.default == ROUTING_POLICIES[0]
+    help_text = " ".join((action.help or "").replace("%%", "%").split())
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("**Routing** (`--routing`") :]
+    section = section[: section.index("\n\n**")]
+    listed = [line for line in section.splitlines() if line.startswith("- `")]
+    assert len(listed) == len(POLICIES)
+    for name, line in zip(POLICIES, listed, strict=True):
+        assert f"'{name}' = {describe(name)}" in help_text
+        default = " (default)" if name == ROUTING_POLICIES[0] else ""
+        assert line == f"- `{name}`{default}: {describe(name)}"

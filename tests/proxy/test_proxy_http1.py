@@ -1,4 +1,5 @@
-"""The Router's own HTTP/1.1 client (proxy/http1.py) against small in-process asyncio servers."""
+"""The Router's own HTTP/1.1 client (proxy/http1.py) and its one-shot calls (proxy/upstream.py: fetch,
+probe) against small in-process asyncio servers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from proxy.http1 import READ_HIGH_WATER, ConnectFailed, ConnectionBroken, Http1Pool, UpstreamTimeout
+from proxy.backends import BackendState
+from proxy.config import Backend
+from proxy.http1 import READ_HIGH_WATER, ConnectFailed, ConnectionBroken, ConnState, Http1Pool, UpstreamTimeout
+from proxy.upstream import Failure, Reply, fetch, probe
 
 HOST = "127.0.0.1"
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -292,3 +296,85 @@ def test_ipv6_backend() -> None:
 
     asyncio.run(main())
     assert b"\r\nHost: [::1]:" in seen[0]
+
+
+def _recording_server(seen: list[bytes], status: bytes = b"200 OK", body: bytes = b"ok") -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (request := await _read_request(reader)) is not None:
+            seen.append(request[0] + request[1])
+            writer.write(b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body))
+            await writer.drain()
+
+    return handler
+
+
+def test_get_and_bodyless_post_and_connection_states() -> None:
+    seen: list[bytes] = []
+
+    async def test(pool: Http1Pool, port: int, connections: list[int]) -> None:
+        response = await pool.request("GET", HOST, port, "/health", None, {"X-Request-Id": "h"}, 5)
+        conn = response._conn
+        assert conn is not None and conn.state is ConnState.BUSY
+        assert (response.status, await response.read()) == (200, b"ok")
+        response.release()
+        assert conn.state is ConnState.IDLE
+        response = await pool.request("POST", HOST, port, "/reset_prefix_cache?device=npu", None, {}, 5)
+        assert response._conn is conn and conn.state is ConnState.BUSY  # the pooled connection, reused
+        assert await response.read() == b"ok"
+        response.close()
+        assert conn.state is ConnState.CLOSED
+        assert len(connections) == 1
+
+    _run(_recording_server(seen), test)
+    get, post = seen
+    assert get.startswith(b"GET /health HTTP/1.1\r\n") and get.endswith(b"\r\nX-Request-Id: h\r\n\r\n")
+    assert b"Content-Length" not in get and b"Content-Type" not in get
+    assert post.startswith(b"POST /reset_prefix_cache?device=npu HTTP/1.1\r\n")
+    assert post.endswith(b"\r\nContent-Length: 0\r\n\r\n")
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [(b"200 OK", (True, 200, None)), (b"503 Service Unavailable", (False, 503, "HTTP 503"))],
+)
+def test_probe_reads_the_health_answer(status: bytes, expected: tuple[bool, int | None, str | None]) -> None:
+    async def test(pool: Http1Pool, port: int, connections: list[int]) -> None:
+        state = BackendState(Backend("decode", HOST, port))
+        assert await probe(pool, state, 5) == expected
+        reply = await fetch(pool, state, "GET", "/v1/models", 5)
+        assert isinstance(reply, Reply) and reply.body == b"ok"
+
+    _run(_recording_server([], status), test)
+
+
+def test_fetch_classifies_transport_failures_once() -> None:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port = sock.getsockname()[1]  # bound, not listening
+
+    async def main() -> None:
+        pool = Http1Pool(connect_timeout=2)
+        state = BackendState(Backend("prefill", HOST, port, 18800))
+        failure = await fetch(pool, state, "GET", "/health", 5)
+        assert isinstance(failure, Failure)
+        assert (failure.kind, failure.error.status, failure.retryable) == ("connect", 503, True)
+        assert failure.detail.startswith("ConnectFailed: ")
+        healthy, status, error = await probe(pool, state, 5)
+        assert (healthy, status) == (False, None) and error == failure.detail
+
+    asyncio.run(main())
+
+
+def test_fetch_timeout_names_the_nominal_timeout() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await reader.read()  # never answers
+
+    async def test(pool: Http1Pool, port: int, connections: list[int]) -> None:
+        state = BackendState(Backend("decode", HOST, port))
+        failure = await fetch(pool, state, "POST", "/v1/completions", 0.2, b"{}", {}, nominal_timeout=600)
+        assert isinstance(failure, Failure)
+        assert (failure.kind, failure.error.status, failure.retryable) == ("timeout", 504, False)
+        assert "request timeout 600s" in failure.error.message
+
+    _run(handler, test)

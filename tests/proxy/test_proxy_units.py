@@ -12,6 +12,7 @@ from proxy.config import Backend
 from proxy.errors import RouterError
 from proxy.http1 import ConnectFailed, ConnectionBroken, UpstreamTimeout
 from proxy.payloads import estimate_prompt_tokens, validate_body
+from proxy.routing import POLICIES, Choice, RouteRequest, candidates
 from proxy.upstream import empty_failure, error_event_failure, exception_failure, http_failure
 
 P = tuple(Backend("prefill", "p", 8100 + i, 18800) for i in range(3))
@@ -87,6 +88,40 @@ def test_pick_least_loaded_returns_the_minimum() -> None:
     assert pool.pick("prefill", 123) is p[1]
     for lease in leases:
         lease.release()
+
+
+def test_a_policy_gets_the_request_and_the_candidates_with_their_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Choice] = []
+
+    def spy(choice: Choice) -> BackendState:
+        """the last candidate"""
+        seen.append(choice)
+        return choice.candidates[-1]
+
+    monkeypatch.setitem(POLICIES, "spy", spy)  # a policy is one function and one table line
+    pool = BackendPool(P, D, routing="spy")
+    p0, p1, p2 = pool.active["prefill"]
+    lease = pool.lease(p0, 30)
+    pool.mark_unhealthy(p1, "down")
+    body = {"prompt": "x" * 40}
+    assert pool.pick("prefill", 5, exclude={p2}, request=RouteRequest(5, 10, body)) is p0
+    (choice,) = seen
+    assert (choice.role, choice.request.room, choice.request.tokens) == ("prefill", 5, 10)
+    assert choice.request.body is body
+    assert list(choice.instances) == [p0, p1, p2] and list(choice.candidates) == [p0]  # p1 unhealthy, p2 tried
+    assert (choice.load(p0), choice.load(p2)) == (30, 0)
+    lease.release()
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        BackendPool(P, D, routing="nope")
+
+
+def test_candidates_prefer_healthy_untried_then_untried_then_all() -> None:
+    pool = BackendPool(P, D)
+    p0, p1, p2 = pool.active["prefill"]
+    pool.mark_unhealthy(p0, "down")
+    assert candidates([p0, p1, p2]) == [p1, p2]
+    assert candidates([p0, p1, p2], {p1, p2}) == [p0]
+    assert candidates([p0, p1, p2], {p0, p1, p2}) == [p0, p1, p2]
 
 
 def test_health_results_update_state() -> None:

@@ -101,6 +101,8 @@ class Attempt:
         self.late_p_failure: Failure | None = None
         self.p_task: asyncio.Task[Failure | None] | None = None
         self.d_task: asyncio.Task[Outcome] | None = None
+        #: While ``WAITING``: set when D's task ends or P fails, whichever comes first.
+        self._settled: asyncio.Future[None] | None = None
 
     # -- running -----------------------------------------------------------------------------
 
@@ -112,16 +114,17 @@ class Attempt:
         metrics.backend_request(endpoint, self.p.backend)
         metrics.backend_request(endpoint, self.d.backend)
         loop = asyncio.get_running_loop()
+        self._settled = settled = loop.create_future()
+        # D's request first (as both go out in the same loop turn, D's answer is the critical path).
+        self.d_task = d_task = loop.create_task(self._decode())
         self.p_task = p_task = loop.create_task(self._prefill())
         p_task.add_done_callback(self._prefill_done)
-        self.d_task = d_task = loop.create_task(self._decode())
-        router.keep(p_task)
-        router.keep(d_task)
-        pending: set[asyncio.Task[Any]] = {p_task, d_task}
-        while d_task in pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if p_task in done and (failure := p_task.result()) is not None:
-                return failure
+        try:
+            await settled  # a cancellation here is the caller's own (the client went away)
+        finally:
+            self._settled = None
+        if p_task.done() and (failure := p_task.result()) is not None:
+            return failure
         outcome = d_task.result()
         if isinstance(outcome, Opened):
             self.state = AttemptState.STREAMING
@@ -175,12 +178,27 @@ class Attempt:
             if isinstance(exc, UpstreamError):
                 return exception_failure(state, exc, self.router.config.request_timeout)
             raise
+        finally:
+            self._settle()  # wakes run() as this task ends (a done callback would take a loop turn more)
+
+    def _settle(self) -> None:
+        settled = self._settled
+        if settled is not None and not settled.done():
+            settled.set_result(None)
 
     def _prefill_done(self, task: asyncio.Task[Failure | None]) -> None:
         self.p_lease.release()
-        if task.cancelled() or task.exception() is not None or (failure := task.result()) is None:
+        if task.cancelled():
             return
-        if self.state is AttemptState.STREAMING and self.opened is not None:
+        if task.exception() is not None:
+            self._settle()  # run() raises it
+            return
+        failure = task.result()
+        if failure is None:
+            return
+        if self.state is AttemptState.WAITING:
+            self._settle()  # run() returns it
+        elif self.state is AttemptState.STREAMING and self.opened is not None:
             self.late_p_failure = failure
             self.opened.response.close()  # the relay sees the stream end, then P's failure
         elif self.state is AttemptState.ANSWERED:
@@ -208,16 +226,20 @@ class Attempt:
         """
         if self.state is AttemptState.ANSWERED:  # D is done; P runs on, detached
             self.d_lease.release()
+            if self.p_task is not None and not self.p_task.done():
+                self.router.keep(self.p_task)
             return
         if self.state is AttemptState.CLOSED:
             return
         self.state = AttemptState.CLOSED
         if self.p_task is None:  # never run
             self.p_lease.release()
-        else:
+        elif not self.p_task.done():
             self.p_task.cancel()  # its done callback releases P's lease
-        if self.d_task is not None:
+            self.router.keep(self.p_task)
+        if self.d_task is not None and not self.d_task.done():
             self.d_task.cancel()
+            self.router.keep(self.d_task)
         if self.opened is not None:
             self.opened.response.close()
             self.opened = None

@@ -146,7 +146,7 @@ def test_body_until_close() -> None:
     _run(handler, test)
 
 
-def test_connection_refused_is_connect_failed() -> None:
+def test_connection_refused_is_connect_failed_and_a_connect_failure() -> None:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         port = sock.getsockname()[1]  # bound, not listening
@@ -155,6 +155,14 @@ def test_connection_refused_is_connect_failed() -> None:
         pool = Http1Pool(connect_timeout=2)
         with pytest.raises(ConnectFailed):
             await pool.post(HOST, port, "/x", b"{}", {}, 5)
+        # Classified once, the same for every kind of call (fetch: health, models, admin, prefill).
+        state = BackendState(Backend("prefill", HOST, port, 18800))
+        failure = await fetch(pool, state, "GET", "/health", 5)
+        assert isinstance(failure, Failure)
+        assert (failure.kind, failure.error.status, failure.retryable) == ("connect", 503, True)
+        assert failure.detail.startswith("ConnectFailed: ")
+        healthy, status, error = await probe(pool, state, 5)
+        assert (healthy, status) == (False, None) and error == failure.detail
 
     asyncio.run(main())
 
@@ -345,24 +353,6 @@ def test_probe_reads_the_health_answer(status: bytes, expected: tuple[bool, int 
         assert isinstance(reply, Reply) and reply.body == b"ok"
 
     _run(_recording_server([], status), test)
-
-
-def test_fetch_classifies_transport_failures_once() -> None:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port = sock.getsockname()[1]  # bound, not listening
-
-    async def main() -> None:
-        pool = Http1Pool(connect_timeout=2)
-        state = BackendState(Backend("prefill", HOST, port, 18800))
-        failure = await fetch(pool, state, "GET", "/health", 5)
-        assert isinstance(failure, Failure)
-        assert (failure.kind, failure.error.status, failure.retryable) == ("connect", 503, True)
-        assert failure.detail.startswith("ConnectFailed: ")
-        healthy, status, error = await probe(pool, state, 5)
-        assert (healthy, status) == (False, None) and error == failure.detail
-
-    asyncio.run(main())
 
 
 def test_fetch_timeout_names_the_nominal_timeout() -> None:

@@ -1,6 +1,6 @@
 """The Router's aiohttp application: ``create_app(config)`` and its routes.
 
-Request lifecycle (DESIGN.md §3): a completion or chat request gets a bootstrap room, one
+Request lifecycle (docs/design.md §2, §4): a completion or chat request gets a bootstrap room, one
 prefill instance P and one decode instance D; both requests are sent at once; D's answer
 (JSON, or the SSE stream byte for byte) goes back to the client.
 

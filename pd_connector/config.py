@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
+from pd_connector.peer_sizes import SideSizes, SizesError, parse_sizes
+from pd_connector.platform_transport import default_protocol
 from pd_connector.transfer.mooncake import PROTOCOLS as MOONCAKE_PROTOCOLS
 from pd_connector.transfer.registry import DEFAULT_BACKEND, known_backends, unknown_backend_message
 
@@ -35,6 +37,7 @@ class DisaggConfig:
     # Address this rank advertises to peers (ZMQ and Mooncake). Never probed.
     local_ip: str = "127.0.0.1"
     # Transfer backend (transfer.registry), and Mooncake's transport: tcp (CPU), rdma, ascend (HIXL on NPUs).
+    # parse_config fills in the platform's transport (platform_transport.default_protocol) when absent.
     backend: str = DEFAULT_BACKEND
     protocol: str = "tcp"
     device_name: str = ""
@@ -56,6 +59,12 @@ class DisaggConfig:
     # not know them (independent dense DP ranks). -1: take them from vLLM's parallel config.
     dp_rank: int = -1
     dp_size: int = -1
+    # vLLM-Ascend's keys: the P and D deployments' {dp_size, tp_size} (checked, see peer_sizes),
+    # use_ascend_direct (means protocol "ascend") and the A5 HIXL endpoint directory (ascend_env).
+    prefill: SideSizes | None = None
+    decode: SideSizes | None = None
+    use_ascend_direct: bool = False
+    ascend_local_comm_res_path: str = ""
 
     @property
     def is_prefill(self) -> bool:
@@ -83,11 +92,20 @@ _FIELD_TYPES: dict[str, type] = {
     "start_bootstrap_server": bool,
     "dp_rank": int,
     "dp_size": int,
+    "prefill": SideSizes,
+    "decode": SideSizes,
+    "use_ascend_direct": bool,
+    "ascend_local_comm_res_path": str,
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(DisaggConfig)} - {"mode"}
 
 
 def _coerce(key: str, value: Any, typ: type) -> Any:
+    if typ is SideSizes:
+        try:
+            return parse_sizes(key, value)
+        except SizesError as exc:
+            raise ConfigError(str(exc)) from None
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -128,6 +146,20 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {sorted(_FIELD_TYPES)}")
     values = {key: _coerce(key, val, _FIELD_TYPES[key]) for key, val in extra.items()}
+    if values.get("use_ascend_direct"):
+        if values.setdefault("protocol", "ascend") != "ascend":
+            raise ConfigError(
+                f"kv_connector_extra_config.use_ascend_direct is true (the ascend transport) but protocol is "
+                f"{values['protocol']!r}; drop one of them"
+            )
+    values.setdefault("protocol", default_protocol())
+    own = values.get(mode)
+    if mode == PREFILL and own is not None and own.dp_size is not None:
+        if values.setdefault("dp_size", own.dp_size) != own.dp_size:
+            raise ConfigError(
+                f"kv_connector_extra_config.dp_size is {values['dp_size']} but prefill.dp_size is {own.dp_size}; "
+                "they name the same DP size"
+            )
     cfg = DisaggConfig(mode=mode, **values)
     _validate(cfg)
     return cfg

@@ -37,18 +37,34 @@ class Region:
         return self.block_stride == self.block_bytes
 
 
-def _block_dim(shape: Sequence[int], num_blocks: int) -> int:
-    for dim, size in enumerate(shape):
+def block_dim(shape: Sequence[int], num_blocks: int) -> tuple[int, int]:
+    """(block dimension, kernel blocks per block) of a KV tensor of ``shape``.
+
+    The block dimension is the first one of size ``num_blocks`` (never the last: that is the
+    head size). vLLM-Ascend's model runner may split each block into ``k`` kernel blocks, making
+    the first dimension ``num_blocks * k``: then it is dimension 0 with ``k`` kernel blocks each.
+    """
+    shape = tuple(shape)
+    for dim, size in enumerate(shape[:-1]):
         if size == num_blocks:
-            return dim
-    raise LayoutError(f"no dimension of size num_blocks={num_blocks} in KV tensor of shape {tuple(shape)}")
+            return dim, 1
+    if num_blocks > 0 and len(shape) > 1 and shape[0] > num_blocks and shape[0] % num_blocks == 0:
+        return 0, shape[0] // num_blocks
+    raise LayoutError(
+        f"no dimension of size num_blocks={num_blocks} (or a first dimension of num_blocks * kernel blocks) "
+        f"in KV tensor of shape {shape}"
+    )
 
 
 def regions_of_tensor(tensor: Any, num_blocks: int) -> list[Region]:
-    """Regions of one KV tensor: one per index of the dims outside the block dim."""
+    """Regions of one KV tensor: one per index of the dims outside the block dim.
+
+    With kernel blocks (first dimension ``num_blocks * k``) block ``i`` is kernel blocks
+    ``i*k .. i*k+k-1``, which must lie back to back (they do in vLLM-Ascend's dense tensors).
+    """
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
     item = tensor.element_size()
-    bdim = _block_dim(shape, num_blocks)
+    bdim, scale = block_dim(shape, num_blocks)
     inner_shape, inner_strides = shape[bdim + 1 :], strides[bdim + 1 :]
     # The part of a block that lies inside one region must be one dense run of bytes.
     expected = 1
@@ -58,6 +74,13 @@ def regions_of_tensor(tensor: Any, num_blocks: int) -> list[Region]:
         expected *= size
     block_bytes = expected * item
     block_stride = strides[bdim] * item
+    if scale > 1:
+        if block_stride != block_bytes:
+            raise LayoutError(
+                f"KV tensor shape {shape} strides {strides}: the {scale} kernel blocks of a block are not contiguous"
+            )
+        block_bytes *= scale
+        block_stride *= scale
     base = tensor.data_ptr()
     outer = [range(n) for n in shape[:bdim]]
     regions = []
@@ -79,13 +102,26 @@ def regions_of_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> list[
     return regions
 
 
+def tensor_span(tensor: Any) -> tuple[int, int]:
+    """(data_ptr, bytes from it to its last element's end): the tensor's own bytes, not its storage's."""
+    if tensor.numel() == 0:
+        return tensor.data_ptr(), 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.data_ptr(), (last + 1) * tensor.element_size()
+
+
 def memory_ranges(kv_caches: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """Distinct (addr, length) ranges that hold the KV caches, overlapping ones merged."""
+    """(addr, length) ranges to register: each KV tensor's own bytes, overlapping or adjacent ones merged.
+
+    Never the whole ``untyped_storage()`` around a tensor: vLLM-Ascend hands out a 2 MiB-aligned
+    slice of a larger buffer, and only the slice is KV (as its own connector registers it).
+    """
     spans = []
     for value in kv_caches.values():
         for part in value if isinstance(value, (list, tuple)) else [value]:
-            storage = part.untyped_storage()
-            spans.append((storage.data_ptr(), storage.nbytes()))
+            addr, length = tensor_span(part)
+            if length:
+                spans.append((addr, length))
     spans.sort()
     merged: list[tuple[int, int]] = []
     for addr, length in spans:

@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pd_connector.layout import LayoutError, Region
+from pd_connector.layout import LayoutError, Region, block_dim
 
 __all__ = [
     "HeadSlice",
@@ -270,9 +270,12 @@ def is_head_major(
         raise MappingError(f"local KV heads must be >= 1, got {local_heads}")
     if local_heads == 1:
         return True
-    bdim = next((d for d, size in enumerate(shape) if size == num_blocks), None)
-    if bdim is None:
-        raise MappingError(f"no dimension of size num_blocks={num_blocks} in KV tensor of shape {shape}")
+    try:
+        bdim, kernel_blocks = block_dim(shape, num_blocks)
+    except LayoutError as exc:
+        raise MappingError(str(exc)) from None
+    if kernel_blocks > 1:
+        return False  # a head of one block lies in each of its kernel blocks: several byte ranges
     inner = range(bdim + 1, len(shape))
     if heads_dim is not None:
         if heads_dim < 0:

@@ -17,9 +17,10 @@ from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
 from pd_connector.config import DisaggConfig
-from pd_connector.layout import memory_ranges, regions_of_kv_caches
+from pd_connector.layout import regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.protocol import RegisterRank
+from pd_connector.rank_checks import prepare_rank
 from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
@@ -122,8 +123,9 @@ class PDWorker:
         use_mla = bool(getattr(model, "use_mla", False))
         total_heads = 1 if use_mla else model.get_total_num_kv_heads()
         local = len(local_heads(total_heads, tp_size, tp_rank))
+        ranges = prepare_rank(self.cfg, kv_caches, tp_size, self.vllm_config.parallel_config.data_parallel_size)
         self.backend = create_backend(self.cfg)
-        self.backend.register(memory_ranges(kv_caches))
+        self.backend.register(ranges)
         spec = RankSpec(
             tp_rank=tp_rank,
             tp_size=tp_size,

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache
 from pd_connector.compat import route_mismatch
+from pd_connector.config import PREFILL
 from pd_connector.layout import LayoutError
 from pd_connector.metadata import RecvJob
+from pd_connector.peer_sizes import sizes_mismatch
 from pd_connector.protocol import DoneStatus
 from pd_connector.tp_mapping import decode_contacts
 from pd_connector.transfer.context import RankContext
@@ -103,6 +105,13 @@ class DecodeSide:
         route = self._route_with_retries(job)
         spec = self._spec
         problem = route_mismatch(route, job.bootstrap_addr, spec.block_size, spec.kv_dtype, spec.num_layers, spec.model)
+        problem = problem or sizes_mismatch(
+            PREFILL,
+            self._cfg.prefill,
+            f"the prefill deployment at {job.bootstrap_addr}",
+            route.dp_size,
+            route.attn_tp_size,
+        )
         if problem is not None:
             raise LayoutError(problem)
         dp_rank = self._prefill_dp_rank(job, route)

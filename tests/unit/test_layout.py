@@ -130,10 +130,12 @@ def test_memory_ranges_merges_views_of_one_storage() -> None:
     assert memory_ranges(kv) == [(t.data_ptr(), t.untyped_storage().nbytes())]
 
 
-def test_memory_ranges_slice_covers_whole_storage() -> None:
+def test_memory_ranges_slice_is_only_its_own_bytes() -> None:
+    # Issue 8 (vLLM-Ascend drop-in): a slice registers its own bytes, not the storage around it.
     big = torch.zeros(NB * 2, HEADS, BS, 2 * HD, dtype=F16)
     part = big[NB:]
-    assert memory_ranges({"l0": part}) == [(big.data_ptr(), big.untyped_storage().nbytes())]
+    assert memory_ranges({"l0": part}) == [(part.data_ptr(), part.nbytes)]
+    assert part.data_ptr() != big.data_ptr()
 
 
 def test_memory_ranges_separate_tensors() -> None:

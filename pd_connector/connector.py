@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pd_connector.config import parse_config
 from pd_connector.metadata import PDConnectorMetadata
+from pd_connector.metrics import PDKVConnectorStats, PDPromMetrics
 from pd_connector.scheduler import PDScheduler
 from pd_connector.worker import PDWorker
 
@@ -119,6 +120,32 @@ class PDConnector(KVConnectorBase_V1):
         """Called every step after get_finished: D blocks whose load failed (older vLLM)."""
         assert self._worker is not None
         return self._worker.take_failed_blocks()
+
+    def get_kv_connector_stats(self) -> PDKVConnectorStats | None:
+        """Called every engine step on each worker (after get_finished), and on the scheduler (vLLM 0.32).
+
+        Returns this rank's transfer stats since the previous call (None if nothing happened);
+        vLLM aggregates the workers' objects and sends the dict to the frontend's metrics.
+        The scheduler side has none.
+        """
+        data = self._worker.take_stats() if self._worker is not None else None
+        return PDKVConnectorStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDKVConnectorStats | None:
+        """Called in the frontend (and by MultiConnector) to rebuild the stats object from its dict."""
+        return PDKVConnectorStats(data=data) if data is not None else PDKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PDPromMetrics:
+        """Called once by the frontend's Prometheus logger: registers PDConnector's metrics."""
+        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Called when the engine shuts down: closes sockets, Mooncake and the bootstrap server."""

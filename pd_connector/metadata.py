@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -15,6 +16,10 @@ class SendJob:
     room: int
     block_ids: list[int]
     num_tokens: int
+    # Phase trace only (pd_connector.trace; not compared): wall-clock arrival / prefill-done times, trace context.
+    arrival_time: float | None = field(default=None, compare=False)
+    prefill_done_at: float | None = field(default=None, compare=False)
+    trace_headers: Mapping[str, str] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,10 @@ class RecvJob:
     dst_block_ids: list[int]
     start_block: int
     num_tokens: int
+    # Phase trace only (pd_connector.trace; not compared): wall-clock arrival / admission times, trace context.
+    arrival_time: float | None = field(default=None, compare=False)
+    admitted_at: float | None = field(default=None, compare=False)
+    trace_headers: Mapping[str, str] | None = field(default=None, compare=False)
 
     @property
     def bootstrap_addr(self) -> str:
@@ -44,3 +53,5 @@ class PDConnectorMetadata(KVConnectorMetadata):
     # Nothing to compute this step: the engine only polls for transfers. The worker then
     # waits briefly for transfer progress instead of letting the engine loop spin a core.
     idle: bool = False
+    # D: requests scheduled for the first time after their KV arrived -> when (wall clock).
+    scheduled: dict[str, float] = field(default_factory=dict)

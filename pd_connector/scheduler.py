@@ -9,6 +9,7 @@ workers as `PDConnectorMetadata`, once per engine step.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.config import DisaggConfig
@@ -41,6 +42,9 @@ class PDScheduler:
         self._local_hits: dict[str, int] = {}
         self._recv_planned: set[str] = set()
         self._recvs: list[RecvJob] = []
+        # D, phase traces: loads in flight, and loads done whose first scheduling is still to come.
+        self._awaiting_kv: set[str] = set()
+        self._kv_ready: set[str] = set()
         # P: rooms to hand over / drop, and requests whose blocks we hold.
         self._sends: list[SendJob] = []
         self._dropped: list[int] = []
@@ -92,8 +96,12 @@ class PDScheduler:
                 dst_block_ids=dst,
                 start_block=start_block,
                 num_tokens=request.num_prompt_tokens,
+                arrival_time=getattr(request, "arrival_time", None),
+                admitted_at=time.time(),
+                trace_headers=getattr(request, "trace_headers", None),
             )
         )
+        self._awaiting_kv.add(rid)
         logger.info(
             "room=%d req=%s: loading %d prompt tokens (%d blocks from block %d) from prefill %s",
             params.room,
@@ -111,6 +119,8 @@ class PDScheduler:
         params = self._parsed.pop(rid) if rid in self._parsed else _params_of(request)
         self._local_hits.pop(rid, None)
         self._recv_planned.discard(rid)
+        self._awaiting_kv.discard(rid)
+        self._kv_ready.discard(rid)
         if not self.cfg.is_prefill or not isinstance(params, PrefillParams):
             return False, None
         from vllm.v1.request import RequestStatus
@@ -120,7 +130,11 @@ class PDScheduler:
             RequestStatus.FINISHED_STOPPED,
         ) or (request.status.name == "FINISHED_REPETITION")
         if finished_normally and block_ids:
-            self._sends.append(SendJob(rid, params.room, list(block_ids), request.num_prompt_tokens))
+            headers = getattr(request, "trace_headers", None)
+            job = SendJob(
+                rid, params.room, list(block_ids), request.num_prompt_tokens, getattr(request, "arrival_time", None), time.time(), headers
+            )
+            self._sends.append(job)
             self._holding.add(rid)
             return True, prefill_answer(params.room)
         logger.warning("room=%d req=%s: prefill ended as %s; no KV to hand over", params.room, rid, request.status.name)
@@ -130,6 +144,10 @@ class PDScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
             self._holding.discard(rid)
+        for rid in output.finished_recving or ():
+            if rid in self._awaiting_kv:
+                self._awaiting_kv.discard(rid)
+                self._kv_ready.add(rid)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._holding or self._sends)
@@ -142,6 +160,17 @@ class PDScheduler:
             dropped_rooms=self._dropped,
             recvs=self._recvs,
             idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0,
+            scheduled=self._first_scheduled(scheduler_output),
         )
         self._sends, self._dropped, self._recvs = [], [], []
         return meta
+
+    def _first_scheduled(self, scheduler_output: SchedulerOutput) -> dict[str, float]:
+        """D: requests whose KV arrived and that this step schedules (their first token's step)."""
+        if not self._kv_ready:
+            return {}
+        now = time.time()
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        first = {rid: now for rid in self._kv_ready if rid in scheduled}
+        self._kv_ready.difference_update(first)
+        return first

@@ -140,7 +140,8 @@ class PDWorker:
             heads_outermost=_heads_outermost(kv_caches, num_blocks, local),
             model=model_fingerprint(self.vllm_config),
         )
-        self.manager = KVTransferManager(self.cfg, spec, regions, self.backend)
+        otlp = getattr(self.vllm_config.observability_config, "otlp_traces_endpoint", None)
+        self.manager = KVTransferManager(self.cfg, spec, regions, self.backend, otlp_traces_endpoint=otlp)
         if self.cfg.is_prefill:
             self._join_prefill_deployment(spec)
 
@@ -186,6 +187,8 @@ class PDWorker:
             self.manager.drop_rooms(meta.dropped_rooms)
         if meta.recvs:
             self.manager.add_recvs(meta.recvs)
+        if meta.scheduled:
+            self.manager.mark_scheduled(meta.scheduled)
         if meta.idle:
             self.manager.wait_for_progress(IDLE_WAIT_S)
 
@@ -197,6 +200,10 @@ class PDWorker:
         for blocks in failed.values():
             self._failed_blocks.update(blocks)
         return sending, recving, set(failed)
+
+    def take_stats(self) -> dict | None:
+        """This rank's transfer stats since the previous call (pd_connector.metrics), None if nothing."""
+        return self.manager.take_stats() if self.manager is not None else None
 
     def take_failed_blocks(self) -> set[int]:
         blocks, self._failed_blocks = self._failed_blocks, set()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pd_connector import protocol as proto
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import Region
+from pd_connector.trace import TraceBook
 from pd_connector.transfer.outbox import Outbox
 from pd_connector.transfer.stats import TransferStats
 
@@ -37,7 +38,7 @@ class RankSpec:
 
 @dataclass(frozen=True)
 class RankContext:
-    """One rank's settings, KV regions and the manager's channel, pool, stats and outbox."""
+    """One rank's settings, KV regions and the manager's channel, pool, stats, outbox and traces."""
 
     cfg: DisaggConfig
     spec: RankSpec
@@ -46,3 +47,4 @@ class RankContext:
     submit: Callable[..., None]  # TaskPool.submit(fn, *args)
     stats: TransferStats
     outbox: Outbox
+    traces: TraceBook  # this side's phase traces (pd_connector.trace); logged by TP rank 0 only

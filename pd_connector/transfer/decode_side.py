@@ -26,6 +26,7 @@ from pd_connector.protocol import DoneStatus
 from pd_connector.tp_mapping import decode_contacts
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.states import LoadState
+from pd_connector.transfer.stats import FailureReason, reason_of_status
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class Load:
     state: LoadState = LoadState.RESOLVING
     endpoints: list[str] = field(default_factory=list)  # P ranks asked (AWAITING_KV)
     done: set[int] = field(default_factory=set)  # P tp ranks that reported OK
+    started: float = field(default_factory=time.monotonic)
+    handshake_s: float | None = None  # from add_recvs to the request sent to every P rank
 
     @property
     def complete(self) -> bool:
@@ -63,7 +66,23 @@ class DecodeSide:
         for job in jobs:
             with self._lock:
                 self._loads[job.req_id] = Load(job, now + self._cfg.kv_wait_timeout_s)
+            trace = self._ctx.traces.get(job.req_id, job.room, job.req_id)
+            if job.arrival_time is not None:
+                trace.mark("received", job.arrival_time)
+            trace.mark("admitted", job.admitted_at)
+            trace.trace_headers = job.trace_headers
             self._ctx.submit(self._start, job)
+
+    def loads_waiting(self) -> int:
+        """Loads this rank still waits for (handshake or KV)."""
+        with self._lock:
+            return len(self._loads)
+
+    def on_scheduled(self, req_id: str, at: float) -> None:
+        """D's scheduler scheduled the request after its KV arrived: its phase trace is complete."""
+        if self._ctx.traces.has(req_id):
+            self._ctx.traces.get(req_id, 0).mark("scheduled", at)
+            self._ctx.traces.emit(req_id)
 
     # ------------------------------------------------------------- handshake
 
@@ -72,11 +91,11 @@ class DecodeSide:
             endpoints = self._resolve(job)
         except (BootstrapError, LayoutError) as exc:
             self._routes.invalidate(job.bootstrap_addr)
-            self._fail(job.req_id, str(exc))
+            self._fail(job.req_id, str(exc), "mismatch" if isinstance(exc, LayoutError) else "peer_lost")
             return
         except Exception as exc:  # noqa: BLE001
             logger.exception("room=%d req=%s: handshake error", job.room, job.req_id)
-            self._fail(job.req_id, f"internal error: {exc!r}")
+            self._fail(job.req_id, f"internal error: {exc!r}", "protocol_error")
             return
         request = proto.TransferRequest(
             room=job.room,
@@ -92,12 +111,14 @@ class DecodeSide:
                 return
             load.endpoints = endpoints
             load.state = LoadState.AWAITING_KV
+            load.handshake_s = time.monotonic() - load.started
         for endpoint in endpoints:
             with self._hello_lock:  # the hello must leave before any request to that endpoint
                 if endpoint not in self._hello_sent:
                     self._ctx.send(endpoint, self._hello())
                     self._hello_sent.add(endpoint)
             self._ctx.send(endpoint, request)
+        self._ctx.traces.get(job.req_id, job.room).mark("asked_p")
         logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, endpoints, len(job.dst_block_ids))
 
     def _resolve(self, job: RecvJob) -> list[str]:
@@ -183,7 +204,7 @@ class DecodeSide:
             if done.status is DoneStatus.UNKNOWN_PEER:
                 with self._hello_lock:
                     self._hello_sent.clear()  # P restarted: introduce ourselves again next time
-            self._fail(done.request_id, f"prefill rank tp={done.tp_rank}: {done.error}")
+            self._fail(done.request_id, f"prefill rank tp={done.tp_rank}: {done.error}", reason_of_status(done.status))
             return
         with self._lock:
             load = self._loads.get(done.request_id)
@@ -195,11 +216,17 @@ class DecodeSide:
                 return
             del self._loads[done.request_id]
             load.state = LoadState.RECEIVED
-        self._ctx.stats.inc("recvs_ok")
+        self._ctx.stats.observe_recv(len(load.job.dst_block_ids) * self._block_bytes, load.handshake_s)
+        self._ctx.traces.get(done.request_id, done.room).mark("kv_ready")
         logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.request_id, len(load.job.dst_block_ids))
         self._ctx.outbox.received(done.request_id)
 
-    def _fail(self, req_id: str, reason: str) -> None:
+    @property
+    def _block_bytes(self) -> int:
+        """Bytes of one block of this rank's KV (all regions): what a load fills per block."""
+        return sum(r.block_bytes for r in self._ctx.regions)
+
+    def _fail(self, req_id: str, reason: str, why: FailureReason) -> None:
         with self._lock:
             load = self._loads.pop(req_id, None)
             if load is None:
@@ -207,7 +234,8 @@ class DecodeSide:
             load.state = LoadState.FAILED
         # Logged before vLLM can see the request finished, so the reason is in the log by then.
         logger.error("room=%d req=%s: KV load failed: %s", load.job.room, req_id, reason)
-        self._ctx.stats.inc("recvs_failed")
+        self._ctx.stats.fail(why, "recvs_failed")
+        self._ctx.traces.emit(req_id, f"failed:{why}")
         # Other P ranks must not write into blocks vLLM is about to reuse.
         for endpoint in load.endpoints:
             self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id))
@@ -218,4 +246,4 @@ class DecodeSide:
             timed_out = [load for load in self._loads.values() if load.deadline <= now]
         for load in timed_out:
             self._routes.invalidate(load.job.bootstrap_addr)
-            self._fail(load.job.req_id, f"no KV from prefill within {self._cfg.kv_wait_timeout_s:g} s")
+            self._fail(load.job.req_id, f"no KV from prefill within {self._cfg.kv_wait_timeout_s:g} s", "timeout")

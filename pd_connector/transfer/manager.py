@@ -16,6 +16,7 @@ from pd_connector import protocol as proto
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import Region
 from pd_connector.metadata import RecvJob, SendJob
+from pd_connector.trace import TraceBook, make_tracer
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.channel import Channel
 from pd_connector.transfer.context import RankContext, RankSpec
@@ -37,18 +38,23 @@ class KVTransferManager:
         spec: RankSpec,
         regions: Sequence[Region],
         backend: TransferBackend,
+        otlp_traces_endpoint: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.spec = spec
         self.regions = list(regions)
-        self.stats = TransferStats()
+        self.stats = TransferStats(f"dp{spec.dp_rank}tp{spec.tp_rank}")
+        lead = spec.tp_rank == 0
+        self.traces = TraceBook(cfg.mode, make_tracer(otlp_traces_endpoint) if lead else None, enabled=lead)
         self.outbox = Outbox()
         self.pool = TaskPool(cfg.transfer_threads)
         self.channel = Channel(cfg.local_ip, self.stats, self._on_message, self._on_tick)
         self.endpoint = self.channel.endpoint
         self.rank_port = self.channel.port
         self.peer_id = f"{cfg.local_ip}:{self.rank_port}/dp{spec.dp_rank}/tp{spec.tp_rank}"
-        ctx = RankContext(cfg, spec, self.regions, self.channel.send, self.pool.submit, self.stats, self.outbox)
+        ctx = RankContext(
+            cfg, spec, self.regions, self.channel.send, self.pool.submit, self.stats, self.outbox, self.traces
+        )
         self.prefill = PrefillSide(ctx, backend) if cfg.is_prefill else None
         self.decode = DecodeSide(ctx, backend.descriptor, self.peer_id, self.endpoint) if cfg.is_decode else None
         self.channel.start()
@@ -71,6 +77,21 @@ class KVTransferManager:
     def take_finished(self) -> tuple[set[str], set[str], dict[str, list[int]]]:
         """(finished_sending, finished_recving incl. failed, failed -> their dst blocks)."""
         return self.outbox.take()
+
+    def mark_scheduled(self, scheduled: dict[str, float]) -> None:
+        """D: these requests were scheduled after their KV arrived (ends their phase traces)."""
+        if self.decode is not None:
+            for req_id, at in scheduled.items():
+                self.decode.on_scheduled(req_id, at)
+
+    def take_stats(self) -> dict | None:
+        """What happened since the previous call, for vLLM's stats path (None if nothing)."""
+        gauges = {}
+        if self.prefill is not None:
+            gauges["rooms_held"] = self.prefill.rooms_held()
+        if self.decode is not None:
+            gauges["loads_waiting"] = self.decode.loads_waiting()
+        return self.stats.take_interval(gauges)
 
     def wait_for_progress(self, timeout: float) -> None:
         """Block up to `timeout` s, less if a transfer finishes meanwhile (idle engine steps)."""

@@ -29,6 +29,7 @@ from pd_connector.transfer.backend import TransferBackend, TransferError, descri
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.peers import BlockRangeError, expected_requests_from, peer_problem, push_entries
 from pd_connector.transfer.states import CloseReason, RoomState
+from pd_connector.transfer.stats import reason_of_status
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,10 @@ class PrefillSide:
                     self._ctx.outbox.sent(job.req_id)
                 else:
                     self._rooms[job.room] = ready
+            self._trace_prefill(job)
             if cancelled:
                 logger.warning("room=%d req=%s: decode had cancelled; freeing the KV now", job.room, job.req_id)
+                self._ctx.traces.emit(job.room, "cancelled")
                 continue
             logger.debug("room=%d req=%s: prefill done, %d blocks ready", job.room, job.req_id, len(job.block_ids))
             if self._spec.dp_size > 1 and self._spec.tp_rank == 0:
@@ -126,6 +129,18 @@ class PrefillSide:
             for w in waiting:
                 self._reply(w.req, DoneStatus.ABORTED, "prefill request was aborted")
 
+    def _trace_prefill(self, job: SendJob) -> None:
+        trace = self._ctx.traces.get(job.room, job.room, job.req_id)
+        if job.arrival_time is not None:
+            trace.mark("received", job.arrival_time)
+        trace.mark("prefill_done", job.prefill_done_at)
+        trace.trace_headers = job.trace_headers
+
+    def rooms_held(self) -> int:
+        """Rooms whose KV this rank holds (prefill done, not yet freed)."""
+        with self._lock:
+            return sum(1 for room in self._rooms.values() if room.state is not RoomState.AWAITING_PREFILL)
+
     # ------------------------------------------------------------ from D ranks
 
     def on_hello(self, hello: proto.PeerHello) -> None:
@@ -143,6 +158,7 @@ class PrefillSide:
         )
 
     def on_transfer_request(self, req: proto.TransferRequest) -> None:
+        self._ctx.traces.get(req.room, req.room).mark_first("d_asked")
         closed: CloseReason | None = None
         accepted = waits = False
         with self._lock:
@@ -180,6 +196,8 @@ class PrefillSide:
                 room.state = RoomState.DRAINING if room.state is RoomState.READY else room.state
                 self._finish_if_served(room)
         logger.warning("room=%d req=%s: decode cancelled the transfer", cancel.room, cancel.request_id)
+        if room is None or room.state is RoomState.AWAITING_PREFILL:
+            self._ctx.traces.emit(cancel.room, "cancelled")
 
     # ---------------------------------------------------------------- pushes
 
@@ -203,6 +221,8 @@ class PrefillSide:
         job = room.job
         assert job is not None
         t0 = time.perf_counter()
+        trace = self._ctx.traces.get(job.room, job.room, job.req_id)
+        trace.mark_first("push_started")
         status, error = DoneStatus.OK, ""
         nbytes = entries = 0
         try:
@@ -232,7 +252,9 @@ class PrefillSide:
         except Exception as exc:  # noqa: BLE001 - report, never leak the room
             logger.exception("room=%d req=%s: unexpected send error", job.room, job.req_id)
             status, error = DoneStatus.INTERNAL_ERROR, f"internal error: {exc!r}"
-        self._log_push(job, req, status, error, nbytes, entries, (time.perf_counter() - t0) * 1e3)
+        self._log_push(job, req, status, error, nbytes, entries, time.perf_counter() - t0)
+        if status is DoneStatus.OK:
+            trace.mark("push_done")
         self._reply(req, status, error)
         with self._lock:
             room.finished += 1
@@ -246,18 +268,16 @@ class PrefillSide:
         error: str,
         nbytes: int,
         entries: int,
-        ms: float,
+        seconds: float,
     ) -> None:
         stats = self._ctx.stats
         if status is not DoneStatus.OK:
-            stats.inc("transfers_failed")
+            stats.inc("transfers_failed")  # its reason is counted when D is told (_reply)
             logger.error(
                 "room=%d req=%s: KV push to %s failed (%s): %s", job.room, job.req_id, req.peer_id, status.name, error
             )
             return
-        stats.inc("transfers_ok")
-        stats.inc("bytes_sent", nbytes)
-        stats.inc("entries_sent", entries)
+        stats.observe_push(nbytes, entries, seconds)
         logger.info(
             "room=%d req=%s: pushed %d blocks (%d bytes, %d entries) to %s in %.2f ms",
             job.room,
@@ -266,7 +286,7 @@ class PrefillSide:
             nbytes,
             entries,
             req.peer_id,
-            ms,
+            seconds * 1e3,
         )
 
     def _finish_if_served(self, room: Room) -> None:
@@ -276,6 +296,7 @@ class PrefillSide:
             del self._rooms[room.room]
             room.state = RoomState.CLOSED
             self._remember_closed(room.room, CloseReason.EXPIRED if room.submitted == 0 else CloseReason.SENT)
+            self._ctx.traces.emit(room.room, "expired" if room.submitted == 0 else None)
             self._ctx.outbox.sent(room.job.req_id)
 
     def _reply(self, req: proto.TransferRequest, status: DoneStatus, error: str = "") -> None:
@@ -289,7 +310,21 @@ class PrefillSide:
         done = proto.TransferDone(
             room=req.room, request_id=req.request_id, tp_rank=self._spec.tp_rank, status=status, error=error
         )
+        if status is not DoneStatus.OK:
+            self._count_refusal(req, status)
         self._ctx.send(endpoint, done)
+
+    def _count_refusal(self, req: proto.TransferRequest, status: DoneStatus) -> None:
+        """A request P answers with an error: count its reason; a room P does not hold ends its trace."""
+        reason = reason_of_status(status)
+        self._ctx.stats.fail(reason)
+        traces = self._ctx.traces
+        if traces.has(req.room):
+            traces.get(req.room, req.room).outcome = f"failed:{reason}"
+            with self._lock:
+                held = req.room in self._rooms
+            if not held:
+                traces.emit(req.room)
 
     def _remember_closed(self, room: int, reason: CloseReason) -> None:
         """Remember a room that will not (again) be sent. Caller holds the lock."""

@@ -134,14 +134,20 @@ class PDPromMetrics(KVConnectorPromMetrics):
         engines = self.per_engine_labelvalues
 
         def counter(key: str, doc: str) -> dict[int, Any]:
-            return _per_engine(self._counter_cls(name=METRIC_NAMES[key], documentation=doc, labelnames=labelnames), engines)
+            return _per_engine(
+                self._counter_cls(name=METRIC_NAMES[key], documentation=doc, labelnames=labelnames), engines
+            )
 
         def histogram(key: str, doc: str, buckets: list[float]) -> dict[int, Any]:
-            metric = self._histogram_cls(name=METRIC_NAMES[key], documentation=doc, buckets=buckets, labelnames=labelnames)
+            metric = self._histogram_cls(
+                name=METRIC_NAMES[key], documentation=doc, buckets=buckets, labelnames=labelnames
+            )
             return _per_engine(metric, engines)
 
         def gauge(key: str, doc: str) -> dict[int, Any]:
-            return _per_engine(self._gauge_cls(name=METRIC_NAMES[key], documentation=doc, labelnames=labelnames), engines)
+            return _per_engine(
+                self._gauge_cls(name=METRIC_NAMES[key], documentation=doc, labelnames=labelnames), engines
+            )
 
         self.counters = {
             "bytes_sent": counter("bytes_sent", "KV bytes this prefill instance pushed to decode instances."),

@@ -22,6 +22,7 @@ import asyncio
 import enum
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +101,7 @@ class Attempt:
         #: P's failure while D's stream was relayed (the stream then ends with P's error).
         self.late_p_failure: Failure | None = None
         self.p_task: asyncio.Task[Failure | None] | None = None
+        self.p_answered_at: float | None = None
         self.d_task: asyncio.Task[Outcome] | None = None
         #: While ``WAITING``: set when D's task ends or P fails, whichever comes first.
         self._settled: asyncio.Future[None] | None = None
@@ -187,6 +189,7 @@ class Attempt:
             settled.set_result(None)
 
     def _prefill_done(self, task: asyncio.Task[Failure | None]) -> None:
+        self.p_answered_at = time.time()  # wall clock, for the request's phase trace
         self.p_lease.release()
         if task.cancelled():
             return

@@ -18,6 +18,7 @@ import time
 
 from aiohttp import web
 
+from pd_connector.trace import PhaseTrace
 from proxy.attempt import Answered, Attempt, Call, Opened
 from proxy.backends import BackendState
 from proxy.errors import (
@@ -139,6 +140,22 @@ class Exchange:
             f"{self.ttfb * 1000:.1f}" if self.ttfb is not None else "-",
             elapsed * 1000,
         )
+        if attempt is not None:
+            logger.info("%s", self._phase_trace(attempt, elapsed).line())
+
+    def _phase_trace(self, attempt: Attempt, elapsed: float) -> PhaseTrace:
+        """The request's phases as the Router saw them (pd_connector.trace's summary line)."""
+        received = time.time() - elapsed
+        trace = PhaseTrace(
+            "router", attempt.room, self.rid, outcome="ok" if self.status < 300 else f"http_{self.status}"
+        )
+        trace.mark("received", received)
+        if attempt.p_answered_at is not None:
+            trace.mark("p_answered", attempt.p_answered_at)
+        if self.ttfb is not None:
+            trace.mark("d_first_byte", received + self.ttfb)
+        trace.mark("done", received + elapsed)
+        return trace
 
     async def _attempts(self) -> web.StreamResponse:
         router = self.router

@@ -10,11 +10,17 @@ from aiohttp import web
 
 from proxy.errors import INVALID_REQUEST, RouterError
 
+#: W3C trace-context headers passed to P and D (vLLM with --otlp-traces-endpoint continues the trace).
+TRACE_HEADERS = ("traceparent", "tracestate")
+
 
 def backend_headers(request: web.Request, rid: str, authorization: str | None) -> dict[str, str]:
-    """Headers of a call to a backend on behalf of ``request``: its id, and its ``Authorization``
-    (else ``authorization``, the Router's own, if any)."""
+    """Headers of a call to a backend on behalf of ``request``: its id, its ``Authorization``
+    (else ``authorization``, the Router's own, if any) and its W3C trace context, if any."""
     headers = {"X-Request-Id": rid}
+    for name in TRACE_HEADERS:
+        if value := request.headers.get(name):
+            headers[name] = value
     if auth := request.headers.get("Authorization") or authorization:
         headers["Authorization"] = auth
     return headers

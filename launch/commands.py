@@ -71,7 +71,11 @@ def vllm_serve_cmd(
 
 
 def vllm_env(cpu_bind: str, kv_space_gib: int = 1) -> dict[str, str]:
-    """Environment for one vLLM CPU instance: its own cores and a small KV cache."""
+    """Environment for one vLLM CPU instance: its own cores and a small KV cache.
+
+    `ProcessGroup.start` places a process started with this environment, its whole tree, on
+    `cpu_bind`'s cores (all TP groups together), not only its OpenMP threads.
+    """
     env = dict(os.environ)
     env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
     env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 
+from launch.affinity import format_cpus
 from launch.dp_checks import UsageError, parse_id_list
 
 
@@ -37,15 +38,7 @@ def count_npus() -> int | None:
 
 def compact_ids(ids: Sequence[int]) -> str:
     """[0,1,2,5,7,8] -> '0-2,5,7-8' (the form VLLM_CPU_OMP_THREADS_BIND takes)."""
-    parts: list[str] = []
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(parts)
+    return format_cpus(ids)
 
 
 def npu_assignments(local: int, tp: int, visible: str | None, env: Mapping[str, str]) -> list[str]:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.affinity import format_cpus, parse_cpus, taskset_prefix
 from launch.dp_checks import UsageError, validate
 from launch.dp_devices import cpu_assignments, detect_device, npu_assignments
 from launch.dp_mode import KV_TRANSFER_FLAG, resolve_dp_mode, rewrite_kv_transfer_config
@@ -44,11 +45,13 @@ class RankPlan:
     dp_mode_reason: str = ""
     #: independent mode: whether a --kv-transfer-config was found and given this rank's DP place.
     kv_config_rewritten: bool = False
+    #: cpu: the cores the rank's whole process tree runs on ('' = not placed), all TP groups together.
+    cpus: str = ""
 
     def shell_line(self) -> str:
-        """A copy-pasteable shell line: `env K=V ... bash template args...`."""
+        """A copy-pasteable shell line: `env K=V ... [taskset -c CPUS] bash template args...`."""
         assignments = [f"{k}={v}" for k, v in sorted(self.env.items())]
-        return shlex.join(["env", *assignments, *self.cmd])
+        return shlex.join(["env", *assignments, *taskset_prefix(self.cpus), *self.cmd])
 
 
 def resolve_serve_cmd(explicit: str | None) -> list[str]:
@@ -130,6 +133,7 @@ def build_plans(
                 dp_mode=dp_mode,
                 dp_mode_reason=dp_mode_reason,
                 kv_config_rewritten=rewritten,
+                cpus=format_cpus(parse_cpus(devices[i])) if device == "cpu" and devices[i] else "",
             )
         )
     return plans

@@ -26,10 +26,12 @@ Everything after `--` goes to every rank's `vllm serve` (`--kv-transfer-config .
 Devices: on Ascend (`npu-smi` on PATH or `torch_npu` installed, or `--device npu`) rank i sees
 the NPUs `i*tp ... (i+1)*tp - 1` of the node's pool (`--visible-devices`, else
 `ASCEND_RT_VISIBLE_DEVICES`, else 0..N-1) through ASCEND_RT_VISIBLE_DEVICES. On CPU nothing is
-pinned to a device; with `--cpu-bind auto` (the default) each rank's OpenMP threads get their own
-share of this process's CPUs (VLLM_CPU_OMP_THREADS_BIND, one group per TP rank joined by `|`),
-`--cpu-bind "0-3;4-7"` gives each rank its cores explicitly (`;` between ranks, `|` between the
-TP ranks of one rank), and `--cpu-bind none` leaves vLLM's default.
+pinned to a device; with `--cpu-bind auto` (the default) each rank gets its own share of this
+process's CPUs, `--cpu-bind "0-3;4-7"` gives each rank its cores explicitly (`;` between ranks,
+`|` between the TP ranks of one rank), and `--cpu-bind none` leaves vLLM's default. A rank's
+cores are both its OpenMP binding (VLLM_CPU_OMP_THREADS_BIND, one group per TP rank joined by
+`|`) and the placement of its whole process tree (API server, EngineCore, workers; like
+`taskset -c`, which `--dry-run` shows), so ranks never run on each other's cores.
 
 The launcher checks the constraints of the vLLM-Ascend deployment guide before starting anything
 (one-line message, exit code 2), starts each rank in its own process group, reports when each
@@ -142,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-bind",
         default="auto",
         help="cpu: 'auto' (split this process's CPUs between the ranks), 'none' (vLLM's default), "
-        "or one core list per rank separated by ';' (e.g. '0-3;4-7', TP ranks inside joined by '|')",
+        "or one core list per rank separated by ';' (e.g. '0-3;4-7', TP ranks inside joined by '|'); "
+        "a rank's whole process tree runs on its cores, its OpenMP threads are bound to them",
     )
     o.add_argument("--template", type=Path, default=TEMPLATE, help=f"per-rank start script (default {TEMPLATE})")
     o.add_argument(
@@ -202,8 +205,10 @@ def _start_rank(group: ProcessGroup, plan: RankPlan, *, log: bool) -> ManagedPro
         label=label,
         log=log,
         echo=None if log else f"[{label}] ",
+        cpus=plan.cpus,
     )
     where = f"log {proc.log_path}" if proc.log_path is not None else "output inline"
+    where += f", process tree on cpus {plan.cpus}" if plan.cpus else ""
     say(f"started dp rank {plan.dp_rank} (pid {proc.pid}, port {plan.port}, devices '{plan.devices}', {where})")
     return proc
 

@@ -1,8 +1,9 @@
 """Run a local 1P1D deployment and send it one request: `python -m launch.local`.
 
-Starts a prefill instance (P), a decode instance (D) and the Router on free loopback ports,
-waits until all three are healthy, streams one `/v1/completions` request through the Router,
-and prints the text, the time to first token and the total time. Every process it started
+Starts a prefill instance (P, its whole process tree on core 0), a decode instance (D, core 1)
+and the Router on free loopback ports, waits until all three are healthy, streams one
+`/v1/completions` request through the Router, and prints the text, the time to first token and
+the total time (`--prefill-cpus`/`--decode-cpus` move P and D). Every process it started
 is stopped on exit, on error and on Ctrl-C. Without `--model` it builds a tiny random Llama
 into `./models/tiny-llama` (reused when present), so it works offline.
 
@@ -136,6 +137,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--log-dir", type=Path, help="where the process logs go (default: ./logs/local-<time>)")
     parser.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT_S)
+    parser.add_argument(
+        "--prefill-cpus", default="0", help="cores of P's whole process tree and its OpenMP threads (default 0)"
+    )
+    parser.add_argument(
+        "--decode-cpus", default="1", help="cores of D's whole process tree and its OpenMP threads (default 1)"
+    )
     parser.add_argument("--keep-running", action="store_true", help="keep P, D and the Router up until Ctrl-C")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
@@ -181,6 +188,8 @@ def _run(args: argparse.Namespace, group: ProcessGroup) -> int:
             served_model_name=args.served_model_name,
             timeout=args.start_timeout,
             on_progress=lambda msg: print(msg, flush=True),
+            p_cpus=args.prefill_cpus,
+            d_cpus=args.decode_cpus,
         )
         print(f"sending a request to the router at {stack.router_url}", flush=True)
         result = stream_completion(stack.router_url, args.served_model_name or model, args.prompt, args.max_tokens)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
 
+from launch.affinity import instance_cpus, pin_to
+
 logger = logging.getLogger("launch.processes")
 
 STOP_GRACE_S = 10.0
@@ -67,6 +69,8 @@ class ManagedProcess:
     label: str = ""
     #: The thread that copies the process's output to the console (inline output), if any.
     output: threading.Thread | None = field(default=None, repr=False)
+    #: The cores its whole process tree is placed on ('0-1,3'), '' when not placed.
+    cpus: str = ""
 
     def __post_init__(self) -> None:
         self.label = self.label or self.name
@@ -240,16 +244,25 @@ class ProcessGroup:
         label: str | None = None,
         log: bool = True,
         echo: str | None = None,
+        cpus: str | None = None,
     ) -> ManagedProcess:
         """Start `cmd` in a new session (in `cwd`, default the repository root).
 
         Its stdout+stderr go to `<log_dir>/<name>.log` unless `log` is False, and with `echo` (a
         line prefix) also to the console, each line headed by `echo`; with neither, the process
         writes to this process's stdout/stderr. `label` names it in the group's messages.
+
+        `cpus` ('0-1,3') places the process, and so every process it forks (vLLM's EngineCore and
+        workers), on those cores (`os.sched_setaffinity` before the command runs, like `taskset
+        -c`); None (the default) takes them from `env`'s VLLM_CPU_OMP_THREADS_BIND when that is a
+        core list (`launch.affinity.instance_cpus`: a vLLM CPU instance's whole tree goes where
+        its OpenMP threads are bound); '' leaves the placement alone.
         """
         cmd = list(cmd)
+        cpus = instance_cpus(env) if cpus is None else cpus
         log_path = self.log_dir / f"{name}.log" if log else None
         where = f"log {log_path}" if log_path is not None else "no log file"
+        where += f", cpus {cpus}" if cpus else ""
         logger.info("starting %s: %s (%s)", name, " ".join(cmd), where)
         log_file = open(log_path, "ab") if log_path is not None else None  # closed below, or by the output thread
         try:
@@ -261,6 +274,7 @@ class ProcessGroup:
                 env=dict(env) if env is not None else None,
                 cwd=str(cwd) if cwd is not None else str(REPO_ROOT),
                 start_new_session=True,
+                preexec_fn=pin_to(cpus) if cpus else None,
             )
         except BaseException:
             if log_file is not None:
@@ -275,7 +289,9 @@ class ProcessGroup:
             output.start()
         elif log_file is not None:
             log_file.close()
-        proc = ManagedProcess(name=name, popen=popen, log_path=log_path, cmd=cmd, label=label or "", output=output)
+        proc = ManagedProcess(
+            name=name, popen=popen, log_path=log_path, cmd=cmd, label=label or "", output=output, cpus=cpus
+        )
         with self._lock:
             self.processes.append(proc)
         if not self._atexit_registered:

@@ -129,7 +129,9 @@ def start_pd_stack(
     """Start P (kv_producer, CPU 0), D (kv_consumer, CPU 1) and the Router; wait until all are healthy.
 
     `p_args`/`d_args` are extra `vllm serve` flags (e.g. `--tensor-parallel-size 2`), `p_cpus` and
-    `d_cpus` each side's VLLM_CPU_OMP_THREADS_BIND (TP or DP ranks joined by `|`).
+    `d_cpus` each side's cores: its VLLM_CPU_OMP_THREADS_BIND (TP or DP ranks joined by `|`) and
+    the placement of its whole process tree (API server, EngineCore, workers: all of them on
+    those cores, see `launch.affinity`). The Router is not placed.
 
     P and D start together and are waited on in parallel; the Router starts right after them
     (it only needs their addresses) and is waited on once P and D are up. Raises `ProcessFailed` with the tail
@@ -164,7 +166,7 @@ def start_pd_stack(
     r_cmd = router_cmd(router_port, [(host, p_port, bootstrap_port)], [(host, d_port)], host=host)
     say(f"starting router on :{router_port}")
     router_env = dict(os.environ, PYTHONUNBUFFERED="1")
-    router = group.start("router", r_cmd, env=router_env)
+    router = group.start("router", r_cmd, env=router_env, cpus="")
     t0 = time.monotonic()
     # P and D first (the Router is watched meanwhile: polling its health, which checks P and D,
     # would only fill its log with "unhealthy" lines), then the Router.

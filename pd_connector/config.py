@@ -201,3 +201,19 @@ def _validate(cfg: DisaggConfig) -> None:
             f"kv_connector_extra_config.max_batch_entries must be in 1..1024 (Mooncake's per-peer queue), "
             f"got {cfg.max_batch_entries}"
         )
+
+
+def dp_rank_of(cfg: DisaggConfig, parallel_config: Any) -> int:
+    """This instance's DP rank: ``dp_rank`` if set, else vLLM's (its DP index for independent engines)."""
+    if cfg.dp_rank >= 0:
+        return cfg.dp_rank
+    return int(getattr(parallel_config, "data_parallel_index", parallel_config.data_parallel_rank))
+
+
+def advertised_bootstrap_host(cfg: DisaggConfig, dp_rank: int) -> str:
+    """Where D reaches this prefill deployment's bootstrap server, as P's answer tells it.
+
+    The instance that hosts the server (DP rank 0 with ``start_bootstrap_server``) binds it on
+    its ``local_ip``; every other one registers at ``bootstrap_host``.
+    """
+    return cfg.local_ip if dp_rank == 0 and cfg.start_bootstrap_server else cfg.bootstrap_host

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from pd_connector.config import parse_config
+from pd_connector.config import dp_rank_of, parse_config
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.metrics import PDKVConnectorStats, PDPromMetrics
 from pd_connector.scheduler import PDScheduler
@@ -55,7 +55,8 @@ class PDConnector(KVConnectorBase_V1):
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PDScheduler(self.cfg, vllm_config.cache_config.block_size)
+            dp_rank = dp_rank_of(self.cfg, vllm_config.parallel_config)
+            self._scheduler = PDScheduler(self.cfg, vllm_config.cache_config.block_size, dp_rank)
         else:
             self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)
         logger.info("PDConnector %s side up as %s", role.name.lower(), self.cfg.mode)

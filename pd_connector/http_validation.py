@@ -62,7 +62,7 @@ def parse_body(raw: bytes) -> tuple[DecodeParams | None, str | None]:
     if not isinstance(body, dict) or KV_PARAMS_KEY not in body:
         return None, None
     try:
-        params = parse_kv_params(body[KV_PARAMS_KEY])
+        params = parse_kv_params(body[KV_PARAMS_KEY], room_optional=True)  # P picks a missing room
     except KVParamsError as exc:
         return None, str(exc)
     return (params if isinstance(params, DecodeParams) else None), None

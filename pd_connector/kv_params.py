@@ -7,10 +7,17 @@ drift apart. It imports nothing of vLLM.
 P's request: ``{do_remote_decode: true, bootstrap_room}``; D's request:
 ``{do_remote_prefill: true, bootstrap_room, bootstrap_host, bootstrap_port[, prefill_dp_rank]}``;
 P's answer (vLLM passes it back in the response): ``{bootstrap_room, prefill_done: true}``.
+
+P-then-D proxies (vLLM-Ascend's example proxy, vLLM's toy proxy) send P
+``{do_remote_decode: true}`` with no room (``remote_*: null`` at most), then hand D whatever
+kv_transfer_params P answered. P then makes up the room itself (``new_room``, when parsed with
+``room_optional``) and answers with :func:`decode_handoff`: D's complete request params plus
+``prefill_done``.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,13 +44,20 @@ class KVParamsError(ValueError):
 
 @dataclass(frozen=True)
 class PrefillParams:
-    """P side: compute the prompt, then push its KV to the D that asks for `room`."""
+    """P side: compute the prompt, then push its KV to the D that asks for `room`.
 
-    room: int
+    ``room`` is None when a P-then-D proxy named none: P picks one (``new_room``) and tells D
+    through its answer (``decode_handoff``).
+    """
+
+    room: int | None
 
     def to_json(self) -> dict[str, Any]:
-        """The kv_transfer_params a Router sends P for this room."""
-        return {REMOTE_DECODE: True, REMOTE_PREFILL: False, ROOM: self.room}
+        """The kv_transfer_params a Router sends P for this room (no room: P picks one)."""
+        out: dict[str, Any] = {REMOTE_DECODE: True, REMOTE_PREFILL: False}
+        if self.room is not None:
+            out[ROOM] = self.room
+        return out
 
 
 @dataclass(frozen=True)
@@ -101,10 +115,11 @@ def _flag(params: dict[str, Any], key: str) -> bool:
     return value
 
 
-def parse_kv_params(params: Any) -> PrefillParams | DecodeParams | None:
+def parse_kv_params(params: Any, *, room_optional: bool = False) -> PrefillParams | DecodeParams | None:
     """Parse a request's kv_transfer_params; None if it asks for no PD transfer.
 
-    Raises KVParamsError with a message naming the bad field.
+    ``room_optional``: a P request without ``bootstrap_room`` is valid (PrefillParams.room None;
+    P itself parses this way). Raises KVParamsError with a message naming the bad field.
     """
     if params is None:
         return None
@@ -115,9 +130,7 @@ def parse_kv_params(params: Any) -> PrefillParams | DecodeParams | None:
     if remote_decode and remote_prefill:
         raise KVParamsError("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
     if remote_decode:
-        room = _int_field(params, ROOM, 0, MAX_ROOM)
-        assert room is not None
-        return PrefillParams(room=room)
+        return PrefillParams(room=_int_field(params, ROOM, 0, MAX_ROOM, required=not room_optional))
     if remote_prefill:
         room = _int_field(params, ROOM, 0, MAX_ROOM)
         host = params.get(BOOTSTRAP_HOST)
@@ -133,3 +146,19 @@ def parse_kv_params(params: Any) -> PrefillParams | DecodeParams | None:
 def prefill_answer(room: int) -> dict[str, Any]:
     """kv_transfer_params of P's answer once its prefill finished and its KV waits for D."""
     return {ROOM: room, PREFILL_DONE: True}
+
+
+def new_room() -> int:
+    """A fresh random 63-bit room, for a P request that named none (no I/O)."""
+    return secrets.randbelow(MAX_ROOM)
+
+
+def decode_handoff(room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp_rank: int) -> dict[str, Any]:
+    """P's answer for P-then-D proxies: exactly the kv_transfer_params D needs, plus ``prefill_done``.
+
+    A proxy that passes P's answer on to D (as vLLM-Ascend's example proxy does) thereby sends D
+    ``do_remote_prefill``, the room, P's bootstrap server and the DP rank that holds the KV.
+    """
+    params = DecodeParams(room, bootstrap_host, bootstrap_port, prefill_dp_rank).to_json()
+    params[PREFILL_DONE] = True
+    return params

@@ -12,8 +12,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from pd_connector.config import DisaggConfig
-from pd_connector.kv_params import DecodeParams, KVParamsError, PrefillParams, parse_kv_params, prefill_answer
+from pd_connector.config import DisaggConfig, advertised_bootstrap_host
+from pd_connector.kv_params import DecodeParams, KVParamsError, PrefillParams, decode_handoff, new_room, parse_kv_params
 from pd_connector.metadata import PDConnectorMetadata, RecvJob, SendJob
 
 if TYPE_CHECKING:
@@ -26,18 +26,30 @@ logger = logging.getLogger(__name__)
 
 
 def _params_of(request: Request) -> PrefillParams | DecodeParams | None:
-    """Parsed kv_transfer_params; malformed ones are logged and ignored (served locally)."""
+    """Parsed kv_transfer_params; malformed ones are logged and ignored (served locally).
+
+    A P request that names no room (P-then-D proxies) gets a fresh one here; P's answer tells D.
+    """
     try:
-        return parse_kv_params(request.kv_transfer_params)
+        params = parse_kv_params(request.kv_transfer_params, room_optional=True)
     except KVParamsError as exc:
         logger.error("req=%s: ignoring malformed kv_transfer_params: %s", request.request_id, exc)
         return None
+    if isinstance(params, PrefillParams) and params.room is None:
+        params = PrefillParams(room=new_room())
+        logger.info(
+            "room=%d req=%s: the request named no bootstrap_room; prefill picked one", params.room, request.request_id
+        )
+    return params
 
 
 class PDScheduler:
-    def __init__(self, cfg: DisaggConfig, block_size: int) -> None:
+    def __init__(self, cfg: DisaggConfig, block_size: int, dp_rank: int = 0) -> None:
         self.cfg = cfg
         self.block_size = block_size
+        # P: what its answer tells D (P-then-D proxies pass it on): bootstrap server and DP rank.
+        self.dp_rank = dp_rank
+        self._bootstrap_host = advertised_bootstrap_host(cfg, dp_rank)
         # D: local (block-aligned) prefix hit seen by get_num_new_matched_tokens.
         self._local_hits: dict[str, int] = {}
         self._recv_planned: set[str] = set()
@@ -142,7 +154,7 @@ class PDScheduler:
             )
             self._sends.append(job)
             self._holding.add(rid)
-            return True, prefill_answer(params.room)
+            return True, decode_handoff(params.room, self._bootstrap_host, self.cfg.bootstrap_port, self.dp_rank)
         logger.warning("room=%d req=%s: prefill ended as %s; no KV to hand over", params.room, rid, request.status.name)
         self._dropped.append(params.room)
         return False, None

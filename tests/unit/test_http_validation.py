@@ -65,7 +65,7 @@ def post(client: TestClient, path: str, body: Any) -> Any:
         ({**GOOD_D, "prefill_dp_rank": "zero"}, "prefill_dp_rank"),
         ({**GOOD_D, "do_remote_decode": True}, "do_remote_decode"),
         ({"do_remote_decode": "yes", "bootstrap_room": 1}, "do_remote_decode"),
-        ({"do_remote_decode": True}, "bootstrap_room"),
+        ({"do_remote_decode": True, "bootstrap_room": "x"}, "bootstrap_room"),
         ("room-5", "kv_transfer_params must be a JSON object"),
         ([1], "kv_transfer_params must be a JSON object"),
     ],
@@ -91,6 +91,8 @@ def test_malformed_params_are_rejected(client: TestClient, path: str, params: An
         {"model": "m", "prompt": "no params"},
         {"model": "m", "prompt": "null params", "kv_transfer_params": None},
         {"model": "m", "kv_transfer_params": {}},
+        # Issue 8: P-then-D proxies (vLLM-Ascend's) name no room; P picks one.
+        {"model": "m", "prompt": "hi", "kv_transfer_params": {"do_remote_decode": True, "remote_host": None}},
         [{"kv_transfer_params": "not checked in a list body"}],
     ],
 )

@@ -165,7 +165,17 @@ def test_prefill_scheduler_never_loads(psched: PDScheduler) -> None:
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED])
 def test_prefill_finished_holds_blocks_until_sent(psched: PDScheduler, status: RequestStatus) -> None:
     req = FakeRequest("p-1", dict(P_PARAMS), 50, status)
-    assert psched.request_finished(req, [3, 4, 8, 9]) == (True, {"bootstrap_room": 88, "prefill_done": True})
+    # Issue 8: the answer is what D needs (P-then-D proxies pass it on), room and prefill_done included.
+    answer = {
+        "bootstrap_room": 88,
+        "prefill_done": True,
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": 18800,
+        "prefill_dp_rank": 0,
+    }
+    assert psched.request_finished(req, [3, 4, 8, 9]) == (True, answer)
     assert psched.has_pending_push_work()
     m = meta(psched)
     assert m.sends == [SendJob(req_id="p-1", room=88, block_ids=[3, 4, 8, 9], num_tokens=50)]

@@ -41,7 +41,11 @@ setup(
             "transformers",
             "tokenizers",
             "kubernetes-validate>=1.30",
+            "opentelemetry-sdk>=1.26",
+            "matplotlib>=3.8",
         ],
+        # python -m launch.trace (phase waterfall of a run's logs).
+        "trace": ["matplotlib>=3.8"],
     },
     entry_points={
         "vllm.general_plugins": ["pd_connector = pd_connector:register"],

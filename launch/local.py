@@ -200,6 +200,9 @@ def _run(args: argparse.Namespace, group: ProcessGroup) -> int:
             line = last_log_line(stack.log_paths[side], pattern)
             print(f"{side}: {line or '(no ' + pattern + ' line logged)'}")
         print(f"logs: {group.log_dir}", flush=True)
+        print(
+            f"phase waterfall: python -m launch.trace {group.log_dir} --out {group.log_dir / 'trace.png'}", flush=True
+        )
         if args.keep_running:
             print(f"router: {stack.router_url}  (Ctrl-C stops everything)", flush=True)
             return _wait_until_interrupted(stack)

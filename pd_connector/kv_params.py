@@ -30,10 +30,15 @@ BOOTSTRAP_HOST = "bootstrap_host"
 BOOTSTRAP_PORT = "bootstrap_port"
 PREFILL_DP_RANK = "prefill_dp_rank"
 PREFILL_DONE = "prefill_done"
+#: P's request: how many decode requests (samples, D's ``n``) will load this room's KV (default 1).
+DECODE_SAMPLES = "decode_samples"
+#: P's answer when it refused the request: why (the room is in use by another request).
+PREFILL_ERROR = "prefill_error"
 
 #: Rooms are 63-bit: [0, MAX_ROOM).
 MAX_ROOM = 2**63
 MAX_DP_RANK = 1 << 16
+MAX_SAMPLES = 1024
 #: Port of P's bootstrap server when nobody names one.
 DEFAULT_BOOTSTRAP_PORT = 18800
 
@@ -51,12 +56,16 @@ class PrefillParams:
     """
 
     room: int | None
+    #: Decode requests that load this room's KV: D's ``n`` (vLLM runs each sample as its own request).
+    samples: int = 1
 
     def to_json(self) -> dict[str, Any]:
         """The kv_transfer_params a Router sends P for this room (no room: P picks one)."""
         out: dict[str, Any] = {REMOTE_DECODE: True, REMOTE_PREFILL: False}
         if self.room is not None:
             out[ROOM] = self.room
+        if self.samples != 1:
+            out[DECODE_SAMPLES] = self.samples
         return out
 
 
@@ -130,7 +139,8 @@ def parse_kv_params(params: Any, *, room_optional: bool = False) -> PrefillParam
     if remote_decode and remote_prefill:
         raise KVParamsError("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
     if remote_decode:
-        return PrefillParams(room=_int_field(params, ROOM, 0, MAX_ROOM, required=not room_optional))
+        samples = _int_field(params, DECODE_SAMPLES, 1, MAX_SAMPLES + 1, required=False) or 1
+        return PrefillParams(room=_int_field(params, ROOM, 0, MAX_ROOM, required=not room_optional), samples=samples)
     if remote_prefill:
         room = _int_field(params, ROOM, 0, MAX_ROOM)
         host = params.get(BOOTSTRAP_HOST)
@@ -146,6 +156,20 @@ def parse_kv_params(params: Any, *, room_optional: bool = False) -> PrefillParam
 def prefill_answer(room: int) -> dict[str, Any]:
     """kv_transfer_params of P's answer once its prefill finished and its KV waits for D."""
     return {ROOM: room, PREFILL_DONE: True}
+
+
+def prefill_refused(room: int, error: str) -> dict[str, Any]:
+    """kv_transfer_params of P's answer when it holds no KV for D (``error`` says why)."""
+    return {ROOM: room, PREFILL_DONE: False, PREFILL_ERROR: error}
+
+
+def refusal_of(answer: Any) -> str | None:
+    """The error of a P answer (a completion's JSON body) that refused its room; None otherwise."""
+    params = answer.get(KV_PARAMS_KEY) if isinstance(answer, dict) else None
+    if not isinstance(params, dict) or params.get(PREFILL_DONE) is not False:
+        return None
+    error = params.get(PREFILL_ERROR)
+    return error if isinstance(error, str) and error else None
 
 
 def new_room() -> int:

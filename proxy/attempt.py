@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any
 from proxy.backends import BackendState
 from proxy.http1 import Response, UpstreamError
 from proxy.payloads import decode_body, prefill_body
-from proxy.upstream import Failure, empty_failure, error_event_failure, exception_failure, fetch, http_failure
+from proxy.upstream import (
+    Failure,
+    empty_failure,
+    error_event_failure,
+    exception_failure,
+    fetch,
+    http_failure,
+    refused_failure,
+)
 
 if TYPE_CHECKING:
     from proxy.router import Router
@@ -143,7 +151,7 @@ class Attempt:
             return reply
         if reply.status >= 300:
             return http_failure(state, reply.status, reply.body, reply.content_type)
-        return None
+        return refused_failure(state, reply.body)
 
     async def _decode(self) -> Outcome:
         state, call = self.d, self.call

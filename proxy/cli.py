@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for compatibility with vLLM-Ascend's proxy; only 1 is supported (the Router is one "
         "asyncio process; run several Routers behind a TCP load balancer to use more cores)",
     )
+    add(
+        "--trust-client-room",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="use the client's bootstrap_room (top level or in kv_transfer_params) instead of a random one; "
+        "a room already in flight is refused with HTTP 409 (default: off, every request gets a random room)",
+    )
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: %(default)s)")
     return parser
 
@@ -249,6 +256,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_waiting_retries=args.max_waiting_retries,
         waiting_retry_interval=args.waiting_retry_interval,
         log_level=args.log_level,
+        trust_client_room=args.trust_client_room,
         backend_authorization=f"Bearer {api_key}" if (api_key := os.environ.get("OPENAI_API_KEY")) else None,
     )
 

@@ -104,6 +104,9 @@ class RouterConfig:
     #: ``Authorization`` sent to the backends when the client sends none (vLLM-Ascend's proxy
     #: sends ``Bearer $OPENAI_API_KEY``; :mod:`proxy.cli` reads that variable).
     backend_authorization: str | None = None
+    #: Use a client-given ``bootstrap_room`` (``--trust-client-room``); otherwise every request
+    #: gets a random one. Either way, a room already in flight is refused (HTTP 409).
+    trust_client_room: bool = False
 
     def describe(self) -> str:
         """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800); D: h:8002``."""

@@ -13,6 +13,8 @@ INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 PREFILL_FAILED = "prefill_failed"
 DECODE_FAILED = "decode_failed"
+#: The request's bootstrap room is taken by another request (``--trust-client-room``) or P refused it.
+ROOM_IN_USE = "room_in_use"
 UPSTREAM_UNAVAILABLE = "upstream_unavailable"
 INTERNAL_ERROR = "internal_error"
 #: Recorded in metrics (never sent: the client is gone).

@@ -49,7 +49,8 @@ async def generate(router: Router, request: web.Request, endpoint: str) -> web.S
     try:
         body = await read_json(request, router.config.max_body_size)
         validate_body(body, endpoint)
-        room = resolve_room(body)
+        room = resolve_room(body, trust_client=router.config.trust_client_room)
+        router.rooms.claim(room)
     except RouterError as error:
         logger.warning("rid=%s POST %s rejected: HTTP %d %s", rid, endpoint, error.status, error.message)
         router.metrics.error(endpoint, error.error_type)
@@ -64,7 +65,10 @@ async def generate(router: Router, request: web.Request, endpoint: str) -> web.S
         tokens,
         backend_headers(request, rid, router.config.backend_authorization),
     )
-    return await Exchange(router, request, call, room, t0).run()
+    try:
+        return await Exchange(router, request, call, room, t0).run()
+    finally:
+        router.rooms.release(room)
 
 
 class Exchange:

@@ -9,7 +9,7 @@ import random
 from typing import Any
 
 from pd_connector.kv_params import KV_PARAMS_KEY as KV_KEY
-from pd_connector.kv_params import MAX_ROOM, DecodeParams, PrefillParams
+from pd_connector.kv_params import MAX_ROOM, MAX_SAMPLES, DecodeParams, PrefillParams
 from pd_connector.kv_params import ROOM as ROOM_KEY
 from proxy.config import Backend
 from proxy.errors import INVALID_REQUEST, RouterError
@@ -134,12 +134,13 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     return max(1, tokens + (chars + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN)
 
 
-def resolve_room(body: dict[str, Any], rng: random.Random | None = None) -> int:
+def resolve_room(body: dict[str, Any], rng: random.Random | None = None, *, trust_client: bool = True) -> int:
     """Return the request's bootstrap room.
 
     The client may give one (for idempotent retries and tracing) as a top-level
-    ``bootstrap_room`` or as ``kv_transfer_params.bootstrap_room``; otherwise a random
-    63-bit one is drawn. Raises :class:`RouterError` (400) when a given value is invalid.
+    ``bootstrap_room`` or as ``kv_transfer_params.bootstrap_room``; it is used only when
+    ``trust_client`` (``--trust-client-room``), else a random 63-bit one is drawn. Raises
+    :class:`RouterError` (400) when a given value is invalid (checked either way).
     """
     kv = body.get(KV_KEY)
     if kv is not None and not isinstance(kv, dict):
@@ -150,9 +151,9 @@ def resolve_room(body: dict[str, Any], rng: random.Random | None = None) -> int:
         nested = _check_room(kv[ROOM_KEY], f"{KV_KEY}.{ROOM_KEY}")
     if top is not None and nested is not None and top != nested:
         raise _invalid(f"{ROOM_KEY} ({top}) and {KV_KEY}.{ROOM_KEY} ({nested}) differ", ROOM_KEY)
-    if top is not None:
+    if trust_client and top is not None:
         return top
-    if nested is not None:
+    if trust_client and nested is not None:
         return nested
     return new_room(rng)
 
@@ -177,7 +178,12 @@ def prefill_body(body: dict[str, Any], room: int) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out.pop("min_tokens", None)
     out["ignore_eos"] = True
-    out[KV_KEY] = PrefillParams(room).to_json()
+    # vLLM runs n samples as n requests sharing the room: P prefills once (no n, no best_of) and
+    # serves the room to each of D's n requests.
+    n = out.pop("n", None)
+    out.pop("best_of", None)
+    samples = n if _is_int(n) and 1 <= n <= MAX_SAMPLES else 1
+    out[KV_KEY] = PrefillParams(room, samples).to_json()
     return out
 
 

@@ -14,6 +14,7 @@ from proxy.backends import BackendPool
 from proxy.config import RouterConfig
 from proxy.http1 import Http1Pool
 from proxy.metrics import RouterMetrics
+from proxy.rooms import RoomsInUse
 from proxy.upstream import check_all
 
 logger = logging.getLogger("proxy")
@@ -32,6 +33,8 @@ class Router:
         self.tasks: set[asyncio.Task[Any]] = set()
         #: Instances added and removed at run time (``/instances/...``).
         self.membership = Membership(self)
+        #: Rooms of the requests in flight (one request per room).
+        self.rooms = RoomsInUse()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` as a task referenced until it ends."""

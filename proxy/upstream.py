@@ -18,8 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
+from pd_connector.kv_params import PREFILL_ERROR, refusal_of
 from proxy.backends import BackendPool, BackendState
-from proxy.errors import DECODE_FAILED, PREFILL_FAILED, RouterError, excerpt
+from proxy.errors import DECODE_FAILED, PREFILL_FAILED, ROOM_IN_USE, RouterError, excerpt
 from proxy.http1 import ConnectFailed, Http1Pool, UpstreamError
 
 #: Statuses worth trying another P/D pair for (besides connection failures and other 5xx).
@@ -40,7 +41,8 @@ class Failure:
     """A failed backend request: what the client gets if it is final, and whether to try another pair."""
 
     state: BackendState
-    #: ``connect``, ``timeout``, ``disconnect``, ``http_4xx``, ``http_5xx``, ``empty``, ``error_event``.
+    #: ``connect``, ``timeout``, ``disconnect``, ``http_4xx``, ``http_5xx``, ``empty``, ``error_event``,
+    #: ``refused`` (P holds no KV for the room: it is in use).
     kind: str
     error: RouterError
     retryable: bool
@@ -125,6 +127,23 @@ def error_event_failure(state: BackendState, first: bytes) -> Failure | None:
     status = code if 400 <= code < 600 else 502
     text = f"{state.backend.name} sent an error event before any data: {message}"
     return Failure(state, "error_event", RouterError(status, text, DECODE_FAILED), status >= 500)
+
+
+def refused_failure(state: BackendState, body: bytes) -> Failure | None:
+    """P answered 200 but holds no KV for the room (``kv_params.prefill_refused``): a final 409.
+
+    Returns ``None`` for a normal answer (only a body naming ``prefill_error`` is parsed).
+    """
+    if PREFILL_ERROR.encode() not in body:
+        return None
+    try:
+        error = refusal_of(json.loads(body))
+    except ValueError:
+        return None
+    if error is None:
+        return None
+    message = f"{state.backend.name} refused the request: {error}"
+    return Failure(state, "refused", RouterError(409, message, ROOM_IN_USE, "bootstrap_room"), False, None, "refused")
 
 
 def empty_failure(state: BackendState, status: int) -> Failure:

@@ -161,7 +161,8 @@ def start_router_when_healthy(
 ) -> str:
     """Start a Router in front of ``prefill``/``decode``, wait until ``instances`` (health URL, process)
     and the Router answer, and return the Router's URL."""
-    router = group.start(name, [*router_cmd(router_port, prefill, decode), *extra_args])
+    # The tests steer requests to P ranks with client rooms.
+    router = group.start(name, [*router_cmd(router_port, prefill, decode), "--trust-client-room", *extra_args])
     wait_all_healthy(instances, START_TIMEOUT_S, watch=[router])
     url = f"http://{LOOPBACK}:{router_port}"
     wait_all_healthy([(f"{url}/health", router)], 60)

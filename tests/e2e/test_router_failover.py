@@ -62,7 +62,7 @@ def two_decoders(pd_stack, tmp_path_factory: pytest.TempPathFactory):
             "--prefiller-hosts", host, "--prefiller-ports", str(pd_stack.prefill_port),
             "--prefiller-bootstrap-ports", str(pd_stack.bootstrap_port),
             "--decoder-hosts", host, host, "--decoder-ports", str(pd_stack.decode_port), str(extra_port),
-            "--health-interval", "1",
+            "--health-interval", "1", "--trust-client-room",
         ]  # fmt: skip
         router = group.start("router-two-decoders", router_cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         wait_http_ok(f"http://{host}:{extra_port}/health", START_TIMEOUT_S, extra)

@@ -207,6 +207,8 @@ def router_args(
         "2",
         "--log-level",
         "DEBUG",
+        # The tests steer requests with client rooms; ``--no-trust-client-room`` in ``extra`` turns it off.
+        "--trust-client-room",
         *extra,
     ]
 

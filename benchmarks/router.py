@@ -1,15 +1,17 @@
-"""Router overhead: our Router vs vLLM-Ascend's example proxy vs a direct connection, in one run.
+"""Router overhead: our Router vs vLLM-Ascend's proxy, vllm-router, sglang-router and a direct connection, in one run.
 
-Three targets, all in front of the same fast local backend (a minimal HTTP/1.1 server on raw
-asyncio, started as a subprocess, that answers a streaming completion with an SSE stream of a
-few chunks at once and a non-streaming one, the prefill call, with a small JSON body):
+All targets sit in front of the same fast local backend (``router_backend.py``: a minimal
+HTTP/1.1 server on raw asyncio, started as a subprocess on two ports, a prefill port and a
+decode port, that answers a streaming completion with an SSE stream of a few chunks at once and
+a non-streaming one, the prefill call, with a small JSON body):
 
-- ``direct``: the load generator talks to the backend itself;
-- ``router``: ``python -m proxy`` (this repository) with the backend as its only prefiller
-  and only decoder, default flags (log level INFO: one log line per request);
+- ``direct``: the load generator talks to the backend's decode port itself;
+- ``router``: ``python -m proxy`` (this repository), default flags (log level INFO: one log
+  line per request);
 - ``ascend_proxy``: ``load_balance_proxy_server_example.py`` from
-  ``../shared/peers/vllm-ascend-0.23.0.post1/`` (unmodified, default flags), with the backend as
-  its prefiller and decoder (it calls P, then D).
+  ``../shared/peers/vllm-ascend-0.23.0.post1/`` (unmodified, default flags; it calls P, then D);
+- ``vllm_router`` / ``sglang_router``: the pip packages ``vllm-router`` / ``sglang-router`` in
+  their PD modes, when installed (``pip install -e .[bench]``); see ``router_targets.py``.
 
 The load generator (this process: asyncio + httptools, keep-alive connections, one per
 stream) sends streaming ``/v1/completions`` requests in closed loops. Each round runs, for every
@@ -22,7 +24,8 @@ Printed JSON (one object): per target ``p50_ms`` (one stream, all rounds pooled)
 (router p50 - direct p50), each round's two latency phases run back to back (the time the extra
 hop adds to one request, robust to load from other processes changing between rounds);
 ``rps`` = the router's requests per second at ``--concurrency`` streams;
-``rps_ratio_vs_ascend_proxy`` = router rps / Ascend proxy rps.
+``rps_ratio_vs_ascend_proxy`` = router rps / Ascend proxy rps; ``vs_ours``: for every other
+router its ``rps`` and ``p50_ms`` next to ours, ``rps_ratio_ours_vs`` and ``p50_ratio_ours_vs``.
 
 Why latency is measured with one stream: with 64 closed-loop streams every target saturates
 this machine's CPU (2 cores shared by load generator, backend and proxy), so a p50 at 64
@@ -51,120 +54,16 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.router_backend import run, serve_backend  # noqa: E402
+from benchmarks.router_targets import installed, targets  # noqa: E402
+
 ASCEND_PROXY = (
     REPO_ROOT.parent / "shared" / "peers" / "vllm-ascend-0.23.0.post1" / "load_balance_proxy_server_example.py"
 )
 HOST = "127.0.0.1"
-TARGETS = ("direct", "router", "ascend_proxy")
-
-
-# -- the fast backend (runs in its own process: ``router.py --serve-backend PORT``) ---------------
-
-
-def _sse_event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(", ", ": ")).encode() + b"\n\n"
-
-
-def _chunked(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-def backend_responses(chunks: int) -> tuple[bytes, list[bytes], bytes]:
-    """(non-streaming answer, streaming answer's writes, plain 200) as raw HTTP/1.1 bytes."""
-    created = int(time.time())
-
-    def completion(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        return {"id": "cmpl-bench", "object": "text_completion", "created": created, "model": "bench",
-                "choices": [choice], **extra}  # fmt: skip
-
-    events = []
-    for i in range(chunks):
-        choice = {"index": 0, "text": f" token{i}", "logprobs": None, "finish_reason": None, "stop_reason": None}
-        events.append(_sse_event(completion(choice)))
-    usage = {"prompt_tokens": 16, "total_tokens": 16 + chunks, "completion_tokens": chunks}
-    final = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}
-    events.append(_sse_event(completion(final, usage=usage)))
-    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
-    writes = [head + _chunked(events[0])] + [_chunked(e) for e in events[1:]]
-    writes.append(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-    body = json.dumps(
-        completion(
-            {"index": 0, "text": " token0", "logprobs": None, "finish_reason": "length"},
-            usage={"prompt_tokens": 16, "total_tokens": 17, "completion_tokens": 1},
-            kv_transfer_params=None,
-        )
-    ).encode()
-    answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-    models = json.dumps({"object": "list", "data": [{"id": "bench", "object": "model"}]}).encode()
-    plain = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-        len(models),
-        models,
-    )
-    return answer, writes, plain
-
-
-def serve_backend(port: int, chunks: int) -> None:
-    """A minimal keep-alive HTTP/1.1 server: SSE stream or JSON for POSTs, 200 for the rest."""
-    import httptools
-
-    answer, stream_writes, plain = backend_responses(chunks)
-
-    class Protocol(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = transport
-            self.parser = httptools.HttpRequestParser(self)
-            self.url = b""
-            self.body: list[bytes] = []
-
-        def on_message_begin(self) -> None:
-            self.url = b""
-            self.body = []
-
-        def on_url(self, url: bytes) -> None:
-            self.url += url
-
-        def on_body(self, body: bytes) -> None:
-            self.body.append(body)
-
-        def on_message_complete(self) -> None:
-            if self.parser.get_method() != b"POST":
-                self.transport.write(plain)
-                return
-            request = json.loads(b"".join(self.body))
-            if request.get("stream"):
-                asyncio.get_running_loop().create_task(self.stream())
-            else:
-                self.transport.write(answer)
-
-        async def stream(self) -> None:
-            # Separate writes, one event-loop turn apart, like a server producing tokens.
-            for data in stream_writes:
-                if self.transport.is_closing():
-                    return
-                self.transport.write(data)
-                await asyncio.sleep(0)
-
-        def data_received(self, data: bytes) -> None:
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                self.transport.close()
-
-    async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(Protocol, HOST, port, backlog=4096)
-        async with server:
-            await server.serve_forever()
-
-    _run(main())
-
-
-def _run(coro) -> None:  # type: ignore[no-untyped-def]
-    try:
-        import uvloop
-
-        uvloop.run(coro)
-    except ImportError:  # pragma: no cover
-        asyncio.run(coro)
 
 
 # -- the load generator ------------------------------------------------------------------------
@@ -312,15 +211,66 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _wait_serving(port: int, name: str, timeout: float = 60.0) -> None:
+    """Until one streamed completion through `port` succeeds (a router may be up before its workers are)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with contextlib.suppress(OSError):
+            phase = asyncio.run(run_phase(port, 1, 0.2))
+            if phase.latencies:
+                return
+        time.sleep(0.3)
+    raise RuntimeError(f"{name} did not serve a completion within {timeout:.0f} s")
+
+
+def _add(total: Phase, part: Phase) -> None:
+    total.latencies += part.latencies
+    total.failed += part.failed
+    total.elapsed += part.elapsed
+
+
+def _summary(latency: Phase, load: Phase, round_p50: list[float]) -> dict[str, Any]:
+    return {
+        "p50_ms": round(_percentile(latency.latencies, 0.5) * 1e3, 3),
+        "p99_ms": round(_percentile(latency.latencies, 0.99) * 1e3, 3),
+        "p50_ms_at_concurrency": round(_percentile(load.latencies, 0.5) * 1e3, 3),
+        "rps": round(len(load.latencies) / load.elapsed, 1),
+        "p50_ms_per_round": [round(v * 1e3, 3) for v in round_p50],
+        "requests": len(latency.latencies) + len(load.latencies),
+        "failed": latency.failed + load.failed,
+    }
+
+
+def _vs_ours(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every other router next to ours: its rps and one-stream p50, ours / theirs."""
+    ours = results["router"]
+    out = {}
+    for name, theirs in results.items():
+        if name in ("direct", "router"):
+            continue
+        out[name] = {
+            "rps": theirs["rps"],
+            "p50_ms": theirs["p50_ms"],
+            "ours_rps": ours["rps"],
+            "ours_p50_ms": ours["p50_ms"],
+            "rps_ratio_ours_vs": round(ours["rps"] / theirs["rps"], 2) if theirs["rps"] else None,
+            "p50_ratio_ours_vs": round(ours["p50_ms"] / theirs["p50_ms"], 2) if theirs["p50_ms"] else None,
+        }
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-backend", type=int, nargs="+", metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--concurrency", type=int, default=64, help="streams of the throughput phase (default: 64)")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per throughput phase (default: 4)")
     parser.add_argument("--latency-duration", type=float, default=2.0, help="seconds per latency phase (default: 2)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over the three targets (default: 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the targets (default: 3)")
     parser.add_argument("--chunks", type=int, default=4, help="token events per backend stream (default: 4)")
     parser.add_argument("--ascend-proxy", type=Path, default=ASCEND_PROXY, help="path of vLLM-Ascend's example proxy")
+    parser.add_argument(
+        "--targets", nargs="+", help="only these of router, ascend_proxy, vllm_router, sglang_router (default: all)"
+    )
     parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a temporary folder)")
     args = parser.parse_args()
     if args.serve_backend:
@@ -331,94 +281,63 @@ def main() -> int:
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="router-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    ports = {"backend": free_port(), "router": free_port(), "ascend_proxy": free_port()}
-    backend = str(ports["backend"])
+    names = ("router", "ascend_proxy", "vllm_router", "sglang_router")
+    ports = {name: free_port() for name in names}
+    metrics_ports = {name: free_port() for name in names}
+    prefill_port, decode_port = free_port(), free_port()
+    wanted = [t for t in targets(ports, prefill_port, decode_port, args.ascend_proxy, metrics_ports)]
+    wanted = [t for t in wanted if args.targets is None or t.name in args.targets or t.name == "router"]
+    target_names = ("direct", *(t.name for t in wanted))
     processes: list[Process] = []
     try:
         say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-        say(f"logs in {log_dir}")
-        processes.append(
-            Process(
-                "backend",
-                [
-                    sys.executable,
-                    str(Path(__file__).resolve()),
-                    "--serve-backend",
-                    backend,
-                    "--chunks",
-                    str(args.chunks),
-                ],
-                log_dir,
-            )
-        )
-        processes[-1].wait_http(ports["backend"], "/health")
-        router = Process(
-            "router",
-            [sys.executable, "-m", "proxy", "--host", HOST, "--port", str(ports["router"])]
-            + ["--prefiller-hosts", HOST, "--prefiller-ports", backend, "--decoder-hosts", HOST]
-            + ["--decoder-ports", backend],
-            log_dir,
-        )
-        ascend = Process(
-            "ascend_proxy",
-            [sys.executable, str(args.ascend_proxy), "--host", HOST, "--port", str(ports["ascend_proxy"])]
-            + ["--prefiller-hosts", HOST, "--prefiller-ports", backend, "--decoder-hosts", HOST]
-            + ["--decoder-ports", backend],
-            log_dir,
-        )
-        processes += [router, ascend]
-        router.wait_http(ports["router"], "/health")
-        ascend.wait_http(ports["ascend_proxy"], "/healthcheck")
-        target_port = {"direct": ports["backend"], "router": ports["router"], "ascend_proxy": ports["ascend_proxy"]}
+        say(f"logs in {log_dir}; targets {', '.join(target_names)}")
+        backend = [sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(prefill_port)]
+        processes.append(Process("backend", [*backend, str(decode_port), "--chunks", str(args.chunks)], log_dir))
+        processes[-1].wait_http(decode_port, "/health")
+        for target in wanted:
+            processes.append(Process(target.name, target.cmd, log_dir))
+        for target, process in zip(wanted, processes[1:], strict=True):
+            process.wait_http(ports[target.name], target.health_path)
+            _wait_serving(ports[target.name], target.name)
+        target_port = {"direct": decode_port, **{t.name: ports[t.name] for t in wanted}}
 
-        latency: dict[str, Phase] = {t: Phase() for t in TARGETS}
-        load: dict[str, Phase] = {t: Phase() for t in TARGETS}
-
-        round_p50: dict[str, list[float]] = {t: [] for t in TARGETS}
-
-        def add(total: Phase, part: Phase) -> None:
-            total.latencies += part.latencies
-            total.failed += part.failed
-            total.elapsed += part.elapsed
+        latency: dict[str, Phase] = {t: Phase() for t in target_names}
+        load: dict[str, Phase] = {t: Phase() for t in target_names}
+        round_p50: dict[str, list[float]] = {t: [] for t in target_names}
 
         async def bench() -> None:
-            for target in TARGETS:  # warm-up: connections, caches
+            for target in target_names:  # warm-up: connections, caches
                 await run_phase(target_port[target], args.concurrency, 0.5)
             for round_index in range(args.rounds):
-                order = TARGETS[round_index % 3 :] + TARGETS[: round_index % 3]
+                shift = round_index % len(target_names)
+                order = target_names[shift:] + target_names[:shift]
                 # Latency phases back to back (so each round's targets see the same machine), then load.
                 for target in order:
                     one = await run_phase(target_port[target], 1, args.latency_duration)
-                    add(latency[target], one)
+                    _add(latency[target], one)
                     round_p50[target].append(_percentile(one.latencies, 0.5))
                 for target in order:
                     many = await run_phase(target_port[target], args.concurrency, args.duration)
-                    add(load[target], many)
+                    _add(load[target], many)
                     say(
-                        f"round {round_index + 1}/{args.rounds} {target:12s} "
+                        f"round {round_index + 1}/{args.rounds} {target:13s} "
                         f"p50 {round_p50[target][-1] * 1e3:7.3f} ms  "
                         f"rps@{args.concurrency} {len(many.latencies) / many.elapsed:8.1f}  failed {many.failed}"
                     )
 
-        _run(bench())
-        results = {}
-        for target in TARGETS:
-            results[target] = {
-                "p50_ms": round(_percentile(latency[target].latencies, 0.5) * 1e3, 3),
-                "p99_ms": round(_percentile(latency[target].latencies, 0.99) * 1e3, 3),
-                "p50_ms_at_concurrency": round(_percentile(load[target].latencies, 0.5) * 1e3, 3),
-                "rps": round(len(load[target].latencies) / load[target].elapsed, 1),
-                "p50_ms_per_round": [round(v * 1e3, 3) for v in round_p50[target]],
-                "requests": len(latency[target].latencies) + len(load[target].latencies),
-                "failed": latency[target].failed + load[target].failed,
-            }
+        run(bench())
+        results = {t: _summary(latency[t], load[t], round_p50[t]) for t in target_names}
         # Per round, router p50 minus direct p50 (measured seconds apart); the median over rounds.
         added = statistics.median((r - d) * 1e3 for r, d in zip(round_p50["router"], round_p50["direct"], strict=True))
-        ratio = results["router"]["rps"] / results["ascend_proxy"]["rps"] if results["ascend_proxy"]["rps"] else None
+        ascend = results.get("ascend_proxy", {}).get("rps")
+        ratio = results["router"]["rps"] / ascend if ascend else None
         report = {
             "added_p50_ms": round(added, 3),
             "rps": results["router"]["rps"],
             "rps_ratio_vs_ascend_proxy": round(ratio, 2) if ratio is not None else None,
+            "vs_ours": _vs_ours(results),
+            "optional_routers_installed": installed(),
             "concurrency": args.concurrency,
             "latency_concurrency": 1,
             "rounds": args.rounds,

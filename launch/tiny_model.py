@@ -42,8 +42,24 @@ def _build_tokenizer(out: Path) -> int:
     return len(vocab)
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0, num_layers: int = 2) -> Path:
-    """Write a tiny random Llama (GQA: 4 heads, 2 KV heads, head_dim 32) to out_dir."""
+def make_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    num_layers: int = 2,
+    *,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+) -> Path:
+    """Write a tiny random Llama (default GQA: hidden 128, 4 heads, 2 KV heads, head_dim 32) to out_dir.
+
+    `hidden_size`, `num_heads`, `num_kv_heads` and `intermediate_size` (default 2 x hidden) give
+    other shapes (head_dim = hidden / heads), e.g. the benchmarks' hidden 512, 6 layers, 8 heads,
+    2 KV heads. An existing model in out_dir is reused as it is.
+    """
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"hidden {hidden_size}, heads {num_heads}, KV heads {num_kv_heads} do not divide")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,12 +70,12 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, num_layers: int = 2) -> 
     vocab_size = _build_tokenizer(out)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
         max_position_embeddings=4096,
         bos_token_id=0,
         eos_token_id=1,
@@ -82,8 +98,12 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
     args = parser.parse_args()
-    print(make_tiny_model(args.out_dir, args.seed, args.num_layers))
+    shape = {"hidden_size": args.hidden_size, "num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads}
+    print(make_tiny_model(args.out_dir, args.seed, args.num_layers, **shape))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from proxy.config import ROLES, Backend, Role
-from proxy.routing import POLICIES, Choice, RouteRequest, candidates
+from proxy.routing import POLICIES, Choice, PoolPolicy, RouteRequest, RoutingOptions, candidates, make_policy
 
 logger = logging.getLogger("proxy")
 
@@ -98,11 +98,20 @@ class Lease:
 class BackendPool:
     """The prefill and decode instances behind the Router."""
 
-    def __init__(self, prefillers: tuple[Backend, ...], decoders: tuple[Backend, ...], routing: str = "room") -> None:
+    def __init__(
+        self,
+        prefillers: tuple[Backend, ...],
+        decoders: tuple[Backend, ...],
+        routing: str = "room",
+        options: RoutingOptions | None = None,
+    ) -> None:
         if routing not in POLICIES:
             raise ValueError(f"unknown routing policy {routing!r}")
         self.routing = routing
-        self.policy = POLICIES[routing]
+        #: This pool's own policy (a stateful one is a fresh instance per pool).
+        self.policy = make_policy(routing, options)
+        #: A stateless policy is skipped when a role has one instance; a stateful one sees every request.
+        self._skip_single = not isinstance(self.policy, PoolPolicy)
         #: Active (routable) instances per role, in the order they were added.
         self.active: dict[Role, list[BackendState]] = {"prefill": [], "decode": []}
         #: Removed instances whose in-flight requests have not all ended yet.
@@ -141,7 +150,7 @@ class BackendPool:
         ``None`` only when the role has no active instance at all.
         """
         active = self.active[role]
-        if len(active) <= 1:
+        if len(active) <= 1 and (self._skip_single or not active):
             return active[0] if active else None
         if request is None or request.room != room:
             request = RouteRequest(room) if request is None else replace(request, room=room)
@@ -197,6 +206,8 @@ class BackendPool:
             return False
         self.active[state.backend.role].remove(state)
         state.draining = True
+        if isinstance(self.policy, PoolPolicy):
+            self.policy.forget(state)
         if state.in_flight == 0:
             logger.info("%s removed from the pool", state.backend.name)
             return True

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.config import ROUTING_POLICIES, Backend, RouterConfig
-from proxy.routing import describe
+from proxy.routing import RoutingOptions, describe
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=ROUTING_POLICIES[0],
         help=f"how P and D are chosen: {policies} (default: %(default)s)",
     )
+    _add_cache_aware_flags(parser)
     add(
         "--max-retries",
         type=int,
@@ -142,6 +143,59 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: %(default)s)")
     return parser
+
+
+def _add_cache_aware_flags(parser: argparse.ArgumentParser) -> None:
+    """The ``--cache-aware-*`` flags (``--routing cache-aware``; defaults: :class:`RoutingOptions`)."""
+    default = RoutingOptions()
+    add = parser.add_argument
+    add(
+        "--cache-aware-balance-abs",
+        type=int,
+        default=default.cache_aware_balance_abs,
+        metavar="TOKENS",
+        help="cache-aware: loads count as imbalanced (then P is the least-loaded one) when the busiest "
+        "prefiller has more than this many in-flight prompt tokens over the idlest ... (default: %(default)s)",
+    )
+    add(
+        "--cache-aware-balance-rel",
+        type=float,
+        default=default.cache_aware_balance_rel,
+        metavar="RATIO",
+        help="... and more than this many times the idlest's (default: %(default)s)",
+    )
+    add(
+        "--cache-aware-min-match",
+        type=float,
+        default=default.cache_aware_min_match,
+        metavar="FRACTION",
+        help="cache-aware: a prompt whose best prefix match is below this fraction of it goes to the "
+        "least-loaded prefiller (default: %(default)s)",
+    )
+    add(
+        "--cache-aware-max-chars",
+        type=parse_size,
+        default=default.cache_aware_max_chars,
+        metavar="CHARS",
+        help="cache-aware: prompt characters remembered per prefiller (LRU beyond), e.g. 4M (default: 4M)",
+    )
+
+
+def _routing_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RoutingOptions:
+    if args.cache_aware_balance_abs < 0:
+        parser.error(f"--cache-aware-balance-abs must be >= 0 (got {args.cache_aware_balance_abs})")
+    if not (math.isfinite(args.cache_aware_balance_rel) and args.cache_aware_balance_rel >= 1):
+        parser.error(f"--cache-aware-balance-rel must be a finite number >= 1 (got {args.cache_aware_balance_rel})")
+    if not 0 <= args.cache_aware_min_match <= 1:
+        parser.error(f"--cache-aware-min-match must be in 0..1 (got {args.cache_aware_min_match})")
+    if args.cache_aware_max_chars < 1:
+        parser.error(f"--cache-aware-max-chars must be at least 1 (got {args.cache_aware_max_chars})")
+    return RoutingOptions(
+        cache_aware_balance_abs=args.cache_aware_balance_abs,
+        cache_aware_balance_rel=args.cache_aware_balance_rel,
+        cache_aware_min_match=args.cache_aware_min_match,
+        cache_aware_max_chars=args.cache_aware_max_chars,
+    )
 
 
 def _check_port(parser: argparse.ArgumentParser, flag: str, port: int) -> None:
@@ -250,6 +304,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
         routing=args.routing,
+        routing_options=_routing_options(args, parser),
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         max_body_size=args.max_body_size,

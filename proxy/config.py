@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from proxy.routing import POLICIES
+from proxy.routing import POLICIES, RoutingOptions
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
@@ -88,6 +88,8 @@ class RouterConfig:
     connect_timeout: float = 5.0
     #: Routing policy, one of :data:`ROUTING_POLICIES`.
     routing: str = "room"
+    #: Tuning of the stateful policies (``--cache-aware-*``).
+    routing_options: RoutingOptions = RoutingOptions()
     #: Seconds between two health checks (``GET /health``) of every backend; 0 turns the
     #: background checks off (backends are then marked unhealthy only by connection failures,
     #: and healthy again by a ``GET /health`` on the Router).

@@ -25,7 +25,7 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.pool = BackendPool(config.prefillers, config.decoders, config.routing)
+        self.pool = BackendPool(config.prefillers, config.decoders, config.routing, config.routing_options)
         self.metrics = RouterMetrics(self.pool)
         #: Every call to a backend (P and D requests, health checks, models, admin calls).
         self.http = Http1Pool(config.connect_timeout)

@@ -46,6 +46,8 @@ setup(
         ],
         # python -m launch.trace (phase waterfall of a run's logs).
         "trace": ["matplotlib>=3.8"],
+        # benchmarks/: serving.py's plot; the other routers benchmarks/router.py compares with ours.
+        "bench": ["matplotlib>=3.8", "vllm-router==0.1.17", "sglang-router==0.3.2"],
     },
     entry_points={
         "vllm.general_plugins": ["pd_connector = pd_connector:register"],

@@ -1,0 +1,235 @@
+"""Serving benchmark: PDConnector 1P1D vs colocated vLLM vs vLLM's MooncakeConnector 1P1D, in one run.
+
+The same model (the tiny random Llama of `launch/tiny_model.py`, by default in the issue's
+reference shape: hidden 512, 6 layers, 8 heads, 2 KV heads), the same `vllm serve` flags, the
+same cores and the same request trace for every system (`serving_systems.py`):
+
+- `pd`: P (whole process tree on core 0) + D (core 1) with PDConnector, behind the Router;
+- `colocated`: two plain instances (cores 0 and 1) behind a round-robin front end;
+- `vllm_mooncake`: vLLM's in-tree MooncakeConnector (Mooncake TCP) P + D on cores 0 and 1 behind
+  a front end that drives it as vLLM's example proxy does, with minimal CPU runtime patches
+  (listed in the JSON under `vllm_mooncake.patches`).
+
+The trace (`serving_trace.py`): per rate, Poisson arrivals for `--duration` s, prompts of 64 to
+2,000 tokens (uniform), `--output-tokens` tokens each, streamed. Per system and rate: TTFT and
+TPOT p50/p99, throughput (requests/s and output tokens/s) and goodput (requests/s that met both
+SLOs: TTFT <= --slo-ttft-ms, TPOT <= --slo-tpot-ms). Ratios ours/colocated and
+ours/vllm_mooncake per rate. One JSON object on stdout, progress on stderr, a PNG of TTFT and
+TPOT against rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
+
+    python benchmarks/serving.py            # ~8 minutes on 2 cores
+    python benchmarks/serving.py --quick    # ~2-3 minutes: 2 rates, short traces
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.serving_systems import STARTERS, SYSTEMS, mooncake_patches  # noqa: E402
+from benchmarks.serving_trace import RunStats, TraceRequest, make_trace, run_trace  # noqa: E402
+from launch.processes import ProcessFailed, ProcessGroup  # noqa: E402
+
+REFERENCE_SHAPE = {"num_layers": 6, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2}
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "bench-llama-h512-l6"
+#: `vllm serve` flags every instance gets, after launch.commands' own (float32, block 32).
+SERVE_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "64"]
+RATIO_KEYS = ("throughput_rps", "goodput_rps", "throughput_output_tok_s")
+LATENCY_KEYS = ("ttft_ms", "tpot_ms")
+
+
+def say(message: str) -> None:
+    print(f"[serving {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model directory (default: build the reference-shape tiny Llama)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--rates", type=float, nargs="+", help="request rates (req/s); default 0.5 1 1.5 (quick: 0.5 1.5)")
+    p.add_argument("--duration", type=float, help="seconds of arrivals per rate (default 30; quick 10)")
+    p.add_argument("--min-prompt", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=2000)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--p-cpus", default="0", help="cores of P (and of colocated instance a)")
+    p.add_argument("--d-cpus", default="1", help="cores of D (and of colocated instance b)")
+    p.add_argument("--quick", action="store_true", help="2 rates, 10 s each")
+    p.add_argument("--png", type=Path, help="where the plot goes (default: <log dir>/serving.png)")
+    p.add_argument("--log-dir", type=Path, help="process logs (default: a temporary folder)")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    args.rates = args.rates or ([0.5, 1.5] if args.quick else [0.5, 1.0, 1.5])
+    args.duration = args.duration or (10.0 if args.quick else 30.0)
+    return args
+
+
+def build_model(model: str | None) -> str:
+    if model:
+        return model
+    from launch.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(DEFAULT_MODEL_DIR, **REFERENCE_SHAPE))
+
+
+def traces(args: argparse.Namespace) -> dict[float, list[TraceRequest]]:
+    """Per rate: rate x duration requests (at least 4), the same for every system."""
+    out = {}
+    for rate in args.rates:
+        count = max(4, round(rate * args.duration))
+        out[rate] = make_trace(rate, count, args.seed, args.min_prompt, args.max_prompt, args.output_tokens)
+    return out
+
+
+async def warm_up(url: str, model: str, args: argparse.Namespace) -> None:
+    """A short and a long prompt, one after the other (first-request compilation, connections)."""
+    warm = make_trace(1.0, 2, args.seed + 1, args.min_prompt, args.max_prompt, 4)
+    warm = [TraceRequest(0.0, r.prompt[:n], 4) for r, n in zip(warm, (args.min_prompt, args.max_prompt), strict=True)]
+    for req in warm:
+        stats = await run_trace(url, model, [req], 1.0)
+        if stats.results[0].error:
+            raise RuntimeError(f"warm-up request failed: {stats.results[0].error}")
+
+
+def bench_system(
+    name: str, model: str, args: argparse.Namespace, all_traces: dict[float, list[TraceRequest]], log_dir: Path
+) -> dict[str, Any]:
+    """Start one system, run every rate's trace against it, stop it; its summary (or its error)."""
+    summary: dict[str, Any] = {"runs": []}
+    if name == "vllm_mooncake":
+        summary["patches"] = mooncake_patches()
+    t0 = time.monotonic()
+    with ProcessGroup(log_dir / name, report=say) as group:
+        try:
+            say(f"{name}: starting")
+            url = STARTERS[name](group, model, SERVE_ARGS, (args.p_cpus, args.d_cpus), args.start_timeout)
+            summary["startup_s"] = round(time.monotonic() - t0, 1)
+            say(f"{name}: up after {summary['startup_s']} s at {url}; warming up")
+            asyncio.run(warm_up(url, model, args))
+            for rate, trace in all_traces.items():
+                say(f"{name}: rate {rate}/s, {len(trace)} requests")
+                stats: RunStats = asyncio.run(run_trace(url, model, trace, rate))
+                run = stats.summary(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+                summary["runs"].append(run)
+                say(
+                    f"{name}: rate {rate}/s: TTFT p50 {run['ttft_ms']['p50']} ms p99 {run['ttft_ms']['p99']} ms, "
+                    f"TPOT p50 {run['tpot_ms']['p50']} ms, goodput {run['goodput_rps']}/s, failed {run['failed']}"
+                )
+        except (ProcessFailed, RuntimeError, OSError) as exc:
+            summary["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+            say(f"{name}: failed: {summary['error'][:600]}")
+            if not isinstance(exc, ProcessFailed):
+                traceback.print_exc(file=sys.stderr)
+    summary["logs"] = str(log_dir / name)
+    return summary
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    if ours is None or theirs is None or theirs == 0 or math.isnan(ours) or math.isnan(theirs):
+        return None
+    return round(ours / theirs, 3)
+
+
+def ratios(ours: dict[str, Any], other: dict[str, Any]) -> list[dict[str, Any]] | dict[str, str]:
+    """Per rate: ours / other for the throughput keys and the p50/p99 latencies (latency < 1 = ours faster)."""
+    if "error" in other or "error" in ours:
+        return {"error": "a system did not run: " + str(other.get("error") or ours.get("error"))[:300]}
+    out = []
+    for mine, theirs in zip(ours["runs"], other["runs"], strict=False):
+        row: dict[str, Any] = {"rate_rps": mine["rate_rps"]}
+        for key in RATIO_KEYS:
+            row[key] = _ratio(mine[key], theirs[key])
+        for key in LATENCY_KEYS:
+            for q in ("p50", "p99"):
+                row[f"{key}_{q}"] = _ratio(mine[key][q], theirs[key][q])
+        out.append(row)
+    return out
+
+
+def plot(systems: dict[str, dict[str, Any]], path: Path, slo: tuple[float, float]) -> str | None:
+    """TTFT and TPOT (p50 solid, p99 dashed) against rate, one line per system; None when it cannot plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title, limit in zip(axes, LATENCY_KEYS, ("TTFT", "TPOT"), slo, strict=True):
+        for name, summary in systems.items():
+            runs = summary.get("runs") or []
+            if not runs:
+                continue
+            rates = [r["rate_rps"] for r in runs]
+            (line,) = ax.plot(rates, [r[key]["p50"] for r in runs], marker="o", label=f"{name} p50")
+            ax.plot(rates, [r[key]["p99"] for r in runs], linestyle="--", color=line.get_color(), label=f"{name} p99")
+        ax.axhline(limit, color="grey", linewidth=0.8, linestyle=":", label="SLO")
+        ax.set_title(f"{title} vs request rate")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serving-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    say(f"logs in {log_dir}")
+    model = build_model(args.model)
+    all_traces = traces(args)
+    started = time.monotonic()
+    systems = {name: bench_system(name, model, args, all_traces, log_dir) for name in args.systems}
+    report: dict[str, Any] = {
+        "model": model,
+        "model_shape": REFERENCE_SHAPE if not args.model else None,
+        "serve_args": SERVE_ARGS,
+        "cpus": {"prefill_or_a": args.p_cpus, "decode_or_b": args.d_cpus},
+        "trace": {
+            "rates_rps": args.rates,
+            "arrivals": "poisson",
+            "duration_s_per_rate": args.duration,
+            "requests_per_rate": {str(rate): len(t) for rate, t in all_traces.items()},
+            "prompt_tokens": [args.min_prompt, args.max_prompt],
+            "output_tokens": args.output_tokens,
+            "stream": True,
+            "seed": args.seed,
+        },
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "systems": systems,
+    }
+    if "pd" in systems:
+        for other, key in (("colocated", "ours_vs_colocated"), ("vllm_mooncake", "ours_vs_vllm_mooncake")):
+            if other in systems:
+                report[key] = ratios(systems["pd"], systems[other])
+    if "vllm_mooncake" in systems and "error" in systems["vllm_mooncake"]:
+        report["vllm_mooncake"] = {"error": systems["vllm_mooncake"]["error"]}
+    report["plot"] = plot(systems, args.png or log_dir / "serving.png", (args.slo_ttft_ms, args.slo_tpot_ms))
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    print(json.dumps(report, indent=2))
+    return 0 if all("error" not in s for s in systems.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

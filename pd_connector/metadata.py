@@ -20,6 +20,8 @@ class SendJob:
     arrival_time: float | None = field(default=None, compare=False)
     prefill_done_at: float | None = field(default=None, compare=False)
     trace_headers: Mapping[str, str] | None = field(default=None, compare=False)
+    # Decode requests (D's n samples) that load this room; each is served once.
+    samples: int = 1
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ class DoneStatus(enum.IntEnum):
     ABORTED = 7  # the prefill request was aborted before its KV was ready
     BAD_REQUEST = 8  # the request does not fit the room (more blocks than P holds)
     INTERNAL_ERROR = 9
+    CANCELLED = 10  # D cancelled this request (answer to its TransferCancel; no write happened)
 
 
 class TransferDone(msgspec.Struct, tag="done", frozen=True):

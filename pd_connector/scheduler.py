@@ -13,7 +13,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host
-from pd_connector.kv_params import DecodeParams, KVParamsError, PrefillParams, decode_handoff, new_room, parse_kv_params
+from pd_connector.kv_params import (
+    DecodeParams,
+    KVParamsError,
+    PrefillParams,
+    decode_handoff,
+    new_room,
+    parse_kv_params,
+    prefill_refused,
+)
 from pd_connector.metadata import PDConnectorMetadata, RecvJob, SendJob
 
 if TYPE_CHECKING:
@@ -36,7 +44,7 @@ def _params_of(request: Request) -> PrefillParams | DecodeParams | None:
         logger.error("req=%s: ignoring malformed kv_transfer_params: %s", request.request_id, exc)
         return None
     if isinstance(params, PrefillParams) and params.room is None:
-        params = PrefillParams(room=new_room())
+        params = PrefillParams(room=new_room(), samples=params.samples)
         logger.info(
             "room=%d req=%s: the request named no bootstrap_room; prefill picked one", params.room, request.request_id
         )
@@ -61,6 +69,9 @@ class PDScheduler:
         self._sends: list[SendJob] = []
         self._dropped: list[int] = []
         self._holding: set[str] = set()
+        # P: rooms whose KV is held (room -> request), so a second request with a live room is refused.
+        self._live_rooms: dict[int, str] = {}
+        self._room_of: dict[str, int] = {}
         self._parsed: dict[str, PrefillParams | DecodeParams | None] = {}
 
     def _params(self, request: Request) -> PrefillParams | DecodeParams | None:
@@ -142,6 +153,13 @@ class PDScheduler:
             RequestStatus.FINISHED_STOPPED,
         ) or (request.status.name == "FINISHED_REPETITION")
         if finished_normally and block_ids:
+            holder = self._live_rooms.get(params.room)
+            if holder is not None and holder != rid:  # a room is one prompt's KV: never filed twice
+                error = f"bootstrap_room {params.room} is in use by request {holder}"
+                logger.error("room=%d req=%s: %s; refusing this prefill, its KV is freed", params.room, rid, error)
+                return False, prefill_refused(params.room, error)
+            self._live_rooms[params.room] = rid
+            self._room_of[rid] = params.room
             headers = getattr(request, "trace_headers", None)
             job = SendJob(
                 rid,
@@ -151,6 +169,7 @@ class PDScheduler:
                 getattr(request, "arrival_time", None),
                 time.time(),
                 headers,
+                params.samples,
             )
             self._sends.append(job)
             self._holding.add(rid)
@@ -162,6 +181,9 @@ class PDScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
             self._holding.discard(rid)
+            room = self._room_of.pop(rid, None)
+            if room is not None and self._live_rooms.get(room) == rid:
+                del self._live_rooms[room]
         for rid in output.finished_recving or ():
             if rid in self._awaiting_kv:
                 self._awaiting_kv.discard(rid)

@@ -58,13 +58,26 @@ class Room:
     submitted: int = 0
     finished: int = 0
     waiting: list[WaitingRequest] = field(default_factory=list)  # AWAITING_PREFILL
+    submitted_ids: set[str] = field(default_factory=set)
+    cancelled: set[str] = field(default_factory=set)  # D requests that gave up (each counts as claimed)
+
+    @property
+    def claimed(self) -> int:
+        """Expected requests that came (submitted) or will not (cancelled)."""
+        return len(self.submitted_ids | self.cancelled)
 
     @property
     def served(self) -> bool:
-        """Every write ended, and no more will come (all expected submitted, or draining)."""
+        """Every write ended, and no more will come (all expected claimed, or draining)."""
         idle = self.finished == self.submitted
-        all_in = self.expected > 0 and self.submitted >= self.expected
+        all_in = self.expected > 0 and self.claimed >= self.expected
         return idle and (self.state is RoomState.DRAINING or all_in)
+
+    @property
+    def close_reason(self) -> CloseReason:
+        if self.submitted_ids - self.cancelled:
+            return CloseReason.SENT
+        return CloseReason.CANCELLED if self.cancelled else CloseReason.EXPIRED
 
 
 class _Refused(Exception):
@@ -82,6 +95,8 @@ class PrefillSide:
         self._lock = threading.Lock()
         self._rooms: dict[int, Room] = {}  # rooms not CLOSED
         self._closed: OrderedDict[int, CloseReason] = OrderedDict()
+        # D requests cancelled before their room's prefill finished: room -> request ids.
+        self._early_cancels: OrderedDict[int, set[str]] = OrderedDict()
         self._peers: dict[str, proto.PeerHello] = {}
         self._peer_errors: dict[str, str] = {}
 
@@ -94,10 +109,26 @@ class PrefillSide:
             ready = Room(job.room, RoomState.READY, job, now + self._cfg.room_timeout_s)
             with self._lock:
                 old = self._rooms.get(job.room)
-                waiting = old.waiting if old is not None and old.state is RoomState.AWAITING_PREFILL else []
-                cancelled = not waiting and self._closed.get(job.room) is CloseReason.CANCELLED
+                if old is not None and old.state is not RoomState.AWAITING_PREFILL:
+                    # A room is one prompt's KV: never replaced (the held one would never be freed).
+                    self._ctx.outbox.sent(job.req_id)
+                    holder = old.job.req_id if old.job is not None else "?"
+                    logger.error(
+                        "room=%d req=%s: room is in use by req=%s; refusing this prefill, its KV is freed",
+                        job.room, job.req_id, holder,
+                    )  # fmt: skip
+                    self._ctx.stats.inc("rooms_refused")
+                    continue
+                waiting = old.waiting if old is not None else []
+                ready.cancelled = self._early_cancels.pop(job.room, set())
+                if ready.cancelled:
+                    ready.expected = self._expected(job, waiting[0].req.peer_id if waiting else None)
+                cancelled = not waiting and (
+                    ready.served if ready.cancelled else self._closed.get(job.room) is CloseReason.CANCELLED
+                )
                 if cancelled:  # D gave up before this prefill finished: free at once
                     self._rooms.pop(job.room, None)
+                    self._remember_closed(job.room, CloseReason.CANCELLED)
                     self._ctx.outbox.sent(job.req_id)
                 else:
                     self._rooms[job.room] = ready
@@ -186,29 +217,50 @@ class PrefillSide:
         )
 
     def on_cancel(self, cancel: proto.TransferCancel) -> None:
+        """D gave up one request of the room (abort, timeout, failed load): it counts as claimed, its
+        write (if any) stops, and the room is freed at once when no other request is expected."""
+        dropped: list[WaitingRequest] = []
         with self._lock:
             room = self._rooms.get(cancel.room)
             if room is None or room.state is RoomState.AWAITING_PREFILL:
-                self._rooms.pop(cancel.room, None)
-                self._remember_closed(cancel.room, CloseReason.CANCELLED)
+                # Prefill not done yet: remember the cancel (its room is freed at once if it comes).
+                self._early_cancels.setdefault(cancel.room, set()).add(cancel.request_id)
+                self._early_cancels.move_to_end(cancel.room)
+                while len(self._early_cancels) > CLOSED_ROOMS_KEPT:
+                    self._early_cancels.popitem(last=False)
+                if room is not None:
+                    dropped = [w for w in room.waiting if w.req.request_id == cancel.request_id]
+                    room.waiting = [w for w in room.waiting if w.req.request_id != cancel.request_id]
+                if room is None or not room.waiting:
+                    self._rooms.pop(cancel.room, None)
+                    self._remember_closed(cancel.room, CloseReason.CANCELLED)
             else:
-                # Nothing more will come for this room: free it once in-flight writes end.
-                room.state = RoomState.DRAINING if room.state is RoomState.READY else room.state
+                room.cancelled.add(cancel.request_id)
+                assert room.job is not None
+                room.expected = room.expected or self._expected(room.job, None)
                 self._finish_if_served(room)
         logger.warning("room=%d req=%s: decode cancelled the transfer", cancel.room, cancel.request_id)
+        for w in dropped:  # D waits for one answer per request it sent
+            self._reply(w.req, DoneStatus.CANCELLED, "decode cancelled the transfer")
         if room is None or room.state is RoomState.AWAITING_PREFILL:
             self._ctx.traces.emit(cancel.room, "cancelled")
 
     # ---------------------------------------------------------------- pushes
 
+    def _expected(self, job: SendJob, peer_id: str | None) -> int:
+        """Requests this rank gets for the room: per decode sample, the D ranks that read from it."""
+        peer = self._peers.get(peer_id) if peer_id is not None else None
+        return expected_requests_from(self._spec, job.room, peer) * job.samples
+
     def _accept(self, room: Room, req: proto.TransferRequest) -> bool:
-        """Count one D rank's request for a ready room; False for one too many. Caller holds the lock."""
+        """Count one D request for a ready room; False for one too many. Caller holds the lock."""
         if room.expected == 0:
             assert room.job is not None
-            room.expected = expected_requests_from(self._spec, room.job.room, self._peers.get(req.peer_id))
-        if room.state is not RoomState.READY or room.submitted >= room.expected:
+            room.expected = self._expected(room.job, req.peer_id)
+        if room.state is not RoomState.READY or req.request_id in room.cancelled or room.claimed >= room.expected:
             return False
         room.submitted += 1
+        room.submitted_ids.add(req.request_id)
         return True
 
     def _start_push(self, room: Room, req: proto.TransferRequest, accepted: bool) -> None:
@@ -236,7 +288,7 @@ class PrefillSide:
             plan = push_entries(self._spec, self._ctx.regions, peer, job, req)
             if plan is not None:
                 src, dst, lengths = plan
-                still_wanted = lambda: room.state is RoomState.READY  # noqa: E731
+                still_wanted = lambda: room.state is RoomState.READY and req.request_id not in room.cancelled  # noqa: E731
                 self._backend.write(
                     peer.transfer_descriptor, src, dst, lengths, self._cfg.max_batch_entries, still_wanted
                 )
@@ -295,8 +347,9 @@ class PrefillSide:
             assert room.job is not None
             del self._rooms[room.room]
             room.state = RoomState.CLOSED
-            self._remember_closed(room.room, CloseReason.EXPIRED if room.submitted == 0 else CloseReason.SENT)
-            self._ctx.traces.emit(room.room, "expired" if room.submitted == 0 else None)
+            reason = room.close_reason
+            self._remember_closed(room.room, reason)
+            self._ctx.traces.emit(room.room, None if reason is CloseReason.SENT else reason.value)
             self._ctx.outbox.sent(room.job.req_id)
 
     def _reply(self, req: proto.TransferRequest, status: DoneStatus, error: str = "") -> None:

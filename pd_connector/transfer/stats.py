@@ -28,6 +28,8 @@ StatName = Literal[
     "recvs_failed",
     "rooms_expired",
     "bad_frames",
+    "rooms_refused",
+    "auth_refused",
 ]
 
 #: Why a transfer or a load failed: the ``reason`` label of ``vllm:pd_kv_transfer_failures``.
@@ -44,6 +46,7 @@ _REASON_OF_STATUS: dict[DoneStatus, FailureReason] = {
     DoneStatus.ABORTED: "aborted",
     DoneStatus.BAD_REQUEST: "protocol_error",
     DoneStatus.INTERNAL_ERROR: "protocol_error",
+    DoneStatus.CANCELLED: "aborted",
 }
 
 
@@ -82,6 +85,8 @@ class StatsSnapshot:
     recvs_failed: int = 0  # D: loads that failed (error, timeout)
     rooms_expired: int = 0  # P: rooms freed because no D asked in time
     bad_frames: int = 0  # ZMQ frames that were not PDConnector messages
+    rooms_refused: int = 0  # P: prefills refused because their room was in use (KV freed at once)
+    auth_refused: int = 0  # ZMQ frames refused: missing or wrong token (pd_connector.auth)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

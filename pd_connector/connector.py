@@ -102,7 +102,7 @@ class PDConnector(KVConnectorBase_V1):
         schedule them).
         """
         assert self._worker is not None
-        sending, recving, _failed = self._worker.get_finished()
+        sending, recving, _failed = self._worker.get_finished(finished_req_ids)
         return sending or None, recving or None
 
     if KVConnectorTransferResults is not None:
@@ -113,7 +113,7 @@ class PDConnector(KVConnectorBase_V1):
             vLLM then recomputes or fails them per kv_load_failure_policy.
             """
             assert self._worker is not None
-            sending, recving, failed = self._worker.get_finished()
+            sending, recving, failed = self._worker.get_finished(finished_req_ids)
             self._worker.take_failed_blocks()  # reported by id here, not by block
             return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 

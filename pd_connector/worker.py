@@ -192,10 +192,16 @@ class PDWorker:
         if meta.idle:
             self.manager.wait_for_progress(IDLE_WAIT_S)
 
-    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving); failed blocks kept for load errors."""
+    def get_finished(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving); failed blocks kept for load errors.
+
+        ``finished_req_ids``: requests vLLM finished since the last step; on D, those still loading
+        were aborted, and their loads are cancelled (P frees the room at once).
+        """
         if self.manager is None:
             return set(), set(), set()
+        if finished_req_ids and self.manager.decode is not None:
+            self.manager.decode.cancel(finished_req_ids)
         sending, recving, failed = self.manager.take_finished()
         for blocks in failed.values():
             self._failed_blocks.update(blocks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pd_connector import protocol as proto
@@ -30,6 +30,9 @@ from pd_connector.transfer.stats import FailureReason, reason_of_status
 
 logger = logging.getLogger(__name__)
 
+#: How long an aborted load waits for P's last answers (P stops its writes between batches).
+CANCEL_GRACE_S = 2.0
+
 
 @dataclass
 class Load:
@@ -40,6 +43,8 @@ class Load:
     done: set[int] = field(default_factory=set)  # P tp ranks that reported OK
     started: float = field(default_factory=time.monotonic)
     handshake_s: float | None = None  # from add_recvs to the request sent to every P rank
+    cancelled: bool = False  # vLLM aborted the request (RESOLVING: cancel once P's ranks are known)
+    answered: set[int] = field(default_factory=set)  # CANCELLING: P tp ranks that answered
 
     @property
     def complete(self) -> bool:
@@ -109,6 +114,14 @@ class DecodeSide:
             load = self._loads.get(job.req_id)
             if load is None:  # already failed (timeout) while resolving
                 return
+            if load.cancelled:  # aborted while resolving: P never gets the request, only the cancel
+                del self._loads[job.req_id]
+        if load.cancelled:
+            for endpoint in endpoints:
+                self._ctx.send(endpoint, proto.TransferCancel(room=job.room, request_id=job.req_id))
+            self._release(load, "request aborted before prefill was asked", "aborted")
+            return
+        with self._lock:
             load.endpoints = endpoints
             load.state = LoadState.AWAITING_KV
             load.handshake_s = time.monotonic() - load.started
@@ -199,7 +212,46 @@ class DecodeSide:
 
     # ------------------------------------------------------------- outcomes
 
+    def cancel(self, req_ids: Iterable[str]) -> None:
+        """vLLM finished these requests (aborted, e.g. the client went away): stop their loads.
+
+        P is told at once (TransferCancel) and frees the room; the load ends when every P rank asked
+        has answered (no write is in flight into blocks vLLM will reuse), or after CANCEL_GRACE_S.
+        """
+        now = time.monotonic()
+        for req_id in req_ids:
+            with self._lock:
+                load = self._loads.get(req_id)
+                if load is None or load.cancelled:
+                    continue
+                load.cancelled = True
+                if load.state is not LoadState.AWAITING_KV:
+                    continue  # RESOLVING: _start sends the cancel once P's ranks are known
+                load.state = LoadState.CANCELLING
+                load.deadline = min(load.deadline, now + CANCEL_GRACE_S)
+                endpoints = list(load.endpoints)
+            logger.warning("room=%d req=%s: request aborted while its KV loads; cancelling it", load.job.room, req_id)
+            for endpoint in endpoints:
+                self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id))
+
+    def _on_cancelled_done(self, load: Load, done: proto.TransferDone) -> None:
+        """A P rank answered a cancelled load: released once every P rank asked has. Caller holds the lock."""
+        load.answered.add(done.tp_rank)
+        if len(load.answered) >= len(load.endpoints):
+            del self._loads[done.request_id]
+
     def on_done(self, done: proto.TransferDone) -> None:
+        with self._lock:
+            load = self._loads.get(done.request_id)
+            if load is not None and load.state is LoadState.CANCELLING and load.job.room == done.room:
+                self._on_cancelled_done(load, done)
+                released = done.request_id not in self._loads
+            else:
+                load, released = None, False
+        if load is not None:
+            if released:
+                self._release(load, "request aborted; prefill answered", "aborted")
+            return
         if not done.ok:
             if done.status is DoneStatus.UNKNOWN_PEER:
                 with self._hello_lock:
@@ -231,19 +283,31 @@ class DecodeSide:
             load = self._loads.pop(req_id, None)
             if load is None:
                 return
-            load.state = LoadState.FAILED
-        # Logged before vLLM can see the request finished, so the reason is in the log by then.
-        logger.error("room=%d req=%s: KV load failed: %s", load.job.room, req_id, reason)
-        self._ctx.stats.fail(why, "recvs_failed")
-        self._ctx.traces.emit(req_id, f"failed:{why}")
         # Other P ranks must not write into blocks vLLM is about to reuse.
         for endpoint in load.endpoints:
             self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id))
+        self._release(load, reason, why)
+
+    def _release(self, load: Load, reason: str, why: FailureReason) -> None:
+        """Hand a load that left the table to vLLM as failed (its blocks in failed_recving)."""
+        load.state = LoadState.FAILED
+        req_id = load.job.req_id
+        # Logged before vLLM can see the request finished, so the reason is in the log by then.
+        log = logger.warning if why == "aborted" and load.cancelled else logger.error
+        log("room=%d req=%s: KV load failed: %s", load.job.room, req_id, reason)
+        self._ctx.stats.fail(why, "recvs_failed")
+        self._ctx.traces.emit(req_id, f"failed:{why}")
         self._ctx.outbox.received(req_id, failed_blocks=list(load.job.dst_block_ids))
 
     def expire(self, now: float) -> None:
         with self._lock:
             timed_out = [load for load in self._loads.values() if load.deadline <= now]
         for load in timed_out:
+            if load.state is LoadState.CANCELLING:
+                with self._lock:
+                    gone = self._loads.pop(load.job.req_id, None)
+                if gone is not None:
+                    self._release(load, f"request aborted; prefill did not answer within {CANCEL_GRACE_S:g} s", "aborted")
+                continue
             self._routes.invalidate(load.job.bootstrap_addr)
             self._fail(load.job.req_id, f"no KV from prefill within {self._cfg.kv_wait_timeout_s:g} s", "timeout")

@@ -98,6 +98,8 @@ class KVTransferManager:
         self.outbox.wait(timeout)
 
     def close(self) -> None:
+        if self.prefill is not None:
+            self.prefill.shutdown()  # D ranks waiting on this rank's rooms fail at once
         self.channel.stop()
         self.pool.shutdown(wait=False)
         self.channel.close()

@@ -160,6 +160,15 @@ class PrefillSide:
             for w in waiting:
                 self._reply(w.req, DoneStatus.ABORTED, "prefill request was aborted")
 
+    def shutdown(self) -> None:
+        """P is going away: every D request still waiting for a prefill is told at once."""
+        with self._lock:
+            waiting = [w for room in self._rooms.values() for w in room.waiting]
+            for room in self._rooms.values():
+                room.waiting = []
+        for w in waiting:
+            self._reply(w.req, DoneStatus.ABORTED, "prefill is shutting down")
+
     def _trace_prefill(self, job: SendJob) -> None:
         trace = self._ctx.traces.get(job.room, job.room, job.req_id)
         if job.arrival_time is not None:
@@ -194,8 +203,11 @@ class PrefillSide:
         accepted = waits = False
         with self._lock:
             room = self._rooms.get(req.room)
+            aborted = room is None and self._closed.get(req.room) is CloseReason.ABORTED
             if room is not None and room.state is not RoomState.AWAITING_PREFILL:
                 accepted = self._accept(room, req)
+            elif aborted:
+                pass  # the prefill was aborted: D's load fails at once
             else:
                 # A closed room may be reused by a new request whose prefill has not finished yet
                 # (a client that sends its own room twice): wait a short grace before refusing.
@@ -206,7 +218,11 @@ class PrefillSide:
                 if room is None:
                     room = self._rooms[req.room] = Room(req.room, RoomState.AWAITING_PREFILL)
                 room.waiting.append(WaitingRequest(req, time.monotonic() + wait_s, closed))
+        if aborted:
+            self._reply(req, DoneStatus.ABORTED, CloseReason.ABORTED.message(self._cfg.room_timeout_s))
+            return
         if not waits:
+            assert room is not None
             self._start_push(room, req, accepted)
             return
         logger.debug(

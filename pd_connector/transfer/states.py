@@ -40,5 +40,6 @@ class LoadState(enum.Enum):
 
     RESOLVING = "resolving"  # handshake running: route lookup, which P ranks to ask
     AWAITING_KV = "awaiting KV"  # requests sent; waiting for TransferDone from every P rank asked
+    CANCELLING = "cancelling"  # vLLM aborted the request: P told to stop; waiting for its last answers
     RECEIVED = "received"
     FAILED = "failed"

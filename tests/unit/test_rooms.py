@@ -5,7 +5,10 @@ test_transfer_manager (real ZMQ, real bootstrap server)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
@@ -115,3 +118,35 @@ def test_cancel_before_decode_asked_frees_the_room_at_once(rig: Rig, first: str)
     p.wait_sent("p-req", timeout=1)
     assert p.idle()
     wait_for(lambda: p.idle(), 1)
+
+
+def test_decode_abort_while_waiting_for_prefill_cancels_on_p(rig: Rig) -> None:  # noqa: F811
+    """vLLM aborted a D request whose KV P has not produced yet: P drops the request and answers, D
+    releases the load as failed within a second (not after kv_wait_timeout_s), nothing lingers."""
+    p = rig.make("prefill", seed=7)
+    d = rig.make("decode")
+    d.mgr.add_recvs([recv_job(rig, "d-req", 35, [4, 5])])
+    wait_for(lambda: p.room_state(35) is RoomState.AWAITING_PREFILL, what="P to hold D's request")
+    t0 = time.monotonic()
+    d.mgr.decode.cancel({"d-req", "some-finished-request"})  # type: ignore[union-attr]
+    d.wait_recv("d-req", timeout=1.5)
+    assert time.monotonic() - t0 < 1.5 and d.failed == {"d-req": [4, 5]}
+    wait_for(p.idle, 1, what="P to drop the cancelled request")
+    p.mgr.add_sends([SendJob("p-req", 35, [1, 2], 2 * BLOCK_SIZE)])  # its prefill ends later: freed at once
+    p.wait_sent("p-req", timeout=1)
+    assert p.idle() and d.idle()
+
+
+def test_decode_abort_before_asking_frees_p_room_at_once(rig: Rig) -> None:  # noqa: F811
+    p = rig.make("prefill", seed=8)
+    d = rig.make("decode")
+    before = snapshot(d.kv)
+    p.mgr.add_sends([SendJob("p-req", 36, [1, 2], 2 * BLOCK_SIZE)])
+    d.mgr.decode.cancel({"d-req"})  # type: ignore[union-attr]  # no load yet: nothing to cancel
+    d.mgr.add_recvs([recv_job(rig, "d-req", 36, [4, 5])])
+    d.mgr.decode.cancel({"d-req"})  # type: ignore[union-attr]
+    d.wait_recv("d-req", timeout=2)
+    p.wait_sent("p-req", timeout=2)
+    assert d.failed == {"d-req": [4, 5]} and p.idle() and d.idle()
+    if p.stats().transfers_ok == 0:  # cancelled before P wrote: D's blocks untouched
+        assert all(torch.equal(d.kv[k], before[k]) for k in d.kv)

@@ -8,10 +8,12 @@ raise `ConfigError` with a message that names the key.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pd_connector.auth import AuthError, load_token
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from pd_connector.peer_sizes import SideSizes, SizesError, parse_sizes
 from pd_connector.platform_transport import default_protocol
@@ -65,6 +67,11 @@ class DisaggConfig:
     decode: SideSizes | None = None
     use_ascend_direct: bool = False
     ascend_local_comm_res_path: str = ""
+    # Control-plane secret (pd_connector.auth): a file or an environment variable holding it.
+    auth_token_file: str = ""
+    auth_token_env: str = ""
+    # Run without a token on a non-loopback address on purpose (no start-up warning).
+    insecure: bool = False
 
     @property
     def is_prefill(self) -> bool:
@@ -96,6 +103,9 @@ _FIELD_TYPES: dict[str, type] = {
     "decode": SideSizes,
     "use_ascend_direct": bool,
     "ascend_local_comm_res_path": str,
+    "auth_token_file": str,
+    "auth_token_env": str,
+    "insecure": bool,
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(DisaggConfig)} - {"mode"}
 
@@ -162,7 +172,21 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
             )
     cfg = DisaggConfig(mode=mode, **values)
     _validate(cfg)
+    try:
+        token_of(cfg)
+    except AuthError as exc:
+        raise ConfigError(str(exc)) from None
     return cfg
+
+
+@functools.lru_cache(maxsize=8)
+def _token(token_file: str, token_env: str) -> bytes | None:
+    return load_token(token_file, token_env)
+
+
+def token_of(cfg: DisaggConfig) -> bytes | None:
+    """The control-plane token of ``cfg`` (read once), None without one."""
+    return _token(cfg.auth_token_file, cfg.auth_token_env)
 
 
 def _validate(cfg: DisaggConfig) -> None:

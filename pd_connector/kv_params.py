@@ -17,6 +17,7 @@ kv_transfer_params P answered. P then makes up the room itself (``new_room``, wh
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +81,7 @@ class DecodeParams:
 
     @property
     def bootstrap_addr(self) -> str:
-        return f"{self.bootstrap_host}:{self.bootstrap_port}"
+        return host_port(self.bootstrap_host, self.bootstrap_port)
 
     def to_json(self) -> dict[str, Any]:
         """The kv_transfer_params a Router sends D (``prefill_dp_rank`` only when known)."""
@@ -94,6 +95,30 @@ class DecodeParams:
         if self.prefill_dp_rank is not None:
             out[PREFILL_DP_RANK] = self.prefill_dp_rank
         return out
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` for a URL (an IPv6 literal in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _check_host(host: object) -> str:
+    """A bootstrap host must be a DNS name or an IP literal (a URL's host part, nothing else)."""
+    if not isinstance(host, str) or not host:
+        raise KVParamsError(f"kv_transfer_params.bootstrap_host must be a non-empty string, got {host!r}")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    ok = len(bare) <= 253 and all(c.isascii() and (c.isalnum() or c in "-._:%") for c in bare)
+    if not ok or (":" in bare and not _is_ipv6(bare)):
+        raise KVParamsError(f"kv_transfer_params.bootstrap_host is not a host name or IP address: {host!r}")
+    return bare
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
 
 
 def _int_field(params: dict[str, Any], key: str, lo: int, hi: int, required: bool = True) -> int | None:
@@ -143,9 +168,7 @@ def parse_kv_params(params: Any, *, room_optional: bool = False) -> PrefillParam
         return PrefillParams(room=_int_field(params, ROOM, 0, MAX_ROOM, required=not room_optional), samples=samples)
     if remote_prefill:
         room = _int_field(params, ROOM, 0, MAX_ROOM)
-        host = params.get(BOOTSTRAP_HOST)
-        if not isinstance(host, str) or not host:
-            raise KVParamsError(f"kv_transfer_params.bootstrap_host must be a non-empty string, got {host!r}")
+        host = _check_host(params.get(BOOTSTRAP_HOST))
         port = _int_field(params, BOOTSTRAP_PORT, 1, 65536)
         dp_rank = _int_field(params, PREFILL_DP_RANK, 0, MAX_DP_RANK, required=False)
         assert room is not None and port is not None

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from pd_connector.kv_params import host_port
+
 
 @dataclass(frozen=True)
 class SendJob:
@@ -43,7 +45,7 @@ class RecvJob:
 
     @property
     def bootstrap_addr(self) -> str:
-        return f"{self.bootstrap_host}:{self.bootstrap_port}"
+        return host_port(self.bootstrap_host, self.bootstrap_port)
 
 
 @dataclass

@@ -16,7 +16,8 @@ import torch
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
-from pd_connector.config import DisaggConfig
+from pd_connector.config import DisaggConfig, token_of
+from pd_connector.kv_params import host_port
 from pd_connector.layout import regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.protocol import RegisterRank
@@ -157,10 +158,10 @@ class PDWorker:
         assert self.manager is not None
         if spec.dp_rank == 0 and spec.tp_rank == 0 and self.cfg.start_bootstrap_server:
             state = BootstrapState(attn_tp_size=spec.tp_size, attn_dp_size=spec.dp_size)
-            self.bootstrap = BootstrapServer(state, self.cfg.local_ip, self.cfg.bootstrap_port)
+            self.bootstrap = BootstrapServer(state, self.cfg.local_ip, self.cfg.bootstrap_port, token_of(self.cfg))
             self.bootstrap.start()
         register_rank(
-            f"{self.cfg.bootstrap_host}:{self.cfg.bootstrap_port}",
+            host_port(self.cfg.bootstrap_host, self.cfg.bootstrap_port),
             RegisterRank(
                 attn_tp_size=spec.tp_size,
                 attn_tp_rank=spec.tp_rank,
@@ -176,6 +177,7 @@ class PDWorker:
             retries=self.cfg.register_retries,
             interval_s=self.cfg.register_interval_s,
             timeout_s=self.cfg.http_timeout_s,
+            token=token_of(self.cfg),
         )
 
     def start_step(self, meta: PDConnectorMetadata) -> None:

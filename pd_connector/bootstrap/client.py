@@ -14,6 +14,7 @@ from collections.abc import Callable
 import httpx
 import msgspec
 
+from pd_connector.auth import bearer
 from pd_connector.protocol import RegisterRank, Route
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,9 @@ class BootstrapBusy(BootstrapError):
     """The bootstrap server is there but slow or not ready yet: worth another try."""
 
 
-def register_rank(addr: str, info: RegisterRank, retries: int, interval_s: float, timeout_s: float) -> bool:
+def register_rank(
+    addr: str, info: RegisterRank, retries: int, interval_s: float, timeout_s: float, token: bytes | None = None
+) -> bool:
     """PUT this rank into the rank table, retrying while the server comes up.
 
     Returns False (after logging an error) if every try failed: a late rank
@@ -39,7 +42,11 @@ def register_rank(addr: str, info: RegisterRank, retries: int, interval_s: float
     for attempt in range(1, retries + 1):
         try:
             resp = httpx.put(
-                url, content=body, headers={"content-type": "application/json"}, timeout=timeout_s, trust_env=False
+                url,
+                content=body,
+                headers={"content-type": "application/json", **bearer(token)},
+                timeout=timeout_s,
+                trust_env=False,
             )
             if resp.status_code == 200:
                 logger.info(
@@ -60,12 +67,13 @@ def register_rank(addr: str, info: RegisterRank, retries: int, interval_s: float
     return False
 
 
-def register_dp_rank(addr: str, room: int, dp_rank: int, timeout_s: float) -> None:
+def register_dp_rank(addr: str, room: int, dp_rank: int, timeout_s: float, token: bytes | None = None) -> None:
     """Tell the bootstrap server which DP rank serves `room` (P side, DP > 1)."""
     try:
         resp = httpx.post(
             f"http://{addr}/bootstrap/register_dp_rank",
             json={"bootstrap_room": room, "dp_rank": dp_rank},
+            headers=bearer(token),
             timeout=timeout_s,
             trust_env=False,
         )
@@ -84,8 +92,13 @@ class RouteCache:
     """GET /bootstrap/route per prefill deployment, cached for ``ttl_s`` or until invalidated."""
 
     def __init__(
-        self, timeout_s: float, ttl_s: float = ROUTE_TTL_S, clock: Callable[[], float] = time.monotonic
+        self,
+        timeout_s: float,
+        ttl_s: float = ROUTE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+        token: bytes | None = None,
     ) -> None:
+        self._headers = bearer(token)
         self._timeout = timeout_s
         self._ttl = ttl_s
         self._clock = clock  # tests age entries by hand
@@ -98,7 +111,9 @@ class RouteCache:
         if cached is not None and cached[0] > self._clock():
             return cached[1]
         try:
-            resp = httpx.get(f"http://{addr}/bootstrap/route", timeout=self._timeout, trust_env=False)
+            resp = httpx.get(
+                f"http://{addr}/bootstrap/route", headers=self._headers, timeout=self._timeout, trust_env=False
+            )
         except httpx.TimeoutException as exc:
             raise BootstrapBusy(f"bootstrap server {addr} did not answer in time: {exc!r}") from None
         except httpx.HTTPError as exc:
@@ -127,6 +142,7 @@ class RouteCache:
             resp = httpx.post(
                 f"http://{addr}/bootstrap/query_dp_ranks",
                 json={"bootstrap_rooms": [room]},
+                headers=self._headers,
                 timeout=self._timeout,
                 trust_env=False,
             )

@@ -12,12 +12,14 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pd_connector.auth import AUTH_HEADER, check_bearer
 from pd_connector.protocol import RankInfo, RegisterRank, Route, rank_key
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class BootstrapState:
     model: str = ""
     rank_table: dict[tuple[int, int, int], RankInfo] = field(default_factory=dict)
     room_to_dp_rank: dict[int, int] = field(default_factory=dict)
+    refused: int = 0  # calls refused for a missing or wrong token
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -120,9 +123,27 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def create_app(state: BootstrapState) -> FastAPI:
-    """The bootstrap HTTP API (JSON bodies; bad JSON -> 400 with a message)."""
+def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
+    """The bootstrap HTTP API (JSON bodies; bad JSON -> 400 with a message).
+
+    With ``token`` (pd_connector.auth), every call but ``/bootstrap/health`` must carry it as a
+    bearer token; one without it gets 401 and a log line naming the caller (``refused`` counts them).
+    """
     app = FastAPI(title="PDConnector bootstrap")
+
+    @app.middleware("http")
+    async def _check_token(request: Request, call_next: Any) -> Response:
+        if request.url.path != "/bootstrap/health" and not check_bearer(token, request.headers.get(AUTH_HEADER)):
+            state.refused += 1
+            peer = f"{request.client.host}:{request.client.port}" if request.client else "unknown"
+            logger.warning("bootstrap: refusing %s %s from %s: missing or wrong token", request.method, request.url.path, peer)
+            return _error(401, "missing or wrong PDConnector auth token")
+        return await call_next(request)
+
+    @app.exception_handler(_BadRequest)
+    async def _on_bad_request(request: Request, exc: _BadRequest) -> JSONResponse:
+        logger.warning("bootstrap: %s %s: HTTP 400 %s", request.method, request.url.path, exc)
+        return _error(400, str(exc))
 
     async def body_as(request: Request, typ: type) -> object:
         raw = await request.body()
@@ -133,8 +154,6 @@ def create_app(state: BootstrapState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _on_error(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, _BadRequest):
-            return _error(400, str(exc))
         logger.exception("bootstrap: %s %s failed", request.method, request.url.path)
         return _error(500, f"internal error: {exc}")
 
@@ -199,16 +218,18 @@ class _BadRequest(Exception):
 class BootstrapServer:
     """Runs the bootstrap app with uvicorn in a daemon thread."""
 
-    def __init__(self, state: BootstrapState, host: str, port: int) -> None:
+    def __init__(self, state: BootstrapState, host: str, port: int, token: bytes | None = None) -> None:
         self.state = state
         self.host, self.port = host, port
-        config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False)
+        app = create_app(state, token)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     def start(self, timeout: float = 10.0) -> None:
         # Fail fast with a clear message if the port is taken (uvicorn would only log it).
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((self.host, self.port))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import zmq
 
+from pd_connector import auth
 from pd_connector import protocol as proto
 from pd_connector.transfer.stats import TransferStats
 
@@ -31,15 +32,19 @@ class Channel:
         stats: TransferStats,
         on_message: Callable[[proto.Message], None],
         on_tick: Callable[[float], None],
+        token: bytes | None = None,
     ) -> None:
         self._stats = stats
+        self._token = token  # frames are HMAC-signed with it (pd_connector.auth)
         self._on_message = on_message
         self._on_tick = on_tick
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self.port = self._pull.bind_to_random_port("tcp://0.0.0.0")
-        self.endpoint = f"tcp://{local_ip}:{self.port}"
+        self._pull.setsockopt(zmq.IPV6, 1)
+        # Only the address peers are told about: never every interface.
+        self.port = self._pull.bind_to_random_port(f"tcp://{zmq_host(local_ip)}")
+        self.endpoint = f"tcp://{zmq_host(local_ip)}:{self.port}"
         self._push: dict[str, zmq.Socket] = {}
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
@@ -54,13 +59,14 @@ class Channel:
 
     def send(self, endpoint: str, msg: proto.Message) -> None:
         """Queue ``msg`` to ``endpoint`` without blocking (a full queue drops it, logged)."""
-        frame = proto.encode(msg)
+        frame = auth.sign(self._token, proto.encode(msg))
         with self._push_lock:
             sock = self._push.get(endpoint)
             if sock is None:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+                sock.setsockopt(zmq.IPV6, 1)
                 sock.connect(endpoint)
                 self._push[endpoint] = sock
             try:
@@ -104,9 +110,35 @@ class Channel:
 
     def _on_frame(self, frame: bytes) -> None:
         try:
+            frame = auth.verify(self._token, frame)
+        except auth.AuthError as exc:
+            self._stats.inc("auth_refused")
+            logger.warning("refusing ZMQ frame on %s from %s: %s", self.endpoint, _claimed_sender(frame), exc)
+            return
+        try:
             msg = proto.decode(frame)
         except proto.ProtocolError as exc:
             self._stats.inc("bad_frames")
             logger.warning("dropping malformed ZMQ frame on %s: %s", self.endpoint, exc)
             return
         self._on_message(msg)
+
+
+def zmq_host(ip: str) -> str:
+    """An IP as a ZMQ tcp endpoint host (IPv6 literals in brackets)."""
+    return f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
+
+
+def _claimed_sender(frame: bytes) -> str:
+    """Who a refused frame says it is from (unverified: for the log line only)."""
+    for start in (auth.MAC_BYTES, 0):
+        try:
+            msg = proto.decode(frame[start:])
+        except proto.ProtocolError:
+            continue
+        if isinstance(msg, proto.PeerHello):
+            return f"peer {msg.peer_id} ({msg.endpoint})"
+        if isinstance(msg, proto.TransferRequest):
+            return f"peer {msg.peer_id} (room={msg.room} req={msg.request_id})"
+        return f"a {type(msg).__name__} (room={msg.room} req={msg.request_id})"
+    return "an unknown sender"

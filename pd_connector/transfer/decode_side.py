@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache
 from pd_connector.compat import route_mismatch
-from pd_connector.config import PREFILL
+from pd_connector.config import PREFILL, token_of
 from pd_connector.layout import LayoutError
 from pd_connector.metadata import RecvJob
 from pd_connector.peer_sizes import sizes_mismatch
 from pd_connector.protocol import DoneStatus
 from pd_connector.tp_mapping import decode_contacts
+from pd_connector.transfer.channel import zmq_host
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason, reason_of_status
@@ -63,7 +64,7 @@ class DecodeSide:
         self._loads: dict[str, Load] = {}
         self._hello_sent: set[str] = set()
         self._hello_lock = threading.Lock()
-        self._routes = RouteCache(self._cfg.http_timeout_s)
+        self._routes = RouteCache(self._cfg.http_timeout_s, token=token_of(self._cfg))
 
     def add_recvs(self, jobs: Sequence[RecvJob]) -> None:
         """Start fetching these requests' KV (the handshake runs off the step loop)."""
@@ -162,7 +163,7 @@ class DecodeSide:
             info = route.rank(dp_rank, 0, tp)
             if info is None:
                 raise BootstrapError(f"prefill rank dp={dp_rank} tp={tp} is not registered at {job.bootstrap_addr}")
-            endpoints.append(f"tcp://{info.rank_ip}:{info.rank_port}")
+            endpoints.append(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")
         return endpoints
 
     def _route_with_retries(self, job: RecvJob) -> proto.Route:

@@ -9,11 +9,12 @@ after ``close()``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Sequence
 
 from pd_connector import protocol as proto
-from pd_connector.config import DisaggConfig
+from pd_connector.config import DisaggConfig, token_of
 from pd_connector.layout import Region
 from pd_connector.metadata import RecvJob, SendJob
 from pd_connector.trace import TraceBook, make_tracer
@@ -48,7 +49,7 @@ class KVTransferManager:
         self.traces = TraceBook(cfg.mode, make_tracer(otlp_traces_endpoint) if lead else None, enabled=lead)
         self.outbox = Outbox()
         self.pool = TaskPool(cfg.transfer_threads)
-        self.channel = Channel(cfg.local_ip, self.stats, self._on_message, self._on_tick)
+        self.channel = Channel(cfg.local_ip, self.stats, self._on_message, self._on_tick, token_of(cfg))
         self.endpoint = self.channel.endpoint
         self.rank_port = self.channel.port
         self.peer_id = f"{cfg.local_ip}:{self.rank_port}/dp{spec.dp_rank}/tp{spec.tp_rank}"
@@ -59,6 +60,12 @@ class KVTransferManager:
         self.decode = DecodeSide(ctx, backend.descriptor, self.peer_id, self.endpoint) if cfg.is_decode else None
         self.channel.start()
         logger.info("KV transfer manager (%s) listening on %s, peer %s", cfg.mode, self.endpoint, self.peer_id)
+        if token_of(cfg) is None and not cfg.insecure and not ipaddress.ip_address(cfg.local_ip).is_loopback:
+            logger.warning(
+                "PDConnector's control plane (ZMQ on %s, bootstrap calls) runs WITHOUT a token on a non-loopback "
+                "address: set kv_connector_extra_config.auth_token_file or auth_token_env (or insecure: true)",
+                cfg.local_ip,
+            )
 
     # ------------------------------------------------------------ public API
 

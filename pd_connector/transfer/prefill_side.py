@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import register_dp_rank
+from pd_connector.config import token_of
+from pd_connector.kv_params import host_port
 from pd_connector.layout import LayoutError
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
@@ -140,8 +142,9 @@ class PrefillSide:
             logger.debug("room=%d req=%s: prefill done, %d blocks ready", job.room, job.req_id, len(job.block_ids))
             if self._spec.dp_size > 1 and self._spec.tp_rank == 0:
                 # D ranks told no prefill_dp_rank look the room up on the bootstrap server.
-                addr = f"{self._cfg.bootstrap_host}:{self._cfg.bootstrap_port}"
-                self._ctx.submit(register_dp_rank, addr, job.room, self._spec.dp_rank, self._cfg.http_timeout_s)
+                addr = host_port(self._cfg.bootstrap_host, self._cfg.bootstrap_port)
+                timeout, token = self._cfg.http_timeout_s, token_of(self._cfg)
+                self._ctx.submit(register_dp_rank, addr, job.room, self._spec.dp_rank, timeout, token)
             for w in waiting:
                 with self._lock:
                     accepted = self._accept(ready, w.req)

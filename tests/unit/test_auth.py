@@ -1,0 +1,143 @@
+"""The control-plane token (issue 9 P3) and input checks (P4): signed ZMQ frames, bootstrap calls
+with a bearer token, one log line for a 400, host names checked."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from pd_connector import auth
+from pd_connector import protocol as proto
+from pd_connector.bootstrap.client import RouteCache, register_rank
+from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
+from pd_connector.config import ConfigError, parse_config, token_of
+from pd_connector.kv_params import KVParamsError, host_port, parse_kv_params
+from pd_connector.metadata import SendJob
+from pd_connector.protocol import RegisterRank
+
+from .conftest import HOST, free_port, wait_for
+from .test_transfer_manager import (  # noqa: F401 - fixtures
+    BLOCK_SIZE,
+    Rig,
+    backend_name,
+    backend_pool,
+    engines,
+    recv_job,
+)
+
+TOKEN = "s3cret-token-for-the-tests-0123"
+
+
+def test_token_from_file_or_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    assert token_of(parse_config("kv_producer", {"auth_token_file": str(path)})) == TOKEN.encode()
+    monkeypatch.setenv("PD_TOKEN_T", TOKEN)
+    assert token_of(parse_config("kv_consumer", {"auth_token_env": "PD_TOKEN_T"})) == TOKEN.encode()
+    assert token_of(parse_config("kv_consumer", {})) is None
+    with pytest.raises(ConfigError, match="cannot be read"):
+        parse_config("kv_producer", {"auth_token_file": str(tmp_path / "missing")})
+    monkeypatch.setenv("PD_TOKEN_SHORT", "x")
+    with pytest.raises(ConfigError, match="shorter than 16"):
+        parse_config("kv_producer", {"auth_token_env": "PD_TOKEN_SHORT"})
+
+
+def test_frames_are_signed_and_checked() -> None:
+    key = TOKEN.encode()
+    frame = auth.sign(key, b"payload")
+    assert auth.verify(key, frame) == b"payload"
+    assert auth.sign(None, b"x") == b"x" and auth.verify(None, b"x") == b"x"
+    for bad in (b"payload", frame[:-1] + b"!", auth.sign(b"another-token-0123456", b"payload")):
+        with pytest.raises(auth.AuthError):
+            auth.verify(key, bad)
+    assert auth.check_bearer(key, f"Bearer {TOKEN}") and not auth.check_bearer(key, None)
+    assert not auth.check_bearer(key, "Bearer wrong")
+
+
+@pytest.fixture
+def token_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    monkeypatch.setenv("PD_TOKEN_RIG", TOKEN)
+    return {"auth_token_env": "PD_TOKEN_RIG"}
+
+
+@pytest.fixture
+def secure_server() -> BootstrapServer:
+    server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), HOST, free_port(), TOKEN.encode())
+    server.start()
+    yield server  # type: ignore[misc]
+    server.stop()
+
+
+def test_bootstrap_calls_without_the_token_are_refused(
+    secure_server: BootstrapServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    base = f"http://{HOST}:{secure_server.port}"
+    info = RegisterRank(1, 0, 1, 0, HOST, 1234, 16, "float16", num_layers=2)
+    with caplog.at_level(logging.WARNING, logger="pd_connector"):
+        assert not register_rank(f"{HOST}:{secure_server.port}", info, retries=1, interval_s=0.01, timeout_s=5)
+        assert httpx.get(f"{base}/bootstrap/route", trust_env=False).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert httpx.get(f"{base}/bootstrap/route", headers=wrong, trust_env=False).status_code == 401
+    assert "missing or wrong token" in caplog.text and HOST in caplog.text
+    assert secure_server.state.refused == 3
+    assert httpx.get(f"{base}/bootstrap/health", trust_env=False).status_code == 200
+    key = TOKEN.encode()
+    assert register_rank(f"{HOST}:{secure_server.port}", info, retries=1, interval_s=0.01, timeout_s=5, token=key)
+    assert RouteCache(5, token=key).get(f"{HOST}:{secure_server.port}").rank(0, 0, 0) is not None
+
+
+def test_a_bad_bootstrap_body_is_one_log_line(secure_server: BootstrapServer, caplog: pytest.LogCaptureFixture) -> None:
+    url = f"http://{HOST}:{secure_server.port}/bootstrap/register_rank"
+    with caplog.at_level(logging.WARNING):
+        resp = httpx.put(url, content=b"\x00garbage", headers=auth.bearer(TOKEN.encode()), trust_env=False)
+    assert resp.status_code == 400 and "RegisterRank" in resp.json()["error"]
+    lines = [r for r in caplog.records if "register_rank" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None and "Traceback" not in caplog.text
+
+
+def test_transfer_with_a_token_and_unsigned_frames_refused(
+    engines, token_env: dict[str, str], secure_server: BootstrapServer  # noqa: F811
+) -> None:
+    rig = Rig(secure_server, engines)
+    try:
+        p = rig.make("prefill", seed=1, register=False, **token_env)
+        info = RegisterRank(1, 0, 1, 0, HOST, p.mgr.rank_port, BLOCK_SIZE, "float16", num_layers=2)
+        assert register_rank(f"{HOST}:{rig.bport}", info, 1, 0.01, 5, token=TOKEN.encode())
+        d = rig.make("decode", **token_env)
+        p.mgr.add_sends([SendJob("p-req", 71, [1, 2], 2 * BLOCK_SIZE)])
+        d.mgr.add_recvs([recv_job(rig, "d-req", 71, [3, 4])])
+        d.wait_recv("d-req")
+        assert d.failed == {}
+        # A spoofed, unsigned frame (a cancel of a live room) is refused and counted.
+        p.mgr.add_sends([SendJob("p-req-2", 72, [5], BLOCK_SIZE)])
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(p.mgr.endpoint)
+        sock.send(msgspec.msgpack.encode(proto.TransferCancel(room=72, request_id="x")))
+        sock.send(b"garbage")
+        wait_for(lambda: p.stats().auth_refused == 2, 5, what="both frames refused")
+        sock.close()
+        assert p.room_state(72) is not None  # the spoofed cancel did nothing
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("host", ["a\x00b", "evil host", "h/../x", "::zz", "x" * 300, ""])
+def test_garbage_bootstrap_host_is_named(host: str) -> None:
+    params = {"do_remote_prefill": True, "bootstrap_room": 1, "bootstrap_host": host, "bootstrap_port": 1}
+    with pytest.raises(KVParamsError, match="bootstrap_host"):
+        parse_kv_params(params)
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]", "fe80::1%eth0"])
+def test_ipv6_bootstrap_hosts_make_urls_with_brackets(host: str) -> None:
+    params = {"do_remote_prefill": True, "bootstrap_room": 1, "bootstrap_host": host, "bootstrap_port": 18800}
+    parsed = parse_kv_params(params)
+    assert parsed.bootstrap_addr.startswith("[") and parsed.bootstrap_addr.endswith("]:18800")  # type: ignore[union-attr]
+    assert host_port("10.0.0.1", 5) == "10.0.0.1:5"

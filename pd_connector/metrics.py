@@ -123,15 +123,10 @@ def _per_engine(metric: Any, per_engine_labelvalues: dict[int, list[object]], *e
 class PDPromMetrics(KVConnectorPromMetrics):
     """PDConnector's Prometheus metrics; ``observe`` gets one aggregated interval dict per call."""
 
-    def __init__(
-        self,
-        vllm_config: Any,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        engines = self.per_engine_labelvalues
+    def __init__(self, *args: Any) -> None:
+        """Takes ``build_prom_metrics``'s arguments: vllm_config, metric_types, labelnames, per-engine labels."""
+        super().__init__(*args)
+        engines, labelnames = self.per_engine_labelvalues, self._labelnames
 
         def counter(key: str, doc: str) -> dict[int, Any]:
             return _per_engine(

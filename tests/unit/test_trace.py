@@ -11,16 +11,8 @@ import pytest
 from pd_connector.metadata import SendJob
 from pd_connector.trace import PHASES, PhaseTrace, TraceBook, export_spans, parse_trace_line
 
-from .test_transfer_manager import (  # noqa: F401 - fixtures
-    BLOCK_SIZE,
-    Rig,
-    backend_name,
-    backend_pool,
-    bootstrap,
-    engines,
-    recv_job,
-    rig,
-)
+from . import test_transfer_manager as tm
+from .test_transfer_manager import backend_name, backend_pool, bootstrap, engines, rig  # noqa: F401 - fixtures
 
 
 def test_line_format_round_trips() -> None:
@@ -97,7 +89,7 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_transfer_between_managers_traces_and_counts(rig: Rig) -> None:  # noqa: F811 - the fixture
+def test_transfer_between_managers_traces_and_counts(rig: tm.Rig) -> None:  # noqa: F811 - the fixture
     handler = Lines()
     log = logging.getLogger("pd_connector.trace")
     log.addHandler(handler)
@@ -105,8 +97,8 @@ def test_transfer_between_managers_traces_and_counts(rig: Rig) -> None:  # noqa:
         p = rig.make("prefill", seed=3)
         d = rig.make("decode")
         room, dst, src = 991, [5, 6, 7], [1, 2, 3]
-        d.mgr.add_recvs([recv_job(rig, "req-d", room, dst)])
-        p.mgr.add_sends([SendJob("req-p", room, src, BLOCK_SIZE * len(src), 1.0, None, None)])
+        d.mgr.add_recvs([tm.recv_job(rig, "req-d", room, dst)])
+        p.mgr.add_sends([SendJob("req-p", room, src, tm.BLOCK_SIZE * len(src), 1.0, None, None)])
         d.wait_recv("req-d")
         p.wait_sent("req-p")
         d.mgr.mark_scheduled({"req-d": 9e9})

@@ -28,10 +28,12 @@ setup(
             "torch==2.13.0+cpu",
             "mooncake-transfer-engine-non-cuda==0.3.13.post1",
         ],
-        # Ascend NPUs: vLLM + vLLM-Ascend and Mooncake's NPU build (ascend transport).
+        # Ascend NPUs: exactly what vLLM-Ascend 0.23.0.post1 validates (its versioning policy:
+        # vLLM v0.23.0, Mooncake v0.3.11.post1), Mooncake's NPU build for the ascend transport.
         "ascend": [
-            "vllm-ascend>=0.23.0",
-            "mooncake-transfer-engine-npu>=0.3.13",
+            "vllm==0.23.0",
+            "vllm-ascend==0.23.0.post1",
+            "mooncake-transfer-engine-npu==0.3.11.post1",
         ],
         "test": [
             "pytest>=8",

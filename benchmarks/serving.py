@@ -17,8 +17,8 @@ SLOs: TTFT <= --slo-ttft-ms, TPOT <= --slo-tpot-ms). Ratios ours/colocated and
 ours/vllm_mooncake per rate. One JSON object on stdout, progress on stderr, a PNG of TTFT and
 TPOT against rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
 
-    python benchmarks/serving.py            # ~8 minutes on 2 cores
-    python benchmarks/serving.py --quick    # ~2-3 minutes: 2 rates, short traces
+    python benchmarks/serving.py            # ~9 minutes on 2 cores (~90 s start-up per system)
+    python benchmarks/serving.py --quick    # ~6-7 minutes: 2 rates, 10 s traces
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model directory (default: build the reference-shape tiny Llama)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    p.add_argument("--rates", type=float, nargs="+", help="request rates (req/s); default 0.5 1 1.5 (quick: 0.5 1.5)")
+    p.add_argument("--rates", type=float, nargs="+", help="request rates (req/s); default 0.2 0.4 0.6 (quick: 0.25 0.5)")
     p.add_argument("--duration", type=float, help="seconds of arrivals per rate (default 30; quick 10)")
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=2000)
     p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--p-cpus", default="0", help="cores of P (and of colocated instance a)")
     p.add_argument("--d-cpus", default="1", help="cores of D (and of colocated instance b)")
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", type=Path, help="process logs (default: a temporary folder)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
-    args.rates = args.rates or ([0.5, 1.5] if args.quick else [0.5, 1.0, 1.5])
+    args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.2, 0.4, 0.6])
     args.duration = args.duration or (10.0 if args.quick else 30.0)
     return args
 

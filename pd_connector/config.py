@@ -55,6 +55,9 @@ class DisaggConfig:
     transfer_threads: int = 4
     # Largest batch of (src, dst, len) entries handed to the backend in one call.
     max_batch_entries: int = 1024
+    # Bytes of the buffer that reshuffles heads for mixed TP on token-major (NHD) KV, allocated beside
+    # the KV on first use (transfer.nhd_reshuffle); 0: no reshuffling, mixed TP on NHD is refused.
+    staging_bytes: int = 64 << 20
     # Start the bootstrap server in this instance's leader (P only).
     start_bootstrap_server: bool = True
     # P: this instance's data-parallel rank and the deployment's DP size, when vLLM does
@@ -96,6 +99,7 @@ _FIELD_TYPES: dict[str, type] = {
     "http_timeout_s": float,
     "transfer_threads": int,
     "max_batch_entries": int,
+    "staging_bytes": int,
     "start_bootstrap_server": bool,
     "dp_rank": int,
     "dp_size": int,
@@ -220,6 +224,8 @@ def _validate(cfg: DisaggConfig) -> None:
         raise ConfigError(f"kv_connector_extra_config.dp_size must be >= 1, got {cfg.dp_size}")
     if cfg.dp_rank != -1 and not 0 <= cfg.dp_rank < (cfg.dp_size if cfg.dp_size != -1 else 1 << 16):
         raise ConfigError(f"kv_connector_extra_config.dp_rank must be in 0..dp_size-1, got {cfg.dp_rank}")
+    if cfg.staging_bytes < 0:
+        raise ConfigError(f"kv_connector_extra_config.staging_bytes must be >= 0, got {cfg.staging_bytes}")
     if not 1 <= cfg.max_batch_entries <= 1024:
         raise ConfigError(
             f"kv_connector_extra_config.max_batch_entries must be in 1..1024 (Mooncake's per-peer queue), "

@@ -31,6 +31,7 @@ class PeerHello(msgspec.Struct, tag="hello", frozen=True):
     local_kv_heads: int = 1  # KV heads in this rank's blocks
     use_mla: bool = False
     heads_outermost: bool = True  # a run of heads is one byte range per block
+    token_major: bool = False  # [blocks, block_size, heads, dim] with a staging buffer (nhd_reshuffle)
 
 
 class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):

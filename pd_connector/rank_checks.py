@@ -56,9 +56,10 @@ def local_rank() -> int:
 
 
 def check_kv_memory(cfg: DisaggConfig, kv_caches: Mapping[str, Any], ranges: Sequence[tuple[int, int]]) -> None:
-    """The transport must reach the KV's memory and take this many regions."""
+    """The transport must reach the KV's memory and take this many regions (P: plus its staging buffer)."""
+    staging = 1 if cfg.is_prefill and cfg.staging_bytes else 0
     problem = transport_problem(cfg.protocol, kv_device_types(kv_caches)) or region_limit_problem(
-        cfg.protocol, len(ranges)
+        cfg.protocol, len(ranges) + staging
     )
     if problem is not None:
         raise RankSetupError(problem)

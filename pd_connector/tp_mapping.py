@@ -36,7 +36,9 @@ major": vLLM CPU ``[num_blocks, heads, block_size, 2*head_dim]``, CUDA HND
 ``[2, num_blocks, heads, block_size, head_dim]``). vLLM-Ascend's
 ``[num_blocks, block_size, heads, head_dim]`` (NHD) puts heads inside tokens: a
 head slice there would be one transfer per token, so a plan that splits heads
-is refused for it (the transfer manager checks :func:`is_head_major` at the handshake). Plans that copy whole blocks
+goes through ``transfer.nhd_reshuffle`` instead (heads regrouped with torch ops in
+a staging buffer, one byte range per block and slice) or, without it, is refused
+at the handshake (:func:`is_head_major`). Plans that copy whole blocks
 (equal TP, MLA, both sides down to one replicated head) work with any layout.
 
 Everything here is pure: no I/O, no tensors touched.

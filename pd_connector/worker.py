@@ -25,6 +25,7 @@ from pd_connector.rank_checks import prepare_rank
 from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
+from pd_connector.transfer.nhd_reshuffle import NhdReshuffle, token_major_views
 from pd_connector.transfer.registry import create_backend
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ class PDWorker:
         ranges = prepare_rank(self.cfg, kv_caches, tp_size, self.vllm_config.parallel_config.data_parallel_size)
         self.backend = create_backend(self.cfg)
         self.backend.register(ranges)
+        reshuffle = self._nhd_reshuffle(kv_caches, num_blocks, local, use_mla)
         spec = RankSpec(
             tp_rank=tp_rank,
             tp_size=tp_size,
@@ -139,12 +141,28 @@ class PDWorker:
             local_kv_heads=local,
             use_mla=use_mla,
             heads_outermost=_heads_outermost(kv_caches, num_blocks, local),
+            token_major=reshuffle is not None,
             model=model_fingerprint(self.vllm_config),
         )
         otlp = getattr(self.vllm_config.observability_config, "otlp_traces_endpoint", None)
-        self.manager = KVTransferManager(self.cfg, spec, regions, self.backend, otlp_traces_endpoint=otlp)
+        self.manager = KVTransferManager(
+            self.cfg, spec, regions, self.backend, otlp_traces_endpoint=otlp, reshuffle=reshuffle
+        )
         if self.cfg.is_prefill:
             self._join_prefill_deployment(spec)
+
+    def _nhd_reshuffle(
+        self, kv_caches: dict[str, Any], num_blocks: int, local: int, use_mla: bool
+    ) -> NhdReshuffle | None:
+        """Head reshuffling for mixed TP when the KV is token major (vLLM-Ascend NHD), else None."""
+        if use_mla or not self.cfg.staging_bytes or (local > 1 and _heads_outermost(kv_caches, num_blocks, local)):
+            return None  # head-major KV moves head slices as byte ranges already
+        views = token_major_views(kv_caches, num_blocks, self.block_size, local)
+        if not views:
+            return None
+        backend = self.backend
+        assert backend is not None
+        return NhdReshuffle(views, self.cfg.staging_bytes, lambda addr, n: backend.register([(addr, n)]))
 
     def _num_blocks(self, kv_caches: dict[str, Any]) -> int:
         if self.kv_cache_config is not None and getattr(self.kv_cache_config, "num_blocks", 0):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pd_connector import protocol as proto
 from pd_connector.config import DisaggConfig
@@ -11,6 +12,9 @@ from pd_connector.layout import Region
 from pd_connector.trace import TraceBook
 from pd_connector.transfer.outbox import Outbox
 from pd_connector.transfer.stats import TransferStats
+
+if TYPE_CHECKING:
+    from pd_connector.transfer.nhd_reshuffle import NhdReshuffle
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class RankSpec:
     local_kv_heads: int = 1
     use_mla: bool = False
     heads_outermost: bool = True
+    # KV parts are [blocks, block_size, heads, dim] and a staging buffer is set up: mixed TP goes
+    # through transfer.nhd_reshuffle.
+    token_major: bool = False
     model: str = ""  # compat.model_fingerprint; "" skips the model check
 
     @property
@@ -48,3 +55,4 @@ class RankContext:
     stats: TransferStats
     outbox: Outbox
     traces: TraceBook  # this side's phase traces (pd_connector.trace); logged by TP rank 0 only
+    reshuffle: NhdReshuffle | None = None  # token-major KV with a staging buffer (mixed TP on NHD)

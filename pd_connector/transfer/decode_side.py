@@ -23,9 +23,10 @@ from pd_connector.layout import LayoutError
 from pd_connector.metadata import RecvJob
 from pd_connector.peer_sizes import sizes_mismatch
 from pd_connector.protocol import DoneStatus
-from pd_connector.tp_mapping import decode_contacts
+from pd_connector.tp_mapping import HeadSlice, decode_contacts
 from pd_connector.transfer.channel import zmq_host
 from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.nhd_reshuffle import plan_slices
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason, reason_of_status
 
@@ -46,6 +47,7 @@ class Load:
     handshake_s: float | None = None  # from add_recvs to the request sent to every P rank
     cancelled: bool = False  # vLLM aborted the request (RESOLVING: cancel once P's ranks are known)
     answered: set[int] = field(default_factory=set)  # CANCELLING: P tp ranks that answered
+    slices: list[HeadSlice] = field(default_factory=list)  # token-major KV: the plan to reformat by
 
     @property
     def complete(self) -> bool:
@@ -94,7 +96,7 @@ class DecodeSide:
 
     def _start(self, job: RecvJob) -> None:
         try:
-            endpoints = self._resolve(job)
+            endpoints, p_tp = self._resolve(job)
         except (BootstrapError, LayoutError) as exc:
             self._routes.invalidate(job.bootstrap_addr)
             self._fail(job.req_id, str(exc), "mismatch" if isinstance(exc, LayoutError) else "peer_lost")
@@ -124,6 +126,8 @@ class DecodeSide:
             return
         with self._lock:
             load.endpoints = endpoints
+            if self._ctx.reshuffle is not None:  # the parts of D's blocks P's ranks write (nhd_reshuffle)
+                load.slices = plan_slices(self._spec, p_tp, self._spec.tp_size, self._spec.tp_rank, job.room)
             load.state = LoadState.AWAITING_KV
             load.handshake_s = time.monotonic() - load.started
         for endpoint in endpoints:
@@ -135,7 +139,7 @@ class DecodeSide:
         self._ctx.traces.get(job.req_id, job.room).mark("asked_p")
         logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, endpoints, len(job.dst_block_ids))
 
-    def _resolve(self, job: RecvJob) -> list[str]:
+    def _resolve(self, job: RecvJob) -> tuple[list[str], int]:
         """ZMQ endpoints of the P ranks that hold this rank's part of the room."""
         route = self._route_with_retries(job)
         spec = self._spec
@@ -164,7 +168,7 @@ class DecodeSide:
             if info is None:
                 raise BootstrapError(f"prefill rank dp={dp_rank} tp={tp} is not registered at {job.bootstrap_addr}")
             endpoints.append(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")
-        return endpoints
+        return endpoints, route.attn_tp_size
 
     def _route_with_retries(self, job: RecvJob) -> proto.Route:
         """P's topology; a busy or still-starting prefill gets a few more tries within the KV wait."""
@@ -209,6 +213,7 @@ class DecodeSide:
             local_kv_heads=spec.local_kv_heads,
             use_mla=spec.use_mla,
             heads_outermost=spec.heads_outermost,
+            token_major=spec.token_major,
         )
 
     # ------------------------------------------------------------- outcomes
@@ -269,10 +274,28 @@ class DecodeSide:
                 return
             del self._loads[done.request_id]
             load.state = LoadState.RECEIVED
+        if len(load.slices) > 1:  # several P ranks wrote parts of each block: permute first
+            self._ctx.submit(self._reformat_then_publish, load)
+            return
+        self._publish_received(load)
+
+    def _reformat_then_publish(self, load: Load) -> None:
+        job = load.job
+        assert self._ctx.reshuffle is not None
+        try:
+            self._ctx.reshuffle.reformat(job.dst_block_ids, load.slices)
+        except Exception:  # noqa: BLE001 - the blocks are unusable; vLLM recomputes or fails
+            logger.exception("room=%d req=%s: KV load failed: reformatting the received blocks", job.room, job.req_id)
+            self._ctx.outbox.received(job.req_id, failed_blocks=list(job.dst_block_ids))
+            return
+        self._publish_received(load)
+
+    def _publish_received(self, load: Load) -> None:
+        done = load.job
         self._ctx.stats.observe_recv(len(load.job.dst_block_ids) * self._block_bytes, load.handshake_s)
-        self._ctx.traces.get(done.request_id, done.room).mark("kv_ready")
-        logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.request_id, len(load.job.dst_block_ids))
-        self._ctx.outbox.received(done.request_id)
+        self._ctx.traces.get(done.req_id, done.room).mark("kv_ready")
+        logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.req_id, len(done.dst_block_ids))
+        self._ctx.outbox.received(done.req_id)
 
     @property
     def _block_bytes(self) -> int:

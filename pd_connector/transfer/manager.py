@@ -9,6 +9,7 @@ after ``close()``.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.channel import Channel
 from pd_connector.transfer.context import RankContext, RankSpec
 from pd_connector.transfer.decode_side import DecodeSide
+from pd_connector.transfer.nhd_reshuffle import NhdReshuffle
 from pd_connector.transfer.outbox import Outbox
 from pd_connector.transfer.prefill_side import PrefillSide
 from pd_connector.transfer.stats import TransferStats
@@ -40,6 +42,7 @@ class KVTransferManager:
         regions: Sequence[Region],
         backend: TransferBackend,
         otlp_traces_endpoint: str | None = None,
+        reshuffle: NhdReshuffle | None = None,
     ) -> None:
         self.cfg = cfg
         self.spec = spec
@@ -56,6 +59,8 @@ class KVTransferManager:
         ctx = RankContext(
             cfg, spec, self.regions, self.channel.send, self.pool.submit, self.stats, self.outbox, self.traces
         )
+        if reshuffle is not None:
+            ctx = dataclasses.replace(ctx, reshuffle=reshuffle)
         self.prefill = PrefillSide(ctx, backend) if cfg.is_prefill else None
         self.decode = DecodeSide(ctx, backend.descriptor, self.peer_id, self.endpoint) if cfg.is_decode else None
         self.channel.start()

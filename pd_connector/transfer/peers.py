@@ -17,7 +17,8 @@ from pd_connector.tp_mapping import (
     slices_from,
     tp_transfer_entries,
 )
-from pd_connector.transfer.context import RankSpec
+from pd_connector.transfer.context import RankContext, RankSpec
+from pd_connector.transfer.nhd_reshuffle import WriteFn, staged_work
 
 Entries = tuple[list[int], list[int], list[int]]
 
@@ -41,12 +42,13 @@ def peer_problem(spec: RankSpec, regions: Sequence[Region], hello: proto.PeerHel
             )
         check_head_regions(regions, [Region(*r) for r in hello.regions], spec.local_kv_heads, hello.local_kv_heads)
         plan = plan_decode_rank(spec.heads, spec.tp_size, hello.tp_size, hello.tp_rank, is_mla=spec.use_mla)
-        if needs_head_split(plan, spec.local_kv_heads, hello.local_kv_heads) and not (
-            spec.heads_outermost and hello.heads_outermost
-        ):
+        head_major = spec.heads_outermost and hello.heads_outermost
+        staged = spec.token_major and hello.token_major  # transfer.nhd_reshuffle
+        if needs_head_split(plan, spec.local_kv_heads, hello.local_kv_heads) and not (head_major or staged):
             raise MappingError(
                 f"prefill TP {spec.tp_size} / decode TP {hello.tp_size} split KV heads inside a block, "
-                "but the KV layout keeps heads inside tokens (NHD); use equal TP sizes"
+                "but the KV layout keeps heads inside tokens (NHD) and is not reshuffled on both sides "
+                "(staging_bytes 0, or a layout other than [blocks, block_size, heads, dim]); use equal TP sizes"
             )
     except LayoutError as exc:
         return f"incompatible decode instance {hello.peer_id}: {exc}"
@@ -65,6 +67,17 @@ def expected_requests_from(spec: RankSpec, room: int, peer: proto.PeerHello | No
         return 1
 
 
+def check_block_range(job: SendJob, req: proto.TransferRequest) -> int:
+    """End (exclusive) of the room's blocks ``req`` asks for; BlockRangeError if the room lacks them."""
+    end = req.start_block + len(req.dst_block_ids)
+    if req.start_block < 0 or end > len(job.block_ids):
+        raise BlockRangeError(
+            f"decode asks for blocks {req.start_block}..{end - 1} but prefill holds "
+            f"{len(job.block_ids)} blocks ({job.num_tokens} tokens): prompts differ?"
+        )
+    return end
+
+
 def push_entries(
     spec: RankSpec, regions: Sequence[Region], peer: proto.PeerHello, job: SendJob, req: proto.TransferRequest
 ) -> Entries | None:
@@ -75,12 +88,7 @@ def push_entries(
     """
     if not req.dst_block_ids:
         return None
-    end = req.start_block + len(req.dst_block_ids)
-    if req.start_block < 0 or end > len(job.block_ids):
-        raise BlockRangeError(
-            f"decode asks for blocks {req.start_block}..{end - 1} but prefill holds "
-            f"{len(job.block_ids)} blocks ({job.num_tokens} tokens): prompts differ?"
-        )
+    end = check_block_range(job, req)
     plan = plan_decode_rank(
         spec.heads, spec.tp_size, peer.tp_size, peer.tp_rank, is_mla=spec.use_mla, spread=job.room % spec.tp_size
     )
@@ -90,3 +98,24 @@ def push_entries(
     runs = block_runs(job.block_ids[req.start_block : end], req.dst_block_ids)
     peer_regions = [Region(*r) for r in peer.regions]
     return tp_transfer_entries(regions, peer_regions, slices, spec.local_kv_heads, peer.local_kv_heads, runs)
+
+
+def write_room(
+    spec: RankSpec, ctx: RankContext, peer: proto.PeerHello, job: SendJob, req: proto.TransferRequest, write: WriteFn
+) -> tuple[int, int]:
+    """Write the blocks ``req`` asks for with ``write``; (bytes, entries), (0, 0) when this rank only frees the room.
+
+    Token-major KV whose plan splits heads goes through ``ctx.reshuffle`` (nhd_reshuffle), everything
+    else through ``push_entries``.
+    """
+    if ctx.reshuffle is not None and req.dst_block_ids:
+        check_block_range(job, req)
+        staged = staged_work(spec, peer, job, req.start_block, req.dst_block_ids)
+        if staged is not None:
+            slices, pairs = staged
+            return ctx.reshuffle.push(ctx.regions, [Region(*r) for r in peer.regions], slices, pairs, write)
+    plan = push_entries(spec, ctx.regions, peer, job, req)
+    if plan is None:
+        return 0, 0
+    write(*plan)
+    return sum(plan[2]), len(plan[2])

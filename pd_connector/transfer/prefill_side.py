@@ -29,7 +29,7 @@ from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.backend import TransferBackend, TransferError, describe
 from pd_connector.transfer.context import RankContext
-from pd_connector.transfer.peers import BlockRangeError, expected_requests_from, peer_problem, push_entries
+from pd_connector.transfer.peers import BlockRangeError, expected_requests_from, peer_problem, write_room
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
 
@@ -304,14 +304,13 @@ class PrefillSide:
                 raise _Refused(DoneStatus.UNKNOWN_PEER, f"unknown decode peer {req.peer_id} (no PeerHello received)")
             if peer_error:
                 raise _Refused(DoneStatus.INCOMPATIBLE, peer_error)
-            plan = push_entries(self._spec, self._ctx.regions, peer, job, req)
-            if plan is not None:
-                src, dst, lengths = plan
-                still_wanted = lambda: room.state is RoomState.READY and req.request_id not in room.cancelled  # noqa: E731
-                self._backend.write(
-                    peer.transfer_descriptor, src, dst, lengths, self._cfg.max_batch_entries, still_wanted
-                )
-                nbytes, entries = sum(lengths), len(lengths)
+            still_wanted = lambda: room.state is RoomState.READY and req.request_id not in room.cancelled  # noqa: E731
+
+            def write(src: list[int], dst: list[int], lengths: list[int]) -> None:
+                descriptor, most = peer.transfer_descriptor, self._cfg.max_batch_entries
+                self._backend.write(descriptor, src, dst, lengths, most, still_wanted)
+
+            nbytes, entries = write_room(self._spec, self._ctx, peer, job, req, write)
         except _Refused as exc:
             status, error = exc.status, str(exc)
         except BlockRangeError as exc:

@@ -245,8 +245,12 @@ def test_adjacent_tensors_merge_into_one_range() -> None:
 def test_region_count_is_checked_against_the_ascend_limit() -> None:
     fake = [(i * 4096, 1024) for i in range(257)]
     with pytest.raises(RankSetupError, match=r"257 memory regions.*'ascend' transport takes at most 256"):
-        check_kv_memory(parse_config("kv_producer", {"protocol": "ascend"}), {}, fake)
-    check_kv_memory(parse_config("kv_producer", {"protocol": "ascend"}), {}, fake[:256])
+        check_kv_memory(parse_config("kv_consumer", {"protocol": "ascend"}), {}, fake)
+    check_kv_memory(parse_config("kv_consumer", {"protocol": "ascend"}), {}, fake[:256])
+    check_kv_memory(parse_config("kv_producer", {"protocol": "ascend"}), {}, fake[:255])  # + P's staging buffer
+    with pytest.raises(RankSetupError, match="257 memory regions"):
+        check_kv_memory(parse_config("kv_producer", {"protocol": "ascend"}), {}, fake[:256])
+    check_kv_memory(parse_config("kv_producer", {"protocol": "ascend", "staging_bytes": 0}), {}, fake[:256])
     check_kv_memory(parse_config("kv_producer", {"protocol": "tcp"}), {}, fake)  # no limit on tcp
 
 

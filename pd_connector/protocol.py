@@ -83,6 +83,7 @@ class TransferCancel(msgspec.Struct, tag="cancel", frozen=True):
 
     room: int
     request_id: str
+    peer_id: str = ""  # the D rank that gave up: P counts claims per (request, D rank)
 
 
 Message = PeerHello | TransferRequest | TransferDone | TransferCancel

@@ -121,7 +121,7 @@ class DecodeSide:
                 del self._loads[job.req_id]
         if load.cancelled:
             for endpoint in endpoints:
-                self._ctx.send(endpoint, proto.TransferCancel(room=job.room, request_id=job.req_id))
+                self._ctx.send(endpoint, proto.TransferCancel(room=job.room, request_id=job.req_id, peer_id=self._peer_id))
             self._release(load, "request aborted before prefill was asked", "aborted")
             return
         with self._lock:
@@ -238,7 +238,7 @@ class DecodeSide:
                 endpoints = list(load.endpoints)
             logger.warning("room=%d req=%s: request aborted while its KV loads; cancelling it", load.job.room, req_id)
             for endpoint in endpoints:
-                self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id))
+                self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id, peer_id=self._peer_id))
 
     def _on_cancelled_done(self, load: Load, done: proto.TransferDone) -> None:
         """A P rank answered a cancelled load: released once every P rank asked has. Caller holds the lock."""
@@ -309,7 +309,7 @@ class DecodeSide:
                 return
         # Other P ranks must not write into blocks vLLM is about to reuse.
         for endpoint in load.endpoints:
-            self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id))
+            self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id, peer_id=self._peer_id))
         self._release(load, reason, why)
 
     def _release(self, load: Load, reason: str, why: FailureReason) -> None:

@@ -60,8 +60,9 @@ class Room:
     submitted: int = 0
     finished: int = 0
     waiting: list[WaitingRequest] = field(default_factory=list)  # AWAITING_PREFILL
+    # Claims are per (D request, D rank): every D rank of one request asks (and may cancel) for itself.
     submitted_ids: set[str] = field(default_factory=set)
-    cancelled: set[str] = field(default_factory=set)  # D requests that gave up (each counts as claimed)
+    cancelled: set[str] = field(default_factory=set)  # D requests' ranks that gave up (each counts as claimed)
 
     @property
     def claimed(self) -> int:
@@ -80,6 +81,11 @@ class Room:
         if self.submitted_ids - self.cancelled:
             return CloseReason.SENT
         return CloseReason.CANCELLED if self.cancelled else CloseReason.EXPIRED
+
+
+def claim(request_id: str, peer_id: str) -> str:
+    """Key of one D rank's claim on a room: the D request id is shared by all D ranks of the request."""
+    return f"{request_id}@{peer_id}"
 
 
 class _Refused(Exception):
@@ -239,22 +245,23 @@ class PrefillSide:
         """D gave up one request of the room (abort, timeout, failed load): it counts as claimed, its
         write (if any) stops, and the room is freed at once when no other request is expected."""
         dropped: list[WaitingRequest] = []
+        key = claim(cancel.request_id, cancel.peer_id)
         with self._lock:
             room = self._rooms.get(cancel.room)
             if room is None or room.state is RoomState.AWAITING_PREFILL:
                 # Prefill not done yet: remember the cancel (its room is freed at once if it comes).
-                self._early_cancels.setdefault(cancel.room, set()).add(cancel.request_id)
+                self._early_cancels.setdefault(cancel.room, set()).add(key)
                 self._early_cancels.move_to_end(cancel.room)
                 while len(self._early_cancels) > CLOSED_ROOMS_KEPT:
                     self._early_cancels.popitem(last=False)
                 if room is not None:
-                    dropped = [w for w in room.waiting if w.req.request_id == cancel.request_id]
-                    room.waiting = [w for w in room.waiting if w.req.request_id != cancel.request_id]
+                    dropped = [w for w in room.waiting if claim(w.req.request_id, w.req.peer_id) == key]
+                    room.waiting = [w for w in room.waiting if claim(w.req.request_id, w.req.peer_id) != key]
                 if room is None or not room.waiting:
                     self._rooms.pop(cancel.room, None)
                     self._remember_closed(cancel.room, CloseReason.CANCELLED)
             else:
-                room.cancelled.add(cancel.request_id)
+                room.cancelled.add(key)
                 assert room.job is not None
                 room.expected = room.expected or self._expected(room.job, None)
                 self._finish_if_served(room)
@@ -276,10 +283,11 @@ class PrefillSide:
         if room.expected == 0:
             assert room.job is not None
             room.expected = self._expected(room.job, req.peer_id)
-        if room.state is not RoomState.READY or req.request_id in room.cancelled or room.claimed >= room.expected:
+        key = claim(req.request_id, req.peer_id)
+        if room.state is not RoomState.READY or key in room.cancelled or room.claimed >= room.expected:
             return False
         room.submitted += 1
-        room.submitted_ids.add(req.request_id)
+        room.submitted_ids.add(key)
         return True
 
     def _start_push(self, room: Room, req: proto.TransferRequest, accepted: bool) -> None:
@@ -304,7 +312,8 @@ class PrefillSide:
                 raise _Refused(DoneStatus.UNKNOWN_PEER, f"unknown decode peer {req.peer_id} (no PeerHello received)")
             if peer_error:
                 raise _Refused(DoneStatus.INCOMPATIBLE, peer_error)
-            still_wanted = lambda: room.state is RoomState.READY and req.request_id not in room.cancelled  # noqa: E731
+            key = claim(req.request_id, req.peer_id)
+            still_wanted = lambda: room.state is RoomState.READY and key not in room.cancelled  # noqa: E731
 
             def write(src: list[int], dst: list[int], lengths: list[int]) -> None:
                 descriptor, most = peer.transfer_descriptor, self._cfg.max_batch_entries

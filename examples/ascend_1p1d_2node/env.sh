@@ -30,3 +30,19 @@ ascend_env() {  # local_ip
         export ASCEND_GLOBAL_RESOURCE_CONFIG=${ASCEND_GLOBAL_RESOURCE_CONFIG:-'{"comm_resource_config.protocol_desc":["uboe:device"]}'}
     fi
 }
+
+# One instance: serve_instance IP PORT DP_RPC_PORT KV_ROLE EXTRA_CONFIG_JSON [more vllm serve flags...]
+serve_instance() {
+    local ip=$1 port=$2 rpc_port=$3 role=$4 extra=$5
+    shift 5
+    ascend_env "$ip"
+    vllm serve "$MODEL" \
+        --host "$ip" --port "$port" \
+        --served-model-name "$SERVED_NAME" \
+        --data-parallel-size "$DP_SIZE" --data-parallel-address "$ip" --data-parallel-rpc-port "$rpc_port" \
+        --tensor-parallel-size 1 --enable-expert-parallel \
+        --max-model-len 32768 --max-num-seqs 32 --block-size 128 --trust-remote-code \
+        --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
+        --kv-transfer-config "{\"kv_connector\":\"PDConnector\",\"kv_role\":\"$role\",\"kv_connector_extra_config\":$extra}" \
+        "$@"
+}

@@ -47,24 +47,24 @@ stop_all() {
 trap stop_all EXIT
 trap 'exit 130' INT TERM
 
-# Prefill (kv_producer). taskset pins P's whole process tree (API server, engine, worker) to
-# its cores, VLLM_CPU_OMP_THREADS_BIND its OpenMP threads; P's leader hosts the bootstrap server.
-VLLM_CPU_OMP_THREADS_BIND=$P_CPUS VLLM_CPU_KVCACHE_SPACE=1 PYTHONUNBUFFERED=1 \
-setsid taskset -c "$P_CPUS" "$PYTHON" -m launch.vllm_cli serve "$MODEL" \
-    --host 127.0.0.1 --port "$P_PORT" --dtype float32 --block-size 32 --max-model-len 2048 \
-    --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
-    --kv-transfer-config "{\"kv_connector\":\"PDConnector\",\"kv_role\":\"kv_producer\",\"kv_connector_extra_config\":{\"bootstrap_port\":$BOOTSTRAP_PORT,\"local_ip\":\"127.0.0.1\",\"protocol\":\"tcp\"}}" \
-    >"$LOG_DIR/prefill.log" 2>&1 &
-remember $!
+# One vLLM instance with PDConnector: serve NAME CPUS PORT KV_ROLE EXTRA_CONFIG_JSON.
+# taskset pins the instance's whole process tree (API server, engine, worker) to its cores,
+# VLLM_CPU_OMP_THREADS_BIND its OpenMP threads; setsid gives it its own process group.
+serve() {
+    VLLM_CPU_OMP_THREADS_BIND=$2 VLLM_CPU_KVCACHE_SPACE=1 PYTHONUNBUFFERED=1 \
+    setsid taskset -c "$2" "$PYTHON" -m launch.vllm_cli serve "$MODEL" \
+        --host 127.0.0.1 --port "$3" --dtype float32 --block-size 32 --max-model-len 2048 \
+        --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
+        --kv-transfer-config "{\"kv_connector\":\"PDConnector\",\"kv_role\":\"$4\",\"kv_connector_extra_config\":$5}" \
+        >"$LOG_DIR/$1.log" 2>&1 &
+    remember $!
+}
 
+# Prefill (kv_producer); its leader hosts the bootstrap server on BOOTSTRAP_PORT.
+serve prefill "$P_CPUS" "$P_PORT" kv_producer \
+    "{\"bootstrap_port\":$BOOTSTRAP_PORT,\"local_ip\":\"127.0.0.1\",\"protocol\":\"tcp\"}"
 # Decode (kv_consumer) on its own cores.
-VLLM_CPU_OMP_THREADS_BIND=$D_CPUS VLLM_CPU_KVCACHE_SPACE=1 PYTHONUNBUFFERED=1 \
-setsid taskset -c "$D_CPUS" "$PYTHON" -m launch.vllm_cli serve "$MODEL" \
-    --host 127.0.0.1 --port "$D_PORT" --dtype float32 --block-size 32 --max-model-len 2048 \
-    --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
-    --kv-transfer-config '{"kv_connector":"PDConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"local_ip":"127.0.0.1","protocol":"tcp"}}' \
-    >"$LOG_DIR/decode.log" 2>&1 &
-remember $!
+serve decode "$D_CPUS" "$D_PORT" kv_consumer '{"local_ip":"127.0.0.1","protocol":"tcp"}'
 
 # The Router: one P (with its bootstrap port) and one D.
 PYTHONUNBUFFERED=1 setsid "$PYTHON" -m proxy --host 127.0.0.1 --port "$ROUTER_PORT" \

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from proxy.app import SHUTDOWN_TIMEOUT_S, create_app
+from proxy.auth import startup_notes
 from proxy.cli import parse_config
+from proxy.tls import server_context
+from proxy.workers import fork_workers
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -30,10 +33,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT, stream=sys.stderr)
     # aiohttp's own loggers: its access log is off; keep its error lines.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    config = fork_workers(config)  # --workers N > 1: from here on in each worker (proxy/workers.py)
     app = create_app(config)
-    logging.getLogger("proxy").info(
-        "Router listening on http://%s:%d (%s)", config.host, config.port, config.describe()
-    )
+    log = logging.getLogger("proxy")
+    scheme = "https" if config.tls else "http"
+    log.info("Router listening on %s://%s:%d (%s)", scheme, config.host, config.port, config.describe())
+    for level, note in startup_notes(config.access, config.host):
+        log.log(level, "%s", note)
     web.run_app(
         app,
         host=config.host,
@@ -43,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler_cancellation=True,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         backlog=2048,
+        reuse_port=config.workers > 1,
+        ssl_context=server_context(config.tls) if config.tls else None,
         loop=_new_loop(),
     )
     return 0

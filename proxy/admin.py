@@ -4,6 +4,9 @@
 - ``POST /instances/add`` and ``/instances/remove`` (bodies: :func:`parse_instances`): an added
   instance joins once it answers its health check (:class:`Membership`); a removed one drains;
 - ``POST /reset_prefix_cache``: forwarded to every active backend.
+
+Every one of them is behind the admin token (:mod:`proxy.auth`; loopback callers only when
+none is configured).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("proxy")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: The admin routes' paths (:mod:`proxy.auth` guards them with the admin token).
+ADMIN_PATHS = frozenset({"/instances", "/instances/add", "/instances/remove", "/reset_prefix_cache"})
 
 
 class Membership:
@@ -234,9 +240,10 @@ def routes(router: Router) -> list[tuple[str, str, Handler]]:
     async def reset_prefix_cache(request: web.Request) -> web.StreamResponse:
         query = request.rel_url.raw_query_string
         path = "/reset_prefix_cache" + (f"?{query}" if query else "")
+        backend_auth = {"Authorization": config.backend_authorization} if config.backend_authorization else None
 
         async def one(state: BackendState) -> str | None:
-            reply = await fetch(router.http, state, "POST", path, config.request_timeout)
+            reply = await fetch(router.http, state, "POST", path, config.request_timeout, None, backend_auth)
             if isinstance(reply, Failure):
                 return f"{state.backend.base_url}: {reply.detail}"
             return None if reply.status < 300 else f"{state.backend.base_url}: HTTP {reply.status}"

@@ -32,7 +32,8 @@ import logging
 from aiohttp import web
 
 from proxy import admin
-from proxy.admin import Handler, parse_instances
+from proxy.admin import ADMIN_PATHS, Handler, parse_instances
+from proxy.auth import Gate
 from proxy.backends import pool_health
 from proxy.config import RouterConfig
 from proxy.errors import (
@@ -50,6 +51,7 @@ from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.payloads import CHAT_COMPLETIONS, COMPLETIONS
 from proxy.router import Router
 from proxy.upstream import Failure, fetch, http_failure, passthrough_response
+from proxy.workers import MEMBERSHIP_PATHS, current_worker, refuse_membership_changes
 
 __all__ = ["ROUTER_KEY", "SHUTDOWN_TIMEOUT_S", "Router", "create_app", "parse_instances"]
 
@@ -110,6 +112,8 @@ def _routes(router: Router) -> list[tuple[str, str, Handler]]:
         await router.check_health()
         healthy, body = pool_health(router.pool)
         body["routing"] = config.routing
+        if (worker := current_worker()) is not None:
+            body["worker"] = worker.record()
         if not healthy:
             logger.warning("health: unhealthy: %s", json.dumps(body))
         return json_response(body, 200 if healthy else 503)
@@ -149,6 +153,9 @@ def create_app(config: RouterConfig) -> web.Application:
     app.on_startup.append(router.startup)
     app.on_cleanup.append(router.cleanup)
     routes = _routes(router)
+    if config.workers > 1:  # a pool change would reach one worker only (proxy.workers)
+        refuse = refuse_membership_changes(config.workers)
+        routes = [(m, p, refuse if p in MEMBERSHIP_PATHS else h) for m, p, h in routes]
     known_paths = {path for _, path, _ in routes}
 
     async def fallback(request: web.Request) -> web.StreamResponse:
@@ -156,10 +163,11 @@ def create_app(config: RouterConfig) -> web.Application:
             return error_response(405, f"method {request.method} is not allowed on {request.path}", INVALID_REQUEST)
         return error_response(404, f"no route {request.method} {request.path}", NOT_FOUND)
 
+    gate = Gate(config.access, router.metrics, ADMIN_PATHS)  # keys and admin token (proxy.auth)
     for method, path, handler in routes:
         if method == "GET":
-            app.router.add_get(path, _guarded(handler))  # HEAD too
+            app.router.add_get(path, _guarded(gate.wrap(path, handler)))  # HEAD too
         else:
-            app.router.add_route(method, path, _guarded(handler))
-    app.router.add_route("*", "/{tail:.*}", fallback)
+            app.router.add_route(method, path, _guarded(gate.wrap(path, handler)))
+    app.router.add_route("*", "/{tail:.*}", gate.wrap_fallback(fallback))
     return app

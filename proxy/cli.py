@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
+from proxy.access_flags import add_security_flags, security_from_args
 from proxy.config import ROUTING_POLICIES, Backend, RouterConfig
 from proxy.routing import RoutingOptions, describe
 
@@ -131,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=1,
-        help="accepted for compatibility with vLLM-Ascend's proxy; only 1 is supported (the Router is one "
-        "asyncio process; run several Routers behind a TCP load balancer to use more cores)",
+        help="Router processes sharing the port (SO_REUSEPORT), each a whole Router on its own core; "
+        "with more than 1, /instances/add|remove are refused (see proxy/workers.py) (default: %(default)s)",
     )
     add(
         "--trust-client-room",
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="use the client's bootstrap_room (top level or in kv_transfer_params) instead of a random one; "
         "a room already in flight is refused with HTTP 409 (default: off, every request gets a random room)",
     )
+    add_security_flags(parser)
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: %(default)s)")
     return parser
 
@@ -281,11 +282,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"--max-waiting-retries must be at least 1 (got {args.max_waiting_retries})")
     if args.max_body_size < 1:
         parser.error(f"--max-body-size must be at least 1 byte (got {args.max_body_size})")
-    if args.workers != 1:
-        parser.error(
-            f"--workers {args.workers}: only 1 is supported (the Router is one asyncio process; run several "
-            "Routers behind a TCP load balancer to use more cores)"
-        )
+    if not 1 <= args.workers <= 256:
+        parser.error(f"--workers must be between 1 and 256 (got {args.workers})")
 
     prefillers = tuple(
         Backend("prefill", host, port, bootstrap, bhost.strip() if bhost else None, rank)
@@ -294,6 +292,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         )
     )
     decoders = tuple(Backend("decode", host, port) for host, port in decode_pairs)
+    security = security_from_args(args, parser)
     return RouterConfig(
         prefillers=prefillers,
         decoders=decoders,
@@ -312,7 +311,10 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         waiting_retry_interval=args.waiting_retry_interval,
         log_level=args.log_level,
         trust_client_room=args.trust_client_room,
-        backend_authorization=f"Bearer {api_key}" if (api_key := os.environ.get("OPENAI_API_KEY")) else None,
+        workers=args.workers,
+        backend_authorization=security.backend_authorization,
+        access=security.access,
+        tls=security.tls,
     )
 
 

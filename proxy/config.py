@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.routing import POLICIES, RoutingOptions
@@ -12,6 +12,35 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 #: The ``--routing`` names, from :data:`proxy.routing.POLICIES` (the first is the default).
 ROUTING_POLICIES: tuple[str, ...] = tuple(POLICIES)
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """The Router's HTTPS listener (``--ssl-*``, as ``vllm serve``): certificate chain and key
+    files, and for client certificates the CA file and ``ssl.VerifyMode`` value (0 none, 1
+    optional, 2 required)."""
+
+    certfile: str
+    keyfile: str
+    ca_certs: str | None = None
+    cert_reqs: int = 0
+    ciphers: str | None = None
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    """Who may call the Router (:mod:`proxy.auth`); secrets are never in ``repr``.
+
+    ``api_keys``: clients must send ``Authorization: Bearer <one of them>`` on ``/v1/*``
+    (``--api-key``/``--api-key-file``/``PD_ROUTER_API_KEY``; empty: no key needed).
+    ``admin_token``: the bearer token of the admin routes (``/instances*``,
+    ``/reset_prefix_cache``); ``None``: those answer loopback callers only, or anyone with
+    ``insecure_admin``.
+    """
+
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_token: str | None = field(default=None, repr=False)
+    insecure_admin: bool = False
 
 
 def url_host(host: str) -> str:
@@ -103,12 +132,19 @@ class RouterConfig:
     max_waiting_retries: int = 3
     waiting_retry_interval: float = 10.0
     log_level: str = "INFO"
-    #: ``Authorization`` sent to the backends when the client sends none (vLLM-Ascend's proxy
-    #: sends ``Bearer $OPENAI_API_KEY``; :mod:`proxy.cli` reads that variable).
-    backend_authorization: str | None = None
+    #: ``Authorization`` sent to every backend on every call, in place of the client's (which
+    #: never reaches P or D): ``Bearer <key>`` from ``--backend-api-key-file``, else
+    #: ``PD_BACKEND_API_KEY``, else ``OPENAI_API_KEY`` (what vLLM-Ascend's proxy sends).
+    backend_authorization: str | None = field(default=None, repr=False)
+    #: Client keys and the admin token (:mod:`proxy.auth`).
+    access: AccessConfig = AccessConfig()
+    #: HTTPS instead of HTTP when set (``--ssl-certfile``/``--ssl-keyfile``).
+    tls: TlsConfig | None = None
     #: Use a client-given ``bootstrap_room`` (``--trust-client-room``); otherwise every request
     #: gets a random one. Either way, a room already in flight is refused (HTTP 409).
     trust_client_room: bool = False
+    #: Router processes sharing the port (``--workers``, :mod:`proxy.workers`).
+    workers: int = 1
 
     def describe(self) -> str:
         """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800); D: h:8002``."""

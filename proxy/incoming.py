@@ -15,14 +15,18 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 def backend_headers(request: web.Request, rid: str, authorization: str | None) -> dict[str, str]:
-    """Headers of a call to a backend on behalf of ``request``: its id, its ``Authorization``
-    (else ``authorization``, the Router's own, if any) and its W3C trace context, if any."""
+    """Headers of a call to a backend on behalf of ``request``: its id, the Router's own
+    ``authorization`` for the backends (if any) and the client's W3C trace context (if any).
+
+    The client's ``Authorization`` is never passed on: it is the client's key for the Router
+    (``--api-key``), and P and D get the one configured for them (``--backend-api-key-file``).
+    """
     headers = {"X-Request-Id": rid}
     for name in TRACE_HEADERS:
         if value := request.headers.get(name):
             headers[name] = value
-    if auth := request.headers.get("Authorization") or authorization:
-        headers["Authorization"] = auth
+    if authorization:
+        headers["Authorization"] = authorization
     return headers
 
 

@@ -15,6 +15,8 @@ Names (``backend`` = ``host:port``, ``role`` = ``prefill``/``decode``, ``endpoin
   ``kind`` one of ``connect``, ``timeout``, ``disconnect``, ``http_4xx``, ``http_5xx``, ``empty``,
   ``error_event``;
 - ``pd_router_retries_total{endpoint}``: attempts repeated on another P/D pair (failover);
+- ``pd_router_auth_refused_total{endpoint,reason}``: calls refused by :mod:`proxy.auth`,
+  ``reason`` one of ``missing``, ``wrong``, ``not_loopback``;
 - ``pd_router_time_to_first_byte_seconds{endpoint}`` and
   ``pd_router_request_duration_seconds{endpoint}``: histograms, from the request's arrival to
   the first byte of the answer sent, and to its last byte;
@@ -123,6 +125,12 @@ class RouterMetrics:
         self.retries = Counter(
             "pd_router_retries", "Attempts repeated on another P/D pair (failover)", ["endpoint"], registry=reg
         )
+        self.auth_refusals = Counter(
+            "pd_router_auth_refused",
+            "Calls refused for a missing or wrong API key / admin token, or a non-loopback admin caller",
+            ["endpoint", "reason"],
+            registry=reg,
+        )
         self.ttfb = Histogram(
             "pd_router_time_to_first_byte_seconds",
             "Seconds from a request's arrival to the first byte of its answer",
@@ -169,6 +177,10 @@ class RouterMetrics:
     def retry(self, endpoint: str) -> None:
         """Count one failover attempt."""
         self._child(self.retries, endpoint).inc()
+
+    def auth_refused(self, endpoint: str, reason: str) -> None:
+        """Count one call refused by :mod:`proxy.auth`."""
+        self._child(self.auth_refusals, endpoint, reason).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

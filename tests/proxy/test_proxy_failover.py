@@ -275,7 +275,7 @@ def test_least_loaded_picks_fewest_prompt_tokens_and_requests(router_least_loade
     assert d_of[rids[1]] != d_of[rids[0]]
 
 
-def test_openai_api_key_is_sent_when_the_client_sends_no_authorization(
+def test_openai_api_key_is_sent_in_place_of_the_client_authorization(
     backends: Backends, fresh_router: RouterFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "sk-router")
@@ -288,4 +288,4 @@ def test_openai_api_key_is_sent_when_the_client_sends_no_authorization(
         rid = new_rid("client-auth")
         headers = {"X-Request-Id": rid, "Authorization": "Bearer sk-client"}
         client.post(f"{router.url}/v1/completions", json=request_body("/v1/completions"), headers=headers)
-    assert records(backends.ok_d, rid)[0]["authorization"] == "Bearer sk-client"
+    assert records(backends.ok_d, rid)[0]["authorization"] == "Bearer sk-router"

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from pd_connector.auth import AuthError, load_token
+from pd_connector.bootstrap.trust import TrustedHosts, TrustError
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from pd_connector.peer_sizes import SideSizes, SizesError, parse_sizes
 from pd_connector.platform_transport import default_protocol
@@ -22,6 +24,8 @@ from pd_connector.transfer.registry import DEFAULT_BACKEND, known_backends, unkn
 
 PREFILL = "prefill"
 DECODE = "decode"
+#: kv_connector_extra_config.transfer_mode values: push a room once its prefill ended, or layer by layer.
+TRANSFER_MODES = ("request", "layer")
 
 
 class ConfigError(ValueError):
@@ -47,6 +51,9 @@ class DisaggConfig:
     room_timeout_s: float = 120.0
     # D: how long a request waits for its KV before the load counts as failed.
     kv_wait_timeout_s: float = 120.0
+    # Both: a peer rank this rank has pending work with (rooms, loads) that answers no heartbeat for this
+    # long is lost: its rooms and loads fail at once (transfer.liveness).
+    peer_timeout_s: float = 5.0
     # Bootstrap registration retries (P ranks), seed 000 §5.3.
     register_retries: int = 60
     register_interval_s: float = 1.0
@@ -73,8 +80,21 @@ class DisaggConfig:
     # Control-plane secret (pd_connector.auth): a file or an environment variable holding it.
     auth_token_file: str = ""
     auth_token_env: str = ""
-    # Run without a token on a non-loopback address on purpose (no start-up warning).
+    # Run without a token on a non-loopback address on purpose (bootstrap.exposure; refused otherwise).
     insecure: bool = False
+    # TLS of P's bootstrap server (certificate and key files, PEM, as `vllm serve --ssl-certfile/--ssl-keyfile`),
+    # and the CA bundle clients verify it with: set, bootstrap calls use https (P's ranks and D).
+    bootstrap_ssl_certfile: str = ""
+    bootstrap_ssl_keyfile: str = ""
+    bootstrap_ssl_ca_certs: str = ""
+    # D: bootstrap hosts a request may name (bootstrap.trust): IPs, CIDRs, host names, "*".
+    # Empty: loopback plus this instance's bootstrap_host.
+    trusted_bootstrap_hosts: tuple[str, ...] = ()
+    # D: check a checksum of what landed before a load counts as done (transfer.checksum).
+    verify_kv: bool = False
+    # P: "request" pushes a room's KV once its prefill finished; "layer" writes each layer's KV while
+    # the prefill runs (transfer.layerwise), so only the last layer's write is left when it ends.
+    transfer_mode: str = "request"
 
     @property
     def is_prefill(self) -> bool:
@@ -94,6 +114,7 @@ _FIELD_TYPES: dict[str, type] = {
     "device_name": str,
     "room_timeout_s": float,
     "kv_wait_timeout_s": float,
+    "peer_timeout_s": float,
     "register_retries": int,
     "register_interval_s": float,
     "http_timeout_s": float,
@@ -110,11 +131,22 @@ _FIELD_TYPES: dict[str, type] = {
     "auth_token_file": str,
     "auth_token_env": str,
     "insecure": bool,
+    "bootstrap_ssl_certfile": str,
+    "bootstrap_ssl_keyfile": str,
+    "bootstrap_ssl_ca_certs": str,
+    "trusted_bootstrap_hosts": tuple,
+    "verify_kv": bool,
+    "transfer_mode": str,
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(DisaggConfig)} - {"mode"}
 
 
 def _coerce(key: str, value: Any, typ: type) -> Any:
+    if typ is tuple:  # a list of strings, or one comma-separated string
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ConfigError(f"kv_connector_extra_config.{key} must be a list of strings, got {value!r}")
+        return tuple(v.strip() for v in items if v.strip())
     if typ is SideSizes:
         try:
             return parse_sizes(key, value)
@@ -213,9 +245,11 @@ def _validate(cfg: DisaggConfig) -> None:
         raise ConfigError("kv_connector_extra_config.local_ip must not be 0.0.0.0: it is advertised to peers")
     if not cfg.bootstrap_host:
         raise ConfigError("kv_connector_extra_config.bootstrap_host must not be empty")
-    for key in ("room_timeout_s", "kv_wait_timeout_s", "register_interval_s", "http_timeout_s"):
+    for key in ("room_timeout_s", "kv_wait_timeout_s", "peer_timeout_s", "register_interval_s", "http_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"kv_connector_extra_config.{key} must be > 0, got {getattr(cfg, key)}")
+    if not 0.5 <= cfg.peer_timeout_s <= 3600:  # shorter: a scheduling hiccup would count as a dead peer
+        raise ConfigError(f"kv_connector_extra_config.peer_timeout_s must be in 0.5..3600 s, got {cfg.peer_timeout_s}")
     if cfg.register_retries < 1:
         raise ConfigError(f"kv_connector_extra_config.register_retries must be >= 1, got {cfg.register_retries}")
     if cfg.transfer_threads < 1:
@@ -224,13 +258,46 @@ def _validate(cfg: DisaggConfig) -> None:
         raise ConfigError(f"kv_connector_extra_config.dp_size must be >= 1, got {cfg.dp_size}")
     if cfg.dp_rank != -1 and not 0 <= cfg.dp_rank < (cfg.dp_size if cfg.dp_size != -1 else 1 << 16):
         raise ConfigError(f"kv_connector_extra_config.dp_rank must be in 0..dp_size-1, got {cfg.dp_rank}")
+    _validate_tls(cfg)
+    try:
+        TrustedHosts.parse([cfg.bootstrap_host], key="bootstrap_host")
+        TrustedHosts.parse(cfg.trusted_bootstrap_hosts)
+    except TrustError as exc:
+        raise ConfigError(str(exc)) from None
     if cfg.staging_bytes < 0:
         raise ConfigError(f"kv_connector_extra_config.staging_bytes must be >= 0, got {cfg.staging_bytes}")
+    if cfg.transfer_mode not in TRANSFER_MODES:
+        raise ConfigError(
+            f"kv_connector_extra_config.transfer_mode must be one of {TRANSFER_MODES}, got {cfg.transfer_mode!r}"
+        )
     if not 1 <= cfg.max_batch_entries <= 1024:
         raise ConfigError(
             f"kv_connector_extra_config.max_batch_entries must be in 1..1024 (Mooncake's per-peer queue), "
             f"got {cfg.max_batch_entries}"
         )
+
+
+def _validate_tls(cfg: DisaggConfig) -> None:
+    if bool(cfg.bootstrap_ssl_certfile) != bool(cfg.bootstrap_ssl_keyfile):
+        raise ConfigError(
+            "kv_connector_extra_config.bootstrap_ssl_certfile and bootstrap_ssl_keyfile go together: set both or neither"
+        )
+    for key in ("bootstrap_ssl_certfile", "bootstrap_ssl_keyfile", "bootstrap_ssl_ca_certs"):
+        path = getattr(cfg, key)
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"kv_connector_extra_config.{key} {path!r} is not a readable file")
+    if cfg.bootstrap_ssl_certfile and cfg.is_prefill and not cfg.bootstrap_ssl_ca_certs:
+        raise ConfigError(
+            "kv_connector_extra_config.bootstrap_ssl_certfile is set but bootstrap_ssl_ca_certs is not: P's ranks "
+            "register over https and verify the server with it (for a self-signed certificate: the certificate)"
+        )
+
+
+def trusted_hosts_of(cfg: DisaggConfig) -> TrustedHosts:
+    """The bootstrap hosts this (decode) instance may contact: the configured list, else the default."""
+    if cfg.trusted_bootstrap_hosts:
+        return TrustedHosts.parse(cfg.trusted_bootstrap_hosts)
+    return TrustedHosts.default(cfg.bootstrap_host)
 
 
 def dp_rank_of(cfg: DisaggConfig, parallel_config: Any) -> int:

@@ -12,8 +12,14 @@ prefill deployment named in the request can feed this instance: it reads the
 deployment's route from its bootstrap server (cached for a while) and compares block
 size and KV dtype with this server's own configuration. A mismatch answers HTTP 409
 with a message naming both values, instead of a generic failed request (the
-connector's handshake check stays as the backstop). When the route cannot be read
-the request goes on and the connector decides.
+connector's handshake check stays as the backstop).
+
+It reads routes as the connector does (this instance's token, CA bundle and
+``trusted_bootstrap_hosts``, from its kv_connector_extra_config), and answers at once, naming the
+address, when a request's bootstrap address cannot be used: HTTP 403 for a host D does not trust
+(nothing is contacted), 502 for a server that cannot be reached or refuses D (wrong token, bad
+route), instead of a load that fails after ``kv_wait_timeout_s``. A server that is there but busy
+or not ready yet is left to the connector, which retries.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from pd_connector.bootstrap.client import BootstrapError, RouteCache
+from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, BootstrapUntrusted, RouteCache
 from pd_connector.compat import kv_dtype_name, model_fingerprint, route_mismatch
-from pd_connector.kv_params import KV_PARAMS_KEY, DecodeParams, KVParamsError, parse_kv_params
+from pd_connector.config import ConfigError, parse_config
+from pd_connector.kv_params import KV_PARAMS_KEY, DecodeParams, KVParamsError, host_port, parse_kv_params
 from pd_connector.protocol import Route
 
 logger = logging.getLogger(__name__)
@@ -41,9 +48,12 @@ CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
 #: HTTP status and error type of a request whose prefill deployment cannot feed this instance.
 INCOMPATIBLE_STATUS = 409
 INCOMPATIBLE_TYPE = "kv_transfer_incompatible"
+#: A request naming a bootstrap host this instance does not trust, and one whose server cannot be used.
+UNTRUSTED_STATUS, UNTRUSTED_TYPE = 403, "kv_transfer_untrusted_bootstrap"
+UNREACHABLE_STATUS, UNREACHABLE_TYPE = 502, "kv_transfer_bootstrap_unreachable"
 #: How long a route read from a bootstrap server is trusted, and how long a failed read is not retried.
 ROUTE_TTL_S = 30.0
-ROUTE_FAILURE_TTL_S = 5.0
+ROUTE_FAILURE_TTL_S = 1.0
 ROUTE_TIMEOUT_S = 5.0
 
 
@@ -68,6 +78,14 @@ def parse_body(raw: bytes) -> tuple[DecodeParams | None, str | None]:
     return (params if isinstance(params, DecodeParams) else None), None
 
 
+class Problem(Exception):
+    """Why a request's prefill deployment cannot feed this instance: the HTTP status, type and message."""
+
+    def __init__(self, status: int, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.error_type, self.message = status, error_type, message
+
+
 class CompatibilityCheck:
     """D's API server: can the prefill deployment a request names feed this instance?"""
 
@@ -75,8 +93,8 @@ class CompatibilityCheck:
         self._local: tuple[int, str, str] | None = None
         self._local_known = False
         self._routes = RouteCache(ROUTE_TIMEOUT_S, ttl_s=ROUTE_TTL_S)
-        #: Bootstrap addresses whose route could not be read, and until when they are not asked again.
-        self._unreadable: dict[str, float] = {}
+        #: Bootstrap addresses whose route could not be read: until when, and the error (None: busy).
+        self._unreadable: dict[str, tuple[float, Problem | None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
     def _local_config(self, scope: Scope) -> tuple[int, str, str] | None:
@@ -96,35 +114,54 @@ class CompatibilityCheck:
             and block_size
         ):
             self._local = (int(block_size), kv_dtype_name(vllm_config), model_fingerprint(vllm_config))
+            try:  # read routes as this instance's connector does
+                cfg = parse_config(kv.kv_role, getattr(kv, "kv_connector_extra_config", None))
+                self._routes = RouteCache.for_config(cfg, timeout_s=ROUTE_TIMEOUT_S, ttl_s=ROUTE_TTL_S)
+            except ConfigError as exc:  # the connector refuses to start with it anyway
+                logger.error("compatibility check: bad kv_connector_extra_config: %s", exc)
         self._local_known = True
         return self._local
 
-    async def problem(self, scope: Scope, params: DecodeParams) -> str | None:
+    async def problem(self, scope: Scope, params: DecodeParams) -> Problem | None:
         """Why the request's prefill deployment cannot feed this instance; None if it can or nobody can tell."""
         local = self._local_config(scope)
         if local is None:
             return None
-        host = params.bootstrap_host
-        addr = f"[{host}]:{params.bootstrap_port}" if ":" in host else f"{host}:{params.bootstrap_port}"
-        route = await self._route(addr)
+        addr = host_port(params.bootstrap_host, params.bootstrap_port)
+        try:
+            self._routes.check_trusted(addr)
+            route = await self._route(addr)
+        except BootstrapUntrusted as exc:
+            return Problem(UNTRUSTED_STATUS, UNTRUSTED_TYPE, str(exc))
+        except Problem as exc:
+            return exc
         if route is None:
             return None
-        return route_mismatch(route, addr, local[0], local[1], None, local[2])
+        mismatch = route_mismatch(route, addr, local[0], local[1], None, local[2])
+        return Problem(INCOMPATIBLE_STATUS, INCOMPATIBLE_TYPE, mismatch) if mismatch is not None else None
 
     async def _route(self, addr: str) -> Route | None:
-        """The deployment's complete route (cached by RouteCache); None, for a while, when it cannot be read."""
-        if self._unreadable.get(addr, 0.0) > time.monotonic():
-            return None
+        """The deployment's complete route (cached by RouteCache); None while it is busy or not ready.
+
+        Raises Problem (502, for ROUTE_FAILURE_TTL_S) when the server cannot be reached or refuses.
+        """
         lock = self._locks.setdefault(addr, asyncio.Lock())
         async with lock:
-            if self._unreadable.get(addr, 0.0) > time.monotonic():
+            until, failed = self._unreadable.get(addr, (0.0, None))
+            if until > time.monotonic():
+                if failed is not None:
+                    raise failed
                 return None
             try:
                 return await asyncio.to_thread(self._routes.get, addr)
-            except BootstrapError as exc:
-                logger.info("compatibility check skipped: cannot read the route of bootstrap %s: %s", addr, exc)
-                self._unreadable[addr] = time.monotonic() + ROUTE_FAILURE_TTL_S
+            except BootstrapBusy as exc:
+                logger.info("compatibility check skipped: bootstrap %s is busy: %s", addr, exc)
+                self._unreadable[addr] = (time.monotonic() + ROUTE_FAILURE_TTL_S, None)
                 return None
+            except BootstrapError as exc:
+                problem = Problem(UNREACHABLE_STATUS, UNREACHABLE_TYPE, f"cannot use bootstrap address {addr}: {exc}")
+                self._unreadable[addr] = (time.monotonic() + ROUTE_FAILURE_TTL_S, problem)
+                raise problem from None
 
 
 class KVParamsValidationMiddleware:
@@ -154,9 +191,11 @@ class KVParamsValidationMiddleware:
         if params is not None:
             conflict = await self.compat.problem(scope, params)
             if conflict is not None:
-                logger.error("room=%d rejected %s: %s", params.room, scope.get("path"), conflict)
+                logger.error(
+                    "room=%d rejected %s: HTTP %d %s", params.room, scope.get("path"), conflict.status, conflict
+                )
                 await _send_error(
-                    send, error_body(conflict, INCOMPATIBLE_STATUS, INCOMPATIBLE_TYPE), INCOMPATIBLE_STATUS
+                    send, error_body(conflict.message, conflict.status, conflict.error_type), conflict.status
                 )
                 return
         await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), send)

@@ -176,7 +176,14 @@ class PDWorker:
         assert self.manager is not None
         if spec.dp_rank == 0 and spec.tp_rank == 0 and self.cfg.start_bootstrap_server:
             state = BootstrapState(attn_tp_size=spec.tp_size, attn_dp_size=spec.dp_size)
-            self.bootstrap = BootstrapServer(state, self.cfg.local_ip, self.cfg.bootstrap_port, token_of(self.cfg))
+            self.bootstrap = BootstrapServer(
+                state,
+                self.cfg.local_ip,
+                self.cfg.bootstrap_port,
+                token_of(self.cfg),
+                ssl_certfile=self.cfg.bootstrap_ssl_certfile,
+                ssl_keyfile=self.cfg.bootstrap_ssl_keyfile,
+            )
             self.bootstrap.start()
         register_rank(
             host_port(self.cfg.bootstrap_host, self.cfg.bootstrap_port),
@@ -196,6 +203,7 @@ class PDWorker:
             interval_s=self.cfg.register_interval_s,
             timeout_s=self.cfg.http_timeout_s,
             token=token_of(self.cfg),
+            ca_certs=self.cfg.bootstrap_ssl_ca_certs,
         )
 
     def start_step(self, meta: PDConnectorMetadata) -> None:

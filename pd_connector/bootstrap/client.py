@@ -2,20 +2,31 @@
 
 Requests ignore HTTP(S)_PROXY: the bootstrap server is on the cluster network, and a proxy set
 for pip or model downloads must not sit between P and D.
+
+With ``ca_certs`` (``bootstrap_ssl_ca_certs``) every call uses https and verifies the server's
+certificate with that CA bundle; without it, plain http. D's ``RouteCache`` contacts only hosts
+its ``TrustedHosts`` allow (``BootstrapUntrusted`` otherwise, before any connection).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
 
 from pd_connector.auth import bearer
+from pd_connector.bootstrap.trust import TrustedHosts, split_addr
 from pd_connector.protocol import RegisterRank, Route
+
+if TYPE_CHECKING:
+    from pd_connector.config import DisaggConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,15 +39,40 @@ class BootstrapBusy(BootstrapError):
     """The bootstrap server is there but slow or not ready yet: worth another try."""
 
 
+class BootstrapUntrusted(BootstrapError):
+    """The address is not on this instance's ``trusted_bootstrap_hosts``: never contacted."""
+
+
+@functools.lru_cache(maxsize=8)
+def _ssl_context(ca_certs: str) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=ca_certs)
+
+
+def base_url(addr: str, ca_certs: str = "") -> str:
+    """``https://addr`` when the server is verified with ``ca_certs``, else ``http://addr``."""
+    return f"{'https' if ca_certs else 'http'}://{addr}"
+
+
+def verify_of(ca_certs: str) -> ssl.SSLContext | bool:
+    """httpx's ``verify``: the CA bundle's context (https), True for plain http (unused)."""
+    return _ssl_context(ca_certs) if ca_certs else True
+
+
 def register_rank(
-    addr: str, info: RegisterRank, retries: int, interval_s: float, timeout_s: float, token: bytes | None = None
+    addr: str,
+    info: RegisterRank,
+    retries: int,
+    interval_s: float,
+    timeout_s: float,
+    token: bytes | None = None,
+    ca_certs: str = "",
 ) -> bool:
     """PUT this rank into the rank table, retrying while the server comes up.
 
     Returns False (after logging an error) if every try failed: a late rank
     must not take the whole instance down.
     """
-    url = f"http://{addr}/bootstrap/register_rank"
+    url = f"{base_url(addr, ca_certs)}/bootstrap/register_rank"
     body = msgspec.json.encode(info)
     last = ""
     for attempt in range(1, retries + 1):
@@ -47,6 +83,7 @@ def register_rank(
                 headers={"content-type": "application/json", **bearer(token)},
                 timeout=timeout_s,
                 trust_env=False,
+                verify=verify_of(ca_certs),
             )
             if resp.status_code == 200:
                 logger.info(
@@ -67,15 +104,18 @@ def register_rank(
     return False
 
 
-def register_dp_rank(addr: str, room: int, dp_rank: int, timeout_s: float, token: bytes | None = None) -> None:
+def register_dp_rank(
+    addr: str, room: int, dp_rank: int, timeout_s: float, token: bytes | None = None, ca_certs: str = ""
+) -> None:
     """Tell the bootstrap server which DP rank serves `room` (P side, DP > 1)."""
     try:
         resp = httpx.post(
-            f"http://{addr}/bootstrap/register_dp_rank",
+            f"{base_url(addr, ca_certs)}/bootstrap/register_dp_rank",
             json={"bootstrap_room": room, "dp_rank": dp_rank},
             headers=bearer(token),
             timeout=timeout_s,
             trust_env=False,
+            verify=verify_of(ca_certs),
         )
         resp.raise_for_status()
     except httpx.HTTPError as exc:
@@ -89,7 +129,10 @@ ROUTE_TTL_S = 10.0
 
 
 class RouteCache:
-    """GET /bootstrap/route per prefill deployment, cached for ``ttl_s`` or until invalidated."""
+    """GET /bootstrap/route per prefill deployment, cached for ``ttl_s`` or until invalidated.
+
+    ``trusted``: the hosts it may contact (None: any, for tests and tools that name the server themselves).
+    """
 
     def __init__(
         self,
@@ -97,22 +140,53 @@ class RouteCache:
         ttl_s: float = ROUTE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         token: bytes | None = None,
+        ca_certs: str = "",
+        trusted: TrustedHosts | None = None,
     ) -> None:
         self._headers = bearer(token)
+        self._ca_certs = ca_certs
+        self._verify = verify_of(ca_certs)
+        self._trusted = trusted
         self._timeout = timeout_s
         self._ttl = ttl_s
         self._clock = clock  # tests age entries by hand
         self._routes: dict[str, tuple[float, Route]] = {}
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_config(cls, cfg: DisaggConfig, timeout_s: float | None = None, ttl_s: float = ROUTE_TTL_S) -> RouteCache:
+        """A decode instance's cache: its token, CA bundle and trusted hosts."""
+        from pd_connector.config import token_of, trusted_hosts_of
+
+        return cls(
+            cfg.http_timeout_s if timeout_s is None else timeout_s,
+            ttl_s=ttl_s,
+            token=token_of(cfg),
+            ca_certs=cfg.bootstrap_ssl_ca_certs,
+            trusted=trusted_hosts_of(cfg),
+        )
+
+    def check_trusted(self, addr: str) -> None:
+        """Raise BootstrapUntrusted (naming ``addr``) unless this cache may contact it."""
+        if self._trusted is not None and not self._trusted.allows(split_addr(addr)):
+            raise BootstrapUntrusted(
+                f"bootstrap address {addr} is not trusted by this decode instance (kv_connector_extra_config."
+                f"trusted_bootstrap_hosts: {self._trusted.describe()})"
+            )
+
     def get(self, addr: str) -> Route:
+        self.check_trusted(addr)
         with self._lock:
             cached = self._routes.get(addr)
         if cached is not None and cached[0] > self._clock():
             return cached[1]
         try:
             resp = httpx.get(
-                f"http://{addr}/bootstrap/route", headers=self._headers, timeout=self._timeout, trust_env=False
+                f"{base_url(addr, self._ca_certs)}/bootstrap/route",
+                headers=self._headers,
+                timeout=self._timeout,
+                trust_env=False,
+                verify=self._verify,
             )
         except httpx.TimeoutException as exc:
             raise BootstrapBusy(f"bootstrap server {addr} did not answer in time: {exc!r}") from None
@@ -138,13 +212,15 @@ class RouteCache:
             self._routes.pop(addr, None)
 
     def query_dp_rank(self, addr: str, room: int) -> int | None:
+        self.check_trusted(addr)
         try:
             resp = httpx.post(
-                f"http://{addr}/bootstrap/query_dp_ranks",
+                f"{base_url(addr, self._ca_certs)}/bootstrap/query_dp_ranks",
                 json={"bootstrap_rooms": [room]},
                 headers=self._headers,
                 timeout=self._timeout,
                 trust_env=False,
+                verify=self._verify,
             )
             resp.raise_for_status()
             value = resp.json().get("dp_ranks", {}).get(str(room))

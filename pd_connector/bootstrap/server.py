@@ -3,10 +3,18 @@
 One per prefill deployment, run by P's leader rank (dp 0, tp 0) in a daemon
 thread. Prefill ranks register here; decode ranks read `/bootstrap/route` once
 per prefill deployment. It holds no transfer state.
+
+An entry is never silently taken over (issue 9): a registration that moves a registered rank to
+another ip/port is accepted, and logged as a re-registration, when the deployment has a token (the
+caller carried it) or, without one, when the old endpoint no longer accepts TCP connections (the
+rank restarted or died; a stopped-but-alive process still accepts, so it counts as live). Otherwise
+it is a 409 and the table keeps the live rank. ``register_dp_rank`` likewise: changing a room's DP
+rank needs the token. With certificate and key files the server speaks TLS only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -25,6 +33,12 @@ from pd_connector.protocol import RankInfo, RegisterRank, Route, rank_key
 logger = logging.getLogger(__name__)
 
 MAX_ROOMS = 1_000_000  # room -> dp-rank entries kept before the oldest are dropped
+#: How long the server tries to connect to a registered rank's endpoint to tell whether it is alive.
+LIVENESS_PROBE_S = 0.5
+
+
+class Conflict(ValueError):
+    """A registration would replace a live entry without the token (HTTP 409)."""
 
 
 class RegisterDpRank(msgspec.Struct, frozen=True):
@@ -50,6 +64,7 @@ class BootstrapState:
     rank_table: dict[tuple[int, int, int], RankInfo] = field(default_factory=dict)
     room_to_dp_rank: dict[int, int] = field(default_factory=dict)
     refused: int = 0  # calls refused for a missing or wrong token
+    conflicts: int = 0  # registrations refused because they would replace a live entry (409)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -106,13 +121,21 @@ class BootstrapState:
                 model=self.model,
             )
 
-    def register_dp_rank(self, room: int, dp_rank: int) -> None:
+    def register_dp_rank(self, room: int, dp_rank: int, replace: bool = False) -> int | None:
+        """Map ``room`` to ``dp_rank``; the previous rank if this moved the room (only with ``replace``)."""
         if not 0 <= dp_rank < self.attn_dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{self.attn_dp_size - 1}")
         with self.lock:
+            old = self.room_to_dp_rank.get(room)
+            if old is not None and old != dp_rank and not replace:
+                self.conflicts += 1
+                raise Conflict(
+                    f"room {room} is served by dp rank {old}; moving it to {dp_rank} needs the deployment's auth token"
+                )
             self.room_to_dp_rank[room] = dp_rank
             while len(self.room_to_dp_rank) > MAX_ROOMS:
                 self.room_to_dp_rank.pop(next(iter(self.room_to_dp_rank)))
+        return old if old is not None and old != dp_rank else None
 
     def query_dp_ranks(self, rooms: list[int]) -> dict[str, int]:
         with self.lock:
@@ -121,6 +144,20 @@ class BootstrapState:
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
+
+
+async def still_listening(ip: str, port: int, timeout_s: float = LIVENESS_PROBE_S) -> bool:
+    """Whether ``ip:port`` accepts a TCP connection within ``timeout_s`` (a registered rank is alive)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout_s)
+    except (TimeoutError, OSError):
+        return False
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return True
 
 
 def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
@@ -135,8 +172,12 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
     async def _check_token(request: Request, call_next: Any) -> Response:
         if request.url.path != "/bootstrap/health" and not check_bearer(token, request.headers.get(AUTH_HEADER)):
             state.refused += 1
-            peer = f"{request.client.host}:{request.client.port}" if request.client else "unknown"
-            logger.warning("bootstrap: refusing %s %s from %s: missing or wrong token", request.method, request.url.path, peer)
+            logger.warning(
+                "bootstrap: refusing %s %s from %s: missing or wrong token",
+                request.method,
+                request.url.path,
+                _peer(request),
+            )
             return _error(401, "missing or wrong PDConnector auth token")
         return await call_next(request)
 
@@ -161,10 +202,32 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
     async def register_rank(request: Request) -> JSONResponse:
         req = await body_as(request, RegisterRank)
         assert isinstance(req, RegisterRank)
+        name = f"dp={req.attn_dp_rank} cp={req.attn_cp_rank} tp={req.attn_tp_rank}"
+        old = state.rank_table.get((req.attn_dp_rank, req.attn_cp_rank, req.attn_tp_rank))
+        new = f"{req.rank_ip}:{req.rank_port}"
+        moved = old is not None and (old.rank_ip, old.rank_port) != (req.rank_ip, req.rank_port)
+        if moved and token is None and await still_listening(old.rank_ip, old.rank_port):
+            state.conflicts += 1
+            logger.warning(
+                "bootstrap: refusing to move live rank %s from %s:%d to %s (caller %s): no auth token configured",
+                name, old.rank_ip, old.rank_port, new, _peer(request),
+            )  # fmt: skip
+            return _error(
+                409,
+                f"rank {name} is registered at {old.rank_ip}:{old.rank_port}, which still accepts connections; "
+                "a live rank is only replaced with the deployment's auth token (kv_connector_extra_config."
+                "auth_token_file / auth_token_env)",
+            )
         try:
             state.register_rank(req)
         except ValueError as exc:
             return _error(400, str(exc))
+        if moved:
+            assert old is not None
+            logger.warning(
+                "bootstrap: rank %s re-registered: %s:%d -> %s (%s)",
+                name, old.rank_ip, old.rank_port, new, "token checked" if token else "old endpoint gone",
+            )  # fmt: skip
         logger.info(
             "bootstrap: registered rank dp=%d cp=%d tp=%d at %s:%d (%d/%d)",
             req.attn_dp_rank,
@@ -186,9 +249,16 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
         req = await body_as(request, RegisterDpRank)
         assert isinstance(req, RegisterDpRank)
         try:
-            state.register_dp_rank(req.bootstrap_room, req.dp_rank)
+            old = state.register_dp_rank(req.bootstrap_room, req.dp_rank, replace=token is not None)
+        except Conflict as exc:
+            logger.warning(
+                "bootstrap: room=%d: refusing register_dp_rank from %s: %s", req.bootstrap_room, _peer(request), exc
+            )
+            return _error(409, str(exc))
         except ValueError as exc:
             return _error(400, str(exc))
+        if old is not None:
+            logger.warning("bootstrap: room=%d re-registered: dp rank %d -> %d", req.bootstrap_room, old, req.dp_rank)
         return JSONResponse({"status": "ok"})
 
     @app.post("/bootstrap/query_dp_ranks")
@@ -205,6 +275,8 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
                 "is_ready": state.is_ready,
                 "registered": len(state.rank_table),
                 "expected": state.expected_count,
+                "refused": state.refused,
+                "conflicts": state.conflicts,
             }
         )
 
@@ -215,14 +287,35 @@ class _BadRequest(Exception):
     pass
 
 
-class BootstrapServer:
-    """Runs the bootstrap app with uvicorn in a daemon thread."""
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "unknown"
 
-    def __init__(self, state: BootstrapState, host: str, port: int, token: bytes | None = None) -> None:
+
+class BootstrapServer:
+    """Runs the bootstrap app with uvicorn in a daemon thread (TLS with ``ssl_certfile``/``ssl_keyfile``)."""
+
+    def __init__(
+        self,
+        state: BootstrapState,
+        host: str,
+        port: int,
+        token: bytes | None = None,
+        ssl_certfile: str = "",
+        ssl_keyfile: str = "",
+    ) -> None:
         self.state = state
         self.host, self.port = host, port
+        self.scheme = "https" if ssl_certfile else "http"
         app = create_app(state, token)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=ssl_certfile or None,
+            ssl_keyfile=ssl_keyfile or None,
+        )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
@@ -245,7 +338,7 @@ class BootstrapServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"bootstrap server did not start on {self.host}:{self.port}")
             time.sleep(0.02)
-        logger.info("bootstrap server listening on %s:%d", self.host, self.port)
+        logger.info("bootstrap server listening on %s://%s:%d", self.scheme, self.host, self.port)
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache
 from pd_connector.compat import route_mismatch
-from pd_connector.config import PREFILL, token_of
+from pd_connector.config import PREFILL
 from pd_connector.layout import LayoutError
 from pd_connector.metadata import RecvJob
 from pd_connector.peer_sizes import sizes_mismatch
@@ -66,7 +66,7 @@ class DecodeSide:
         self._loads: dict[str, Load] = {}
         self._hello_sent: set[str] = set()
         self._hello_lock = threading.Lock()
-        self._routes = RouteCache(self._cfg.http_timeout_s, token=token_of(self._cfg))
+        self._routes = RouteCache.for_config(self._cfg)  # its token, CA bundle, trusted hosts
 
     def add_recvs(self, jobs: Sequence[RecvJob]) -> None:
         """Start fetching these requests' KV (the handshake runs off the step loop)."""

@@ -10,11 +10,11 @@ after ``close()``.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 from collections.abc import Sequence
 
 from pd_connector import protocol as proto
+from pd_connector.bootstrap.exposure import exposure_of
 from pd_connector.config import DisaggConfig, token_of
 from pd_connector.layout import Region
 from pd_connector.metadata import RecvJob, SendJob
@@ -44,6 +44,7 @@ class KVTransferManager:
         otlp_traces_endpoint: str | None = None,
         reshuffle: NhdReshuffle | None = None,
     ) -> None:
+        exposure = exposure_of(cfg)  # refuses a non-loopback control plane without a token (ConfigError)
         self.cfg = cfg
         self.spec = spec
         self.regions = list(regions)
@@ -65,12 +66,8 @@ class KVTransferManager:
         self.decode = DecodeSide(ctx, backend.descriptor, self.peer_id, self.endpoint) if cfg.is_decode else None
         self.channel.start()
         logger.info("KV transfer manager (%s) listening on %s, peer %s", cfg.mode, self.endpoint, self.peer_id)
-        if token_of(cfg) is None and not cfg.insecure and not ipaddress.ip_address(cfg.local_ip).is_loopback:
-            logger.warning(
-                "PDConnector's control plane (ZMQ on %s, bootstrap calls) runs WITHOUT a token on a non-loopback "
-                "address: set kv_connector_extra_config.auth_token_file or auth_token_env (or insecure: true)",
-                cfg.local_ip,
-            )
+        if spec.tp_rank == 0:
+            logger.log(logging.WARNING if exposure.open else logging.INFO, "%s", exposure.line)
 
     # ------------------------------------------------------------ public API
 

@@ -149,8 +149,8 @@ class PrefillSide:
             if self._spec.dp_size > 1 and self._spec.tp_rank == 0:
                 # D ranks told no prefill_dp_rank look the room up on the bootstrap server.
                 addr = host_port(self._cfg.bootstrap_host, self._cfg.bootstrap_port)
-                timeout, token = self._cfg.http_timeout_s, token_of(self._cfg)
-                self._ctx.submit(register_dp_rank, addr, job.room, self._spec.dp_rank, timeout, token)
+                timeout, token, ca = self._cfg.http_timeout_s, token_of(self._cfg), self._cfg.bootstrap_ssl_ca_certs
+                self._ctx.submit(register_dp_rank, addr, job.room, self._spec.dp_rank, timeout, token, ca)
             for w in waiting:
                 with self._lock:
                     accepted = self._accept(ready, w.req)

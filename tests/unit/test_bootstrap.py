@@ -82,7 +82,7 @@ def srv(request: pytest.FixtureRequest) -> Iterator[Server]:
 
 def test_register_until_ready_and_route(srv: Server) -> None:
     health = srv.get("/bootstrap/health").json()
-    assert health == {"status": "ok", "is_ready": False, "registered": 0, "expected": 2}
+    assert health == {"status": "ok", "is_ready": False, "registered": 0, "expected": 2, "refused": 0, "conflicts": 0}
     route = msgspec.json.decode(srv.get("/bootstrap/route").content, type=Route)
     assert not route.is_ready and route.ranks == {}
 
@@ -92,7 +92,7 @@ def test_register_until_ready_and_route(srv: Server) -> None:
     r = srv.put_rank(_rank(tp=0))
     assert r.status_code == 200 and r.json()["is_ready"] is True
     assert srv.server.state.is_ready
-    # Re-registering a rank (restart) replaces its entry; still ready.
+    # Re-registering a rank (restart: nothing listens at its old port) replaces its entry; still ready.
     assert srv.put_rank(_rank(tp=0, rank_port=9999)).status_code == 200
 
     raw = srv.get("/bootstrap/route")
@@ -110,7 +110,8 @@ def test_register_until_ready_and_route(srv: Server) -> None:
         ranks={"0,0,0": RankInfo("127.0.0.1", 9999), "0,0,1": RankInfo("127.0.0.1", 7001)},
     )
     assert route.rank(0, 0, 1) == RankInfo("127.0.0.1", 7001)
-    assert srv.get("/bootstrap/health").json() == {"status": "ok", "is_ready": True, "registered": 2, "expected": 2}
+    health = srv.get("/bootstrap/health").json()
+    assert health == {"status": "ok", "is_ready": True, "registered": 2, "expected": 2, "refused": 0, "conflicts": 0}
 
 
 @pytest.mark.parametrize(
@@ -182,16 +183,20 @@ def test_wrong_field_type_names_the_field(shared_srv: Server) -> None:
 def test_dp_rank_registry(srv: Server) -> None:
     assert srv.post("/bootstrap/register_dp_rank", {"bootstrap_room": 11, "dp_rank": 3}).json() == {"status": "ok"}
     assert srv.post("/bootstrap/register_dp_rank", {"bootstrap_room": 12, "dp_rank": 0}).status_code == 200
-    assert srv.post("/bootstrap/register_dp_rank", {"bootstrap_room": 11, "dp_rank": 2}).status_code == 200
+    assert srv.post("/bootstrap/register_dp_rank", {"bootstrap_room": 11, "dp_rank": 3}).status_code == 200  # again
+    # Moving a room to another rank needs the token (this deployment has none): 409, the room stays.
+    r = srv.post("/bootstrap/register_dp_rank", {"bootstrap_room": 11, "dp_rank": 2})
+    assert r.status_code == 409 and "room 11 is served by dp rank 3" in r.json()["error"]
+    assert srv.server.state.conflicts == 1
     r = srv.post("/bootstrap/register_dp_rank", {"bootstrap_room": 13, "dp_rank": 4})
     assert r.status_code == 400 and "dp_rank" in r.json()["error"]
     r = srv.post("/bootstrap/query_dp_ranks", {"bootstrap_rooms": [11, 12, 13, 2**62]})
     assert r.status_code == 200
-    assert r.json() == {"dp_ranks": {"11": 2, "12": 0}}
+    assert r.json() == {"dp_ranks": {"11": 3, "12": 0}}
     assert srv.post("/bootstrap/query_dp_ranks", {"bootstrap_rooms": []}).json() == {"dp_ranks": {}}
 
     cache = RouteCache(timeout_s=5)
-    assert cache.query_dp_rank(srv.addr, 11) == 2
+    assert cache.query_dp_rank(srv.addr, 11) == 3
     assert cache.query_dp_rank(srv.addr, 13) is None
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -231,7 +233,9 @@ class _ModelConfig(SimpleNamespace):
         return 32
 
 
-def _compat_app(block_size: int, dtype: str = "float32", role: str = "kv_consumer", hidden: int = 0) -> Starlette:
+def _compat_app(
+    block_size: int, dtype: str = "float32", role: str = "kv_consumer", hidden: int = 0, extra: dict | None = None
+) -> Starlette:
     app = make_app()
     model = (
         _ModelConfig(dtype=f"torch.{dtype}", architectures=["LlamaForCausalLM"], hidden=hidden,
@@ -240,7 +244,7 @@ def _compat_app(block_size: int, dtype: str = "float32", role: str = "kv_consume
         else SimpleNamespace(dtype=f"torch.{dtype}")
     )  # fmt: skip
     app.state.vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector="PDConnector", kv_role=role),
+        kv_transfer_config=SimpleNamespace(kv_connector="PDConnector", kv_role=role, kv_connector_extra_config=extra),
         cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
         model_config=model,
     )
@@ -293,10 +297,57 @@ def test_compatible_deployment_passes(prefill_bootstrap: int) -> None:
         assert r.status_code == 200 and r.json()["path"] == "/v1/completions"
 
 
-def test_unreachable_bootstrap_is_left_to_the_connector() -> None:
+def test_unreachable_bootstrap_is_a_502_naming_it_at_once() -> None:
+    port = free_port()
     with TestClient(_compat_app(block_size=64)) as c:
-        r = post(c, "/v1/completions", _d_body(free_port()))
-        assert r.status_code == 200
+        t0 = time.monotonic()
+        for _ in range(2):  # the second answer comes from the remembered failure
+            r = post(c, "/v1/completions", _d_body(port))
+            assert r.status_code == 502
+            err = r.json()["error"]
+            assert err["type"] == "kv_transfer_bootstrap_unreachable" and f"127.0.0.1:{port}" in err["message"]
+        assert time.monotonic() - t0 < 5
+
+
+def test_untrusted_bootstrap_host_is_a_403_and_never_contacted() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.2", 0))
+        sock.listen(1)
+        sock.settimeout(0.2)
+        port = sock.getsockname()[1]
+        body = _d_body(port)
+        body["kv_transfer_params"]["bootstrap_host"] = "127.0.0.2"
+        extra = {"trusted_bootstrap_hosts": ["127.0.0.1", "fd00::/8"]}
+        with TestClient(_compat_app(block_size=32, extra=extra)) as c:
+            r = post(c, "/v1/completions", body)
+            assert r.status_code == 403
+            err = r.json()["error"]
+            assert err["type"] == "kv_transfer_untrusted_bootstrap"
+            assert f"127.0.0.2:{port} is not trusted" in err["message"] and "fd00::/8" in err["message"]
+            body["kv_transfer_params"]["bootstrap_host"] = "::1"  # IPv6 alike (not on this list)
+            r = post(c, "/v1/completions", body)
+            assert r.status_code == 403 and f"[::1]:{port}" in r.json()["error"]["message"]
+        with pytest.raises(TimeoutError):
+            sock.accept()
+
+
+def test_the_check_reads_routes_with_this_instances_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    token = "middleware-test-token-0123456789"
+    monkeypatch.setenv("PD_TEST_TOKEN", token)
+    server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), "127.0.0.1", free_port(), token.encode())
+    server.start()
+    try:
+        rank = RegisterRank(1, 0, 1, 0, "127.0.0.1", 7000, 32, "float32", num_layers=2)
+        assert register_rank(f"127.0.0.1:{server.port}", rank, 1, 0.1, 5, token=token.encode())
+        with TestClient(_compat_app(block_size=64, extra={"auth_token_env": "PD_TEST_TOKEN"})) as c:
+            r = post(c, "/v1/completions", _d_body(server.port))
+            assert r.status_code == 409 and "block size mismatch" in r.json()["error"]["message"]
+        with TestClient(_compat_app(block_size=64)) as c:  # no token: P refuses D, named at once
+            r = post(c, "/v1/completions", _d_body(server.port))
+            assert r.status_code == 502 and "HTTP 401" in r.json()["error"]["message"]
+        assert server.state.refused == 1
+    finally:
+        server.stop()
 
 
 def test_prefill_instances_are_not_checked(prefill_bootstrap: int) -> None:

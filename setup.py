@@ -45,6 +45,8 @@ setup(
             "kubernetes-validate>=1.30",
             "opentelemetry-sdk>=1.26",
             "matplotlib>=3.8",
+            # self-signed certificates in the TLS tests (Router, bootstrap server)
+            "cryptography>=42",
         ],
         # python -m launch.trace (phase waterfall of a run's logs).
         "trace": ["matplotlib>=3.8"],

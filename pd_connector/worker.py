@@ -16,7 +16,7 @@ import torch
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
-from pd_connector.config import DisaggConfig, token_of
+from pd_connector.config import DisaggConfig, advertised_bootstrap_host, token_of
 from pd_connector.kv_params import host_port
 from pd_connector.layout import regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
@@ -186,7 +186,7 @@ class PDWorker:
             )
             self.bootstrap.start()
         register_rank(
-            host_port(self.cfg.bootstrap_host, self.cfg.bootstrap_port),
+            host_port(advertised_bootstrap_host(self.cfg, spec.dp_rank), self.cfg.bootstrap_port),
             RegisterRank(
                 attn_tp_size=spec.tp_size,
                 attn_tp_rank=spec.tp_rank,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from pd_connector.bootstrap.exposure import exposure_of
 from pd_connector.config import parse_config as parse_kv_config
 from proxy.cli import parse_config as parse_router_config
 
@@ -37,7 +38,15 @@ ASCEND_RUNS = [
     ("ascend_xpyd_external_dp/decode_node.sh", ["2"]),
     ("ascend_xpyd_external_dp/router.sh", []),
 ]
+#: The examples read PDConnector's control-plane token from this variable (auth_token_env).
+TOKEN_ENV = "PD_AUTH_TOKEN"
 RECORDER = '#!/usr/bin/env bash\nprintf "%s\\0" "$(basename "$0")" "$@" >> "$RECORD"\nprintf "\\n\\0" >> "$RECORD"\n'
+
+
+@pytest.fixture(autouse=True)
+def _control_plane_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared token the multi-node examples require (their scripts and configs read it)."""
+    monkeypatch.setenv(TOKEN_ENV, "example-token-0123456789abcdef")
 
 
 def test_every_example_has_a_readme() -> None:
@@ -89,7 +98,7 @@ def _check_vllm_serve(argv: list[str]) -> None:
     args = _vllm_serve_parser().parse_args(argv[1:])
     kv = args.kv_transfer_config
     assert kv is not None and kv.kv_connector == "PDConnector", argv
-    parse_kv_config(kv.kv_role, kv.kv_connector_extra_config)
+    exposure_of(parse_kv_config(kv.kv_role, kv.kv_connector_extra_config))  # a non-loopback one has a token
 
 
 def _check_launcher(argv: list[str]) -> None:
@@ -154,6 +163,7 @@ def test_kubernetes_kv_configs_parse() -> None:
         kv = json.loads(text.replace("POD_IP", "10.1.2.3"))
         assert kv["kv_connector"] == "PDConnector"
         roles[name] = parse_kv_config(kv["kv_role"], kv["kv_connector_extra_config"])
+        exposure_of(roles[name])
     assert sorted(roles) == ["decode.json", "prefill.json"]
     assert roles["prefill.json"].is_prefill and not roles["decode.json"].is_prefill
     for manifest in ("prefill.yaml", "decode.yaml"):

@@ -11,6 +11,14 @@ BOOTSTRAP_PORT=${BOOTSTRAP_PORT:-18800}  # P's bootstrap server (hosted by P's D
 ROUTER_PORT=${ROUTER_PORT:-8000}
 DP_SIZE=${DP_SIZE:-4}             # internal DP engines per instance (one NPU each, TP 1)
 
+# PDConnector's control-plane token: the same on P and D, from the environment (never on a command
+# line); without it P and D would refuse to start on a non-loopback local_ip. Make one once:
+#   export PD_AUTH_TOKEN=$(openssl rand -hex 32)
+require_token() {
+    : "${PD_AUTH_TOKEN:?set PD_AUTH_TOKEN to the shared control-plane token (the same on P and D)}"
+    export PD_AUTH_TOKEN
+}
+
 # A proxy exported for pip or model downloads must not sit between P, D and the Router.
 unset http_proxy https_proxy ftp_proxy HTTP_PROXY HTTPS_PROXY FTP_PROXY
 
@@ -35,6 +43,7 @@ ascend_env() {  # local_ip
 serve_instance() {
     local ip=$1 port=$2 rpc_port=$3 role=$4 extra=$5
     shift 5
+    require_token
     ascend_env "$ip"
     vllm serve "$MODEL" \
         --host "$ip" --port "$port" \

@@ -7,6 +7,7 @@ set -euo pipefail
 node=${1:?usage: decode_node.sh NODE (1..${#D_IPS[@]})}
 ip=${D_IPS[$((node - 1))]}
 export PD_LOCAL_IP=$ip
+require_token
 
 python -m launch.launch_online_dp --dp-size "$D_DP" --tp-size "$D_TP" --dp-size-local "$D_DP_LOCAL" \
     --dp-rank-start $(((node - 1) * D_DP_LOCAL)) \
@@ -17,4 +18,5 @@ python -m launch.launch_online_dp --dp-size "$D_DP" --tp-size "$D_TP" --dp-size-
     --no-enable-prefix-caching \
     --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
     --kv-transfer-config "{\"kv_connector\":\"PDConnector\",\"kv_role\":\"kv_consumer\",
-        \"kv_connector_extra_config\":{\"local_ip\":\"$ip\",\"protocol\":\"ascend\"}}"
+        \"kv_connector_extra_config\":{\"local_ip\":\"$ip\",\"protocol\":\"ascend\",\"auth_token_env\":\"PD_AUTH_TOKEN\",
+        \"trusted_bootstrap_hosts\":$TRUSTED_P_HOSTS}}"

@@ -15,6 +15,17 @@ D_DP=${D_DP:-32}
 D_TP=${D_TP:-1}
 D_DP_LOCAL=${D_DP_LOCAL:-16}
 
+# PDConnector's control-plane token: the same on every node, from the environment (never on a command
+# line); without it P and D would refuse to start on a non-loopback local_ip. Make one once:
+#   export PD_AUTH_TOKEN=$(openssl rand -hex 32)
+require_token() {
+    : "${PD_AUTH_TOKEN:?set PD_AUTH_TOKEN to the shared control-plane token (the same on every node)}"
+    export PD_AUTH_TOKEN
+}
+# D contacts only these bootstrap hosts (every prefill node), as a JSON list.
+TRUSTED_P_HOSTS=$(printf '"%s",' "${P_IPS[@]}")
+TRUSTED_P_HOSTS="[${TRUSTED_P_HOSTS%,}]"
+
 unset http_proxy https_proxy ftp_proxy HTTP_PROXY HTTPS_PROXY FTP_PROXY
 # Read by run_dp_template.sh for every rank (HCCL_IF_IP, GLOO/TP/HCCL socket NICs); other
 # HCCL / HIXL variables exported here reach every rank unchanged.

@@ -6,6 +6,7 @@ set -euo pipefail
 node=${1:?usage: prefill_node.sh NODE (1..${#P_IPS[@]})}
 ip=${P_IPS[$((node - 1))]}
 export PD_LOCAL_IP=$ip
+require_token
 
 python -m launch.launch_online_dp --dp-size "$P_DP" --tp-size "$P_TP" --dp-size-local "$P_DP" --dp-rank-start 0 \
     --dp-address "$ip" --dp-rpc-port "$DP_RPC_PORT" --vllm-start-port "$START_PORT" \
@@ -15,4 +16,5 @@ python -m launch.launch_online_dp --dp-size "$P_DP" --tp-size "$P_TP" --dp-size-
     --no-enable-prefix-caching \
     --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
     --kv-transfer-config "{\"kv_connector\":\"PDConnector\",\"kv_role\":\"kv_producer\",
-        \"kv_connector_extra_config\":{\"bootstrap_port\":$BOOTSTRAP_PORT,\"local_ip\":\"$ip\",\"protocol\":\"ascend\"}}"
+        \"kv_connector_extra_config\":{\"bootstrap_port\":$BOOTSTRAP_PORT,\"bootstrap_host\":\"$ip\",\"local_ip\":\"$ip\",
+        \"protocol\":\"ascend\",\"auth_token_env\":\"PD_AUTH_TOKEN\"}}"

@@ -15,7 +15,13 @@ import msgspec
 import pytest
 
 from pd_connector import auth
-from pd_connector.bootstrap.client import BootstrapError, BootstrapUntrusted, RouteCache, register_dp_rank, register_rank
+from pd_connector.bootstrap.client import (
+    BootstrapError,
+    BootstrapUntrusted,
+    RouteCache,
+    register_dp_rank,
+    register_rank,
+)
 from pd_connector.bootstrap.exposure import exposure_of, is_loopback
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.bootstrap.trust import TrustedHosts, split_addr
@@ -105,7 +111,7 @@ def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pd-bootstrap-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder()
         .subject_name(name)

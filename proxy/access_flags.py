@@ -11,8 +11,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from proxy.config import AccessConfig, TlsConfig
-from proxy.tls import server_context
+from proxy.config import AccessConfig, BackendTlsConfig, TlsConfig
+from proxy.tls import client_context, server_context
 
 API_KEY_ENV = "PD_ROUTER_API_KEY"
 ADMIN_TOKEN_ENV = "PD_ROUTER_ADMIN_TOKEN"
@@ -28,6 +28,7 @@ class Security:
     access: AccessConfig
     backend_authorization: str | None
     tls: TlsConfig | None
+    backend_tls: BackendTlsConfig | None
 
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +73,17 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
         help="client certificate: 0 not asked, 1 optional, 2 required (ssl.VerifyMode; default: %(default)s)",
     )
     add("--ssl-ciphers", metavar="CIPHERS", help="TLS 1.2 cipher suites (OpenSSL cipher list)")
+    add(
+        "--backend-ssl",
+        action="store_true",
+        help="call every P and D over HTTPS, their certificates verified (the system's CAs unless "
+        "--backend-ssl-ca-certs); implied by the other --backend-ssl-* flags",
+    )
+    add(
+        "--backend-ssl-ca-certs", metavar="PATH", help="CA certificates the backends' certificates are verified against"
+    )
+    add("--backend-ssl-certfile", metavar="PATH", help="the Router's client certificate for backends that ask for one")
+    add("--backend-ssl-keyfile", metavar="PATH", help="the private key of --backend-ssl-certfile")
 
 
 def _check_secret(parser: argparse.ArgumentParser, secret: str, source: str) -> str:
@@ -134,6 +146,20 @@ def _tls(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TlsConfig
     return tls
 
 
+def _backend_tls(parser: argparse.ArgumentParser, args: argparse.Namespace) -> BackendTlsConfig | None:
+    if args.backend_ssl_keyfile is not None and args.backend_ssl_certfile is None:
+        parser.error("--backend-ssl-keyfile needs --backend-ssl-certfile")
+    files = (args.backend_ssl_ca_certs, args.backend_ssl_certfile, args.backend_ssl_keyfile)
+    if not args.backend_ssl and all(f is None for f in files):
+        return None
+    tls = BackendTlsConfig(*files)
+    try:
+        client_context(tls)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return tls
+
+
 def security_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Security:
     """Validate the security flags (errors exit with code 2, naming the flag or file)."""
     api_keys = _api_keys(parser, args)
@@ -149,4 +175,5 @@ def security_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         AccessConfig(api_keys, admin_token, args.insecure_admin),
         f"Bearer {backend_key}" if backend_key else None,
         _tls(parser, args),
+        _backend_tls(parser, args),
     )

@@ -315,6 +315,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         backend_authorization=security.backend_authorization,
         access=security.access,
         tls=security.tls,
+        backend_tls=security.backend_tls,
     )
 
 

@@ -28,6 +28,16 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class BackendTlsConfig:
+    """HTTPS to every P and D (``--backend-ssl*``): the CA file their certificates are verified
+    against (``None``: the system's), and the Router's own certificate and key if they ask for one."""
+
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+
+
+@dataclass(frozen=True)
 class AccessConfig:
     """Who may call the Router (:mod:`proxy.auth`); secrets are never in ``repr``.
 
@@ -140,6 +150,8 @@ class RouterConfig:
     access: AccessConfig = AccessConfig()
     #: HTTPS instead of HTTP when set (``--ssl-certfile``/``--ssl-keyfile``).
     tls: TlsConfig | None = None
+    #: HTTPS to the backends when set (``--backend-ssl*``).
+    backend_tls: BackendTlsConfig | None = None
     #: Use a client-given ``bootstrap_room`` (``--trust-client-room``); otherwise every request
     #: gets a random one. Either way, a room already in flight is refused (HTTP 409).
     trust_client_room: bool = False

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import ssl
 import time
 
 import httptools
@@ -304,8 +305,12 @@ class _Connection(asyncio.Protocol):
 class Http1Pool:
     """Keep-alive connections to the backends, and the requests sent over them."""
 
-    def __init__(self, connect_timeout: float, keepalive_s: float = KEEPALIVE_S) -> None:
+    def __init__(
+        self, connect_timeout: float, keepalive_s: float = KEEPALIVE_S, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.connect_timeout = connect_timeout
+        #: HTTPS to every backend when set (``--backend-ssl``).
+        self.ssl_context = ssl_context
         self.keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
@@ -335,7 +340,7 @@ class Http1Pool:
         timeout = min(self.connect_timeout, timeout)
         try:
             async with asyncio.timeout(timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(self, key), host, port)
+                _, conn = await loop.create_connection(lambda: _Connection(self, key), host, port, ssl=self.ssl_context)
         except TimeoutError:
             raise ConnectFailed(f"connect to {host}:{port} timed out after {timeout:g}s") from None
         except OSError as exc:

@@ -15,6 +15,7 @@ from proxy.config import RouterConfig
 from proxy.http1 import Http1Pool
 from proxy.metrics import RouterMetrics
 from proxy.rooms import RoomsInUse
+from proxy.tls import client_context
 from proxy.upstream import check_all
 
 logger = logging.getLogger("proxy")
@@ -28,7 +29,8 @@ class Router:
         self.pool = BackendPool(config.prefillers, config.decoders, config.routing, config.routing_options)
         self.metrics = RouterMetrics(self.pool)
         #: Every call to a backend (P and D requests, health checks, models, admin calls).
-        self.http = Http1Pool(config.connect_timeout)
+        tls = client_context(config.backend_tls) if config.backend_tls else None
+        self.http = Http1Pool(config.connect_timeout, ssl_context=tls)
         #: Tasks the Router keeps references to until they end (detached prefills, aborts, ...).
         self.tasks: set[asyncio.Task[Any]] = set()
         #: Instances added and removed at run time (``/instances/...``).

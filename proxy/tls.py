@@ -1,10 +1,11 @@
-"""The Router's HTTPS listener: an ``ssl.SSLContext`` from ``--ssl-*`` (``vllm serve``'s flags)."""
+"""TLS contexts: the Router's HTTPS listener (``--ssl-*``, ``vllm serve``'s flags) and its HTTPS
+calls to the backends (``--backend-ssl*``)."""
 
 from __future__ import annotations
 
 import ssl
 
-from proxy.config import TlsConfig
+from proxy.config import BackendTlsConfig, TlsConfig
 
 #: ``--ssl-cert-reqs`` values (``ssl.VerifyMode``), as ``vllm serve`` takes them.
 CERT_REQS = {int(ssl.CERT_NONE): ssl.CERT_NONE, int(ssl.CERT_OPTIONAL): ssl.CERT_OPTIONAL,
@@ -37,4 +38,23 @@ def server_context(tls: TlsConfig) -> ssl.SSLContext:
             context.set_ciphers(tls.ciphers)
         except ssl.SSLError as exc:
             raise ValueError(f"invalid --ssl-ciphers {tls.ciphers!r}: {exc}") from None
+    return context
+
+
+def client_context(tls: BackendTlsConfig) -> ssl.SSLContext:
+    """A client-side TLS context for the calls to P and D: their certificate verified (against
+    ``tls.ca_certs``, else the system's CAs) and its host name checked; the Router's own
+    certificate sent when given. Raises ``ValueError`` naming the file that could not be used."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=None)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls.ca_certs:
+        try:
+            context.load_verify_locations(cafile=tls.ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the backends' CA certificates {tls.ca_certs!r}: {exc}") from None
+    if tls.certfile:
+        try:
+            context.load_cert_chain(tls.certfile, tls.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the Router's client certificate {tls.certfile!r}: {exc}") from None
     return context

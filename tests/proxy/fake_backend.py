@@ -214,13 +214,15 @@ def build_app(
 
 
 SPEC_KEYS = {"port", "mode", "delay", "chunks", "chunk_interval", "stream_delay", "done_linger"}
+#: Optional spec keys: serve HTTPS with this certificate and key.
+TLS_KEYS = {"ssl_certfile", "ssl_keyfile"}
 
 
 async def serve(specs: list[dict[str, Any]], host: str) -> None:
     """Serve every spec (one fake backend per port) in this process until SIGINT/SIGTERM."""
     servers = []
     for spec in specs:
-        unknown = set(spec) - SPEC_KEYS
+        unknown = set(spec) - SPEC_KEYS - TLS_KEYS
         if unknown:
             raise SystemExit(f"unknown spec keys {sorted(unknown)}")
         app = build_app(
@@ -232,7 +234,8 @@ async def serve(specs: list[dict[str, Any]], host: str) -> None:
             spec.get("stream_delay", 0.0),
             spec.get("done_linger", 0.0),
         )
-        config = uvicorn.Config(app, host=host, port=spec["port"], log_level="warning", access_log=False)
+        tls = {k: spec[k] for k in TLS_KEYS if k in spec}
+        config = uvicorn.Config(app, host=host, port=spec["port"], log_level="warning", access_log=False, **tls)
         servers.append(uvicorn.Server(config))
     await asyncio.gather(*(server.serve() for server in servers))
 

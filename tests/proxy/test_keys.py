@@ -22,9 +22,9 @@ from proxy.admin import ADMIN_PATHS
 from proxy.auth import Access, BearerCheck, Gate, Refusal, access_of, is_loopback, startup_notes
 from proxy.backends import BackendPool
 from proxy.cli import parse_config
-from proxy.config import AccessConfig, Backend
+from proxy.config import AccessConfig, Backend, BackendTlsConfig
 from proxy.metrics import RouterMetrics
-from proxy.tls import server_context
+from proxy.tls import client_context, server_context
 
 BASE = ["--prefiller-hosts", "p1", "--prefiller-ports", "8100", "--decoder-hosts", "d1", "--decoder-ports", "8200"]
 ENVS = (API_KEY_ENV, ADMIN_TOKEN_ENV, BACKEND_KEY_ENV, LEGACY_BACKEND_KEY_ENV)
@@ -311,3 +311,26 @@ def test_server_context_from_a_generated_certificate(tmp_path: Path) -> None:
     )
     assert mtls.tls is not None
     assert server_context(mtls.tls).verify_mode == ssl.CERT_REQUIRED
+
+
+def test_backend_tls_flags(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    assert parse_config(BASE).backend_tls is None
+    assert parse_config([*BASE, "--backend-ssl"]).backend_tls == BackendTlsConfig()
+    config = parse_config(
+        [
+            *BASE,
+            "--backend-ssl-ca-certs",
+            str(cert),
+            "--backend-ssl-certfile",
+            str(cert),
+            "--backend-ssl-keyfile",
+            str(key),
+        ]
+    )
+    assert config.backend_tls == BackendTlsConfig(str(cert), str(cert), str(key))
+    context = client_context(config.backend_tls)
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert "needs --backend-ssl-certfile" in _cli_error([*BASE, "--backend-ssl-keyfile", str(key)])
+    bad = secret_file(tmp_path, "bad-ca.pem", "not a certificate\n")
+    assert f"cannot load the backends' CA certificates {bad!r}" in _cli_error([*BASE, "--backend-ssl-ca-certs", bad])

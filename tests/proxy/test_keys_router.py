@@ -6,7 +6,9 @@ Router for them, never the client's.
 
 from __future__ import annotations
 
+import json
 import ssl
+import sys
 from pathlib import Path
 
 import httpx
@@ -14,6 +16,7 @@ import pytest
 from keys_testlib import secret_file, self_signed
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_testlib import (
+    FAKE_BACKEND,
     HOST,
     Backends,
     Proc,
@@ -201,3 +204,49 @@ def test_https_router_with_a_self_signed_certificate(backends: Backends, tmp_pat
         assert f"Router listening on https://{HOST}:{port}" in proc.log_text()
     finally:
         proc.stop()
+
+
+def _wait_https(proc: Proc, url: str, verify: ssl.SSLContext) -> None:
+    def answers() -> bool:
+        assert proc.popen is not None and proc.popen.poll() is None, proc.log_text()
+        try:
+            return httpx.get(url, verify=verify, timeout=1, trust_env=False).status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    wait_until(answers, timeout=40, interval=0.2)
+
+
+def test_router_calls_https_backends_and_verifies_them(fresh_router: RouterFactory, tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path, "backend")
+    p_port, d_port = free_port(), free_port()
+    tls = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+    specs = [{"port": p_port, "mode": "ok", **tls}, {"port": d_port, "mode": "ok", **tls}]
+    args = [sys.executable, str(FAKE_BACKEND), "--specs", json.dumps(specs)]
+    backends_proc = Proc("https backends", p_port, args, tmp_path / "backends.log").start()
+    verify = ssl.create_default_context(cafile=str(cert))
+    try:
+        for port in (p_port, d_port):
+            _wait_https(backends_proc, f"https://{HOST}:{port}/health", verify)
+        key_file = secret_file(tmp_path, "backend-key", f"{BACKEND_KEY}\n")
+        verified = fresh_router(p_port, d_port, "--backend-ssl-ca-certs", str(cert), "--backend-api-key-file", key_file)
+        rid = new_rid("https-backends")
+        with http_client() as client:
+            response = client.post(
+                f"{verified.url}/v1/completions",
+                json=request_body("/v1/completions"),
+                headers={"X-Request-Id": rid, "Authorization": "Bearer client-side"},
+            )
+            assert response.status_code == 200, response.text
+        for port in (p_port, d_port):
+            stats = httpx.get(f"https://{HOST}:{port}/stats", verify=verify, timeout=5, trust_env=False).json()
+            (seen,) = [r for r in stats["requests"] if r["request_id"] == rid]
+            assert seen["authorization"] == f"Bearer {BACKEND_KEY}"
+        # Without the backends' CA (system CAs only), their certificate is refused: no request is sent.
+        unverified = fresh_router(p_port, d_port, "--backend-ssl", "--max-retries", "1")
+        with http_client() as client:
+            refused = client.post(f"{unverified.url}/v1/completions", json=request_body("/v1/completions"))
+        assert refused.status_code == 503, refused.text
+        assert "CERTIFICATE_VERIFY_FAILED" in refused.text or "certificate verify failed" in refused.text
+    finally:
+        backends_proc.stop()

@@ -143,7 +143,7 @@ BAD_FLAGS = {
     "health interval": [*BASE, "--health-interval", "-1"],
     "body size": [*BASE, "--max-body-size", "lots"],
     "body size 0": [*BASE, "--max-body-size", "0"],
-    "workers": [*BASE, "--workers", "2"],
+    "workers": [*BASE, "--workers", "0"],
     "waiting retries": [*BASE, "--max-waiting-retries", "0"],
     "duplicate decoder": BASE[:4] + ["--decoder-hosts", "d1", "d1", "--decoder-ports", "8200", "8200"],
 }

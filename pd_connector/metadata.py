@@ -54,6 +54,8 @@ class PDConnectorMetadata(KVConnectorMetadata):
     # P: rooms whose request ended without KV to hand over (aborted, error).
     dropped_rooms: list[int] = field(default_factory=list)
     recvs: list[RecvJob] = field(default_factory=list)
+    # D: requests vLLM finished before their load was asked for (no blocks: P is only told to free the room).
+    abandoned: list[RecvJob] = field(default_factory=list)
     # Nothing to compute this step: the engine only polls for transfers. The worker then
     # waits briefly for transfer progress instead of letting the engine loop spin a core.
     idle: bool = False

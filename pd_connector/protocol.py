@@ -62,6 +62,7 @@ class DoneStatus(enum.IntEnum):
     BAD_REQUEST = 8  # the request does not fit the room (more blocks than P holds)
     INTERNAL_ERROR = 9
     CANCELLED = 10  # D cancelled this request (answer to its TransferCancel; no write happened)
+    PEER_LOST = 11  # P heard nothing from this D rank for peer_timeout_s and dropped its requests
 
 
 class TransferDone(msgspec.Struct, tag="done", frozen=True):
@@ -86,7 +87,20 @@ class TransferCancel(msgspec.Struct, tag="cancel", frozen=True):
     peer_id: str = ""  # the D rank that gave up: P counts claims per (request, D rank)
 
 
-Message = PeerHello | TransferRequest | TransferDone | TransferCancel
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    """Liveness (transfer.liveness): a rank with pending work toward the rank at ``about`` asks it to answer."""
+
+    about: str  # the receiver's endpoint as the sender knows it (echoed in the Pong)
+    reply_to: str  # the sender's PULL endpoint
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    """Liveness: the answer to a Ping; ``about`` is the Ping's, so the pinger knows who answered."""
+
+    about: str
+
+
+Message = PeerHello | TransferRequest | TransferDone | TransferCancel | Ping | Pong
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -62,6 +62,7 @@ class PDScheduler:
         self._local_hits: dict[str, int] = {}
         self._recv_planned: set[str] = set()
         self._recvs: list[RecvJob] = []
+        self._abandoned: list[RecvJob] = []  # D: finished before their load was asked for
         # D, phase traces: loads in flight, and loads done whose first scheduling is still to come.
         self._awaiting_kv: set[str] = set()
         self._kv_ready: set[str] = set()
@@ -135,11 +136,20 @@ class PDScheduler:
             params.bootstrap_addr,
         )
 
+    def _abandon(self, rid: str, params: DecodeParams) -> None:
+        """D: the request ended before its load was asked for; its worker tells P to free the room."""
+        logger.info("room=%d req=%s: finished before its KV was asked for; prefill will be told", params.room, rid)
+        self._abandoned.append(
+            RecvJob(rid, params.room, params.bootstrap_host, params.bootstrap_port, params.prefill_dp_rank, [], 0, 0)
+        )
+
     # ------------------------------------------------------------- prefill side
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = self._parsed.pop(rid) if rid in self._parsed else _params_of(request)
+        if self.cfg.is_decode and isinstance(params, DecodeParams) and rid not in self._recv_planned:
+            self._abandon(rid, params)  # aborted while it queued: P may hold the room for it
         self._local_hits.pop(rid, None)
         self._recv_planned.discard(rid)
         self._awaiting_kv.discard(rid)
@@ -199,10 +209,11 @@ class PDScheduler:
             sends=self._sends,
             dropped_rooms=self._dropped,
             recvs=self._recvs,
+            abandoned=self._abandoned,
             idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0,
             scheduled=self._first_scheduled(scheduler_output),
         )
-        self._sends, self._dropped, self._recvs = [], [], []
+        self._sends, self._dropped, self._recvs, self._abandoned = [], [], [], []
         return meta
 
     def _first_scheduled(self, scheduler_output: SchedulerOutput) -> dict[str, float]:

@@ -215,6 +215,8 @@ class PDWorker:
             self.manager.drop_rooms(meta.dropped_rooms)
         if meta.recvs:
             self.manager.add_recvs(meta.recvs)
+        if meta.abandoned and self.manager.decode is not None:
+            self.manager.decode.abandon(meta.abandoned)
         if meta.scheduled:
             self.manager.mark_scheduled(meta.scheduled)
         if meta.idle:

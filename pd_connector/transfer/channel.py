@@ -3,7 +3,9 @@
 The listener decodes every frame and hands the message to ``on_message``; a frame that is not a
 PDConnector message is counted (``bad_frames``) and dropped. Between polls it calls ``on_tick``
 with the monotonic time, which drives the timeouts. Handlers run on the listener thread and must
-not block.
+not block. Liveness frames (``Ping`` / ``Pong``, transfer.liveness) are handled here: a Ping is
+answered at once, from the listener thread, so a peer is alive exactly while its listener runs;
+the owner drives the pings with ``beat()`` from its tick.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import zmq
 
 from pd_connector import auth
 from pd_connector import protocol as proto
+from pd_connector.transfer.liveness import Heartbeats, Lost, PeerWatch
 from pd_connector.transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -33,6 +36,7 @@ class Channel:
         on_message: Callable[[proto.Message], None],
         on_tick: Callable[[float], None],
         token: bytes | None = None,
+        watch: PeerWatch | None = None,
     ) -> None:
         self._stats = stats
         self._token = token  # frames are HMAC-signed with it (pd_connector.auth)
@@ -49,6 +53,7 @@ class Channel:
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="pd-listener", daemon=True)
+        self.heartbeats = Heartbeats(watch or PeerWatch(5.0), self.endpoint, self.send)
 
     def start(self) -> None:
         self._listener.start()
@@ -73,6 +78,10 @@ class Channel:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 logger.error("ZMQ send queue to %s is full; %s dropped", endpoint, type(msg).__name__)
+
+    def beat(self, now: float, busy: set[str]) -> list[Lost]:
+        """Listener tick: ping the peers in ``busy`` (pending work) that are due; those that went silent."""
+        return self.heartbeats.tick(now, busy)
 
     def stop(self) -> None:
         """Stop the listener (no more handlers run); sending still works until close()."""
@@ -121,7 +130,12 @@ class Channel:
             self._stats.inc("bad_frames")
             logger.warning("dropping malformed ZMQ frame on %s: %s", self.endpoint, exc)
             return
-        self._on_message(msg)
+        if isinstance(msg, proto.Ping):
+            self.heartbeats.on_ping(msg, time.monotonic())
+        elif isinstance(msg, proto.Pong):
+            self.heartbeats.on_pong(msg, time.monotonic())
+        else:
+            self._on_message(msg)
 
 
 def zmq_host(ip: str) -> str:
@@ -140,5 +154,9 @@ def _claimed_sender(frame: bytes) -> str:
             return f"peer {msg.peer_id} ({msg.endpoint})"
         if isinstance(msg, proto.TransferRequest):
             return f"peer {msg.peer_id} (room={msg.room} req={msg.request_id})"
+        if isinstance(msg, proto.Ping):
+            return f"a Ping from {msg.reply_to}"
+        if isinstance(msg, proto.Pong):
+            return f"a Pong about {msg.about}"
         return f"a {type(msg).__name__} (room={msg.room} req={msg.request_id})"
     return "an unknown sender"

@@ -9,6 +9,7 @@ AWAITING_KV -> RECEIVED or FAILED (the load then leaves the table).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: How long an aborted load waits for P's last answers (P stops its writes between batches).
 CANCEL_GRACE_S = 2.0
+#: Loads that wait on P ranks (liveness watches those ranks).
+_WAITING = (LoadState.AWAITING_KV, LoadState.CANCELLING)
 
 
 @dataclass
@@ -322,6 +325,54 @@ class DecodeSide:
         self._ctx.stats.fail(why, "recvs_failed")
         self._ctx.traces.emit(req_id, f"failed:{why}")
         self._ctx.outbox.received(req_id, failed_blocks=list(load.job.dst_block_ids))
+
+    # ------------------------------------------------------------- liveness, abandoned rooms
+
+    def peers_waited_on(self) -> set[str]:
+        """Endpoints of the P ranks this rank's loads wait on (liveness pings them)."""
+        with self._lock:
+            return {ep for load in self._loads.values() if load.state in _WAITING for ep in load.endpoints}
+
+    def peer_lost(self, endpoint: str, silent_s: float) -> None:
+        """The P rank at ``endpoint`` answered no heartbeat for ``silent_s``: the loads on it fail at once."""
+        with self._lock:
+            hit = [load for load in self._loads.values() if load.state in _WAITING and endpoint in load.endpoints]
+        with self._hello_lock:
+            self._hello_sent.discard(endpoint)  # a P restarted there must get the hello again
+        why = f"prefill rank {endpoint} silent for {silent_s:.1f} s (peer_timeout_s {self._cfg.peer_timeout_s:g})"
+        for load in hit:
+            self._routes.invalidate(load.job.bootstrap_addr)
+            if load.state is not LoadState.CANCELLING:
+                self._fail(load.job.req_id, why, "peer_lost")
+                continue
+            with self._lock:
+                gone = self._loads.pop(load.job.req_id, None)
+            if gone is not None:
+                self._release(load, f"request aborted; {why}", "aborted")
+
+    def abandon(self, jobs: Sequence[RecvJob]) -> None:
+        """vLLM finished these requests before their KV was asked for (the client went away while they
+        queued): tell P, which may hold the room for them, to free it (off the step loop)."""
+        for job in jobs:
+            self._ctx.submit(self._cancel_room, job)
+
+    def _cancel_room(self, job: RecvJob) -> None:
+        try:
+            if job.prefill_dp_rank is None and self._routes.get(job.bootstrap_addr).dp_size > 1:
+                dp = self._routes.query_dp_rank(job.bootstrap_addr, job.room)  # one look: no waiting
+                if dp is None:
+                    raise BootstrapError("prefill registered no dp rank for the room")
+                job = dataclasses.replace(job, prefill_dp_rank=dp)
+            endpoints, _ = self._resolve(job)
+        except Exception as exc:  # noqa: BLE001 - P's room_timeout_s frees it then
+            logger.warning(
+                "room=%d req=%s: request ended before its KV was asked for; prefill not told (%s)",
+                job.room, job.req_id, exc,
+            )  # fmt: skip
+            return
+        for endpoint in endpoints:
+            self._ctx.send(endpoint, proto.TransferCancel(room=job.room, request_id=job.req_id, peer_id=self._peer_id))
+        logger.info("room=%d req=%s: request ended before its KV was asked for; prefill told", job.room, job.req_id)
 
     def expire(self, now: float) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.channel import Channel
 from pd_connector.transfer.context import RankContext, RankSpec
 from pd_connector.transfer.decode_side import DecodeSide
+from pd_connector.transfer.liveness import PeerWatch
 from pd_connector.transfer.nhd_reshuffle import NhdReshuffle
 from pd_connector.transfer.outbox import Outbox
 from pd_connector.transfer.prefill_side import PrefillSide
@@ -53,7 +54,8 @@ class KVTransferManager:
         self.traces = TraceBook(cfg.mode, make_tracer(otlp_traces_endpoint) if lead else None, enabled=lead)
         self.outbox = Outbox()
         self.pool = TaskPool(cfg.transfer_threads)
-        self.channel = Channel(cfg.local_ip, self.stats, self._on_message, self._on_tick, token_of(cfg))
+        watch = PeerWatch(cfg.peer_timeout_s)  # heartbeats with the peers of pending work (transfer.liveness)
+        self.channel = Channel(cfg.local_ip, self.stats, self._on_message, self._on_tick, token_of(cfg), watch)
         self.endpoint = self.channel.endpoint
         self.rank_port = self.channel.port
         self.peer_id = f"{cfg.local_ip}:{self.rank_port}/dp{spec.dp_rank}/tp{spec.tp_rank}"
@@ -140,10 +142,18 @@ class KVTransferManager:
             self.prefill.on_hello(msg)
         elif isinstance(msg, proto.TransferRequest):
             self.prefill.on_transfer_request(msg)
-        else:
+        elif isinstance(msg, proto.TransferCancel):
             self.prefill.on_cancel(msg)
 
     def _on_tick(self, now: float) -> None:
+        busy = self.prefill.peers_waited_on() if self.prefill is not None else set()
+        if self.decode is not None:
+            busy |= self.decode.peers_waited_on()
+        for lost in self.channel.beat(now, busy):
+            if self.prefill is not None:
+                self.prefill.peer_lost(lost.endpoint, lost.silent_s)
+            if self.decode is not None:
+                self.decode.peer_lost(lost.endpoint, lost.silent_s)
         if self.prefill is not None:
             self.prefill.expire(now)
         if self.decode is not None:

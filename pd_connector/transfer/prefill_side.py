@@ -29,6 +29,7 @@ from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.backend import TransferBackend, TransferError, describe
 from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
 from pd_connector.transfer.peers import BlockRangeError, expected_requests_from, peer_problem, write_room
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
@@ -39,6 +40,7 @@ CLOSED_ROOMS_KEPT = 100_000
 #: How long a D request for a room that was already closed (sent, expired, aborted) waits for a new
 #: prefill of the same room before it is refused with the reason the room was closed.
 CLOSED_ROOM_GRACE_S = 5.0
+_CANCELLED = "decode cancelled the transfer"
 
 
 @dataclass
@@ -241,9 +243,12 @@ class PrefillSide:
             f" (room closed before: {closed.message(self._cfg.room_timeout_s)})" if closed else "",
         )
 
-    def on_cancel(self, cancel: proto.TransferCancel) -> None:
-        """D gave up one request of the room (abort, timeout, failed load): it counts as claimed, its
-        write (if any) stops, and the room is freed at once when no other request is expected."""
+    def on_cancel(
+        self, cancel: proto.TransferCancel, status: DoneStatus = DoneStatus.CANCELLED, why: str = _CANCELLED
+    ) -> None:
+        """D gave up one request of the room (abort, timeout, failed load; or went silent: ``peer_lost``):
+        it counts as claimed, its write (if any) stops, and the room is freed at once when no other
+        request is expected. A request of it still waiting for the prefill is answered ``status``."""
         dropped: list[WaitingRequest] = []
         key = claim(cancel.request_id, cancel.peer_id)
         with self._lock:
@@ -263,13 +268,26 @@ class PrefillSide:
             else:
                 room.cancelled.add(key)
                 assert room.job is not None
-                room.expected = room.expected or self._expected(room.job, None)
+                room.expected = room.expected or self._expected(room.job, cancel.peer_id)
                 self._finish_if_served(room)
-        logger.warning("room=%d req=%s: decode cancelled the transfer", cancel.room, cancel.request_id)
+        logger.warning("room=%d req=%s: %s", cancel.room, cancel.request_id, why)
         for w in dropped:  # D waits for one answer per request it sent
-            self._reply(w.req, DoneStatus.CANCELLED, "decode cancelled the transfer")
+            self._reply(w.req, status, why)
         if room is None or room.state is RoomState.AWAITING_PREFILL:
             self._ctx.traces.emit(cancel.room, "cancelled")
+
+    def peers_waited_on(self) -> set[str]:
+        """Endpoints of the D ranks whose requests wait here (liveness pings them)."""
+        with self._lock:
+            return decode_peers_waited_on(list(self._rooms.values()), self._peers)
+
+    def peer_lost(self, endpoint: str, silent_s: float) -> None:
+        """The D rank at ``endpoint`` answered no heartbeat for ``silent_s``: every claim of it is cancelled."""
+        with self._lock:
+            cancels = claims_toward(endpoint, list(self._rooms.values()), self._peers)
+        why = f"decode rank {endpoint} silent for {silent_s:.1f} s (peer_timeout_s {self._cfg.peer_timeout_s:g})"
+        for cancel in cancels:
+            self.on_cancel(cancel, DoneStatus.PEER_LOST, why)
 
     # ---------------------------------------------------------------- pushes
 

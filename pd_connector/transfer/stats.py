@@ -47,6 +47,7 @@ _REASON_OF_STATUS: dict[DoneStatus, FailureReason] = {
     DoneStatus.BAD_REQUEST: "protocol_error",
     DoneStatus.INTERNAL_ERROR: "protocol_error",
     DoneStatus.CANCELLED: "aborted",
+    DoneStatus.PEER_LOST: "peer_lost",
 }
 
 

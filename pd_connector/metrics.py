@@ -40,6 +40,7 @@ METRIC_NAMES = {
     "loads_waiting": "vllm:pd_kv_loads_waiting",
     "failures": "vllm:pd_kv_transfer_failures",
     "rooms_expired": "vllm:pd_kv_rooms_expired",
+    "auth_refused": "vllm:pd_kv_auth_refused",
     "transfers_ok": "vllm:pd_kv_pushes",
     "recvs_ok": "vllm:pd_kv_loads",
 }
@@ -150,6 +151,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "transfers_ok": counter("transfers_ok", "Successful KV pushes of this prefill instance (one per D rank)."),
             "recvs_ok": counter("recvs_ok", "Completed KV loads of this decode instance."),
             "rooms_expired": counter("rooms_expired", "Rooms freed on prefill because no decode asked in time."),
+            "auth_refused": counter("auth_refused", "ZMQ frames refused: missing or wrong control-plane token."),
         }
         self.histograms = {
             "transfer_seconds": histogram("transfer_seconds", "Duration of one KV push.", _SECONDS_BUCKETS),

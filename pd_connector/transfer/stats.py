@@ -59,7 +59,7 @@ def reason_of_status(status: DoneStatus) -> FailureReason:
 #: Keys of the interval dict whose values are lists of observations (one per transfer).
 SERIES = ("transfer_seconds", "transfer_bytes", "transfer_entries", "handshake_seconds")
 #: Keys of the interval dict whose values are counts.
-COUNTS = ("bytes_sent", "bytes_received", "transfers_ok", "recvs_ok", "rooms_expired")
+COUNTS = ("bytes_sent", "bytes_received", "transfers_ok", "recvs_ok", "rooms_expired", "auth_refused")
 #: Keys of the interval dict's "gauges" dict (each: {rank id: value}).
 GAUGES = ("rooms_held", "loads_waiting")
 

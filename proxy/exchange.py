@@ -197,6 +197,10 @@ class Exchange:
             (tried_p if failure.state.backend.role == "prefill" else tried_d).add(failure.state)
             if not failure.retryable or number == config.max_retries:
                 break
+            if failure.state is d and failure.kind in ("http_5xx", "error_event"):
+                # D's answer to a failed KV load: most often P's doing (P frozen or gone, D's liveness
+                # saw it), which D cannot name; the retry avoids this P too where another one exists.
+                tried_p.add(p)
             logger.warning(
                 "rid=%s room=%s attempt %d/%d failed (%s); retrying on another pair with a fresh room",
                 self.rid,

@@ -22,6 +22,7 @@ import pytest
 
 from pd_connector.bootstrap.exposure import exposure_of
 from pd_connector.config import parse_config as parse_kv_config
+from pd_connector.config import trusted_hosts_of
 from proxy.cli import parse_config as parse_router_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,6 +142,20 @@ def test_xpyd_router_lists_every_rank(tmp_path: Path) -> None:
     assert len(config.prefillers) == 4 and len(config.decoders) == 32
     assert [p.dp_rank for p in config.prefillers] == [0, 1, 0, 1]
     assert [p.bootstrap_address[0] for p in config.prefillers] == ["192.0.0.1"] * 2 + ["192.0.0.2"] * 2
+
+
+@pytest.mark.parametrize(
+    ("decode", "router"),
+    [("ascend_1p1d_2node/decode.sh", "ascend_1p1d_2node/router.sh"),
+     ("ascend_xpyd_external_dp/decode_node.sh", "ascend_xpyd_external_dp/router.sh")],
+)  # fmt: skip
+def test_decode_trusts_every_bootstrap_host_the_router_names(decode: str, router: str, tmp_path: Path) -> None:
+    (cmd,) = _recorded_commands(decode, ["1"] if "node" in decode else [], tmp_path)
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    trusted = trusted_hosts_of(parse_kv_config(kv["kv_role"], kv["kv_connector_extra_config"]))
+    (router_cmd,) = _recorded_commands(router, [], tmp_path)
+    hosts = {p.bootstrap_address[0] for p in parse_router_config(router_cmd[3:]).prefillers}
+    assert hosts and all(trusted.allows(h) for h in hosts), (hosts, trusted.describe())
 
 
 def test_kubernetes_manifests_match_the_schema() -> None:

@@ -51,15 +51,26 @@ def make_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a tiny random Llama (default GQA: hidden 128, 4 heads, 2 KV heads, head_dim 32) to out_dir.
 
     `hidden_size`, `num_heads`, `num_kv_heads` and `intermediate_size` (default 2 x hidden) give
     other shapes (head_dim = hidden / heads), e.g. the benchmarks' hidden 512, 6 layers, 8 heads,
     2 KV heads. An existing model in out_dir is reused as it is.
+
+    `sliding_window` (tokens) makes a hybrid model: even layers attend within that window
+    (``layer_types`` ``sliding_attention``), odd layers to the whole prompt (``full_attention``), so
+    vLLM's hybrid KV cache manager gives it two KV cache groups.
     """
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"hidden {hidden_size}, heads {num_heads}, KV heads {num_kv_heads} do not divide")
+    if sliding_window is not None and (sliding_window < 1 or num_layers < 2):
+        raise ValueError(f"sliding_window {sliding_window} needs a window >= 1 and >= 2 layers, got {num_layers}")
+    hybrid = {}
+    if sliding_window is not None:
+        kinds = ("sliding_attention", "full_attention")
+        hybrid = {"sliding_window": sliding_window, "layer_types": [kinds[i % 2] for i in range(num_layers)]}
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -83,6 +94,7 @@ def make_tiny_model(
         tie_word_embeddings=False,
         initializer_range=0.25,
         torch_dtype="float32",
+        **hybrid,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -101,8 +113,10 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--sliding-window", type=int, default=None, help="hybrid: even layers use this window")
     args = parser.parse_args()
     shape = {"hidden_size": args.hidden_size, "num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads}
+    shape["sliding_window"] = args.sliding_window
     print(make_tiny_model(args.out_dir, args.seed, args.num_layers, **shape))
 
 

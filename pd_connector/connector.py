@@ -14,9 +14,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from pd_connector.config import dp_rank_of, parse_config
+from pd_connector.kv_groups import check_group_block_sizes, group_block_sizes
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.metrics import PDKVConnectorStats, PDPromMetrics
 from pd_connector.scheduler import PDScheduler
@@ -26,6 +28,12 @@ try:  # vLLM >= 0.32 reports failed receives by request id.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # vLLM-Ascend 0.23 line: failed loads go through invalid block ids.
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+# SupportsHMA only where vLLM can fail a load with several KV cache groups: by request id (>= 0.32).
+# vLLM 0.23's invalid-block path reads one block table per request ("(req_block_ids,) =
+# get_block_ids(...)" in _update_requests_with_invalid_blocks) and would crash the engine on D's first
+# failed load, so there PDConnector stays non-HMA and vLLM turns the hybrid KV cache manager off.
+HMA_BASES: tuple[type, ...] = (SupportsHMA,) if KVConnectorTransferResults is not None else ()
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,8 +47,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class PDConnector(KVConnectorBase_V1):
-    """Prefill/decode disaggregation: P pushes the prompt KV into D's blocks over Mooncake."""
+class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
+    """Prefill/decode disaggregation: P pushes the prompt KV into D's blocks over Mooncake.
+
+    ``SupportsHMA`` (vLLM >= 0.32, see HMA_BASES): vLLM keeps its hybrid KV cache manager on
+    (sliding-window + full-attention models); every KV cache group's blocks move (pd_connector.kv_groups).
+    """
 
     def __init__(
         self,
@@ -56,7 +68,8 @@ class PDConnector(KVConnectorBase_V1):
         self._worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             dp_rank = dp_rank_of(self.cfg, vllm_config.parallel_config)
-            self._scheduler = PDScheduler(self.cfg, vllm_config.cache_config.block_size, dp_rank)
+            sizes = group_block_sizes(kv_cache_config, vllm_config.cache_config.block_size)
+            self._scheduler = PDScheduler(self.cfg, check_group_block_sizes(sizes), dp_rank)
         else:
             self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)
         logger.info("PDConnector %s side up as %s", role.name.lower(), self.cfg.mode)
@@ -191,6 +204,18 @@ class PDConnector(KVConnectorBase_V1):
         """
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called instead of request_finished (vLLM's SupportsHMA) once a request finished, before
+        its blocks are freed, with one block list per KV cache group (sliding-window groups hold the
+        null block 0 where blocks fell out of the window).
+
+        On P, as request_finished: a finished prefill keeps every group's blocks until the push is done.
+        """
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, tuple(block_ids))
 
     def has_pending_push_work(self) -> bool:
         """Polled by the engine loop: keep stepping while P holds blocks for a push."""

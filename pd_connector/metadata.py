@@ -24,6 +24,8 @@ class SendJob:
     trace_headers: Mapping[str, str] | None = field(default=None, compare=False)
     # Decode requests (D's n samples) that load this room; each is served once.
     samples: int = 1
+    # Hybrid KV cache manager (pd_connector.kv_groups): every group's block table (block_ids is group 0); empty: one group.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class RecvJob:
     arrival_time: float | None = field(default=None, compare=False)
     admitted_at: float | None = field(default=None, compare=False)
     trace_headers: Mapping[str, str] | None = field(default=None, compare=False)
+    # Hybrid KV cache manager (pd_connector.kv_groups): every group's blocks (dst_block_ids is group 0); empty: one group.
+    dst_group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def bootstrap_addr(self) -> str:

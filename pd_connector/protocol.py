@@ -32,6 +32,7 @@ class PeerHello(msgspec.Struct, tag="hello", frozen=True):
     use_mla: bool = False
     heads_outermost: bool = True  # a run of heads is one byte range per block
     token_major: bool = False  # [blocks, block_size, heads, dim] with a staging buffer (nhd_reshuffle)
+    region_groups: list[int] = []  # KV cache group of each region (kv_groups); empty: all group 0
 
 
 class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
@@ -46,6 +47,8 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     dst_block_ids: list[int]
     start_block: int
     endpoint: str = ""  # D's ZMQ endpoint, so P can answer even a peer it does not know
+    # Hybrid KV cache manager: every KV cache group's blocks (null block 0: not needed); empty: one group.
+    dst_groups: list[list[int]] = []
 
 
 class DoneStatus(enum.IntEnum):

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host
+from pd_connector.kv_groups import decode_group_blocks
 from pd_connector.kv_params import (
     DecodeParams,
     KVParamsError,
@@ -106,10 +107,11 @@ class PDScheduler:
         local = self._local_hits.pop(rid, 0)
         start_block = local // self.block_size
         num_blocks = -(-request.num_prompt_tokens // self.block_size)
-        if num_external_tokens > 0:
-            dst = list(blocks.get_block_ids()[0][start_block:num_blocks])
-        else:
-            dst = []  # the whole prompt was a local hit: P only has to free the room
+        groups: list[list[int]] = []
+        if num_external_tokens > 0:  # one block table per KV cache group (hybrid KV cache manager)
+            groups = decode_group_blocks(blocks.get_block_ids(), start_block, num_blocks)
+        # else the whole prompt was a local hit: P only has to free the room
+        dst = groups[0] if groups else []
         self._recvs.append(
             RecvJob(
                 req_id=rid,
@@ -123,16 +125,18 @@ class PDScheduler:
                 arrival_time=getattr(request, "arrival_time", None),
                 admitted_at=time.time(),
                 trace_headers=getattr(request, "trace_headers", None),
+                dst_group_block_ids=groups if len(groups) > 1 else [],
             )
         )
         self._awaiting_kv.add(rid)
         logger.info(
-            "room=%d req=%s: loading %d prompt tokens (%d blocks from block %d) from prefill %s",
+            "room=%d req=%s: loading %d prompt tokens (%d blocks from block %d, %d KV cache groups) from prefill %s",
             params.room,
             rid,
             num_external_tokens,
             len(dst),
             start_block,
+            max(1, len(groups)),
             params.bootstrap_addr,
         )
 
@@ -145,7 +149,11 @@ class PDScheduler:
 
     # ------------------------------------------------------------- prefill side
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks (one group), or one list per KV cache group (hybrid)."""
+        groups = [list(g) for g in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
         rid = request.request_id
         params = self._parsed.pop(rid) if rid in self._parsed else _params_of(request)
         if self.cfg.is_decode and isinstance(params, DecodeParams) and rid not in self._recv_planned:
@@ -162,7 +170,7 @@ class PDScheduler:
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         ) or (request.status.name == "FINISHED_REPETITION")
-        if finished_normally and block_ids:
+        if finished_normally and any(groups):
             holder = self._live_rooms.get(params.room)
             if holder is not None and holder != rid:  # a room is one prompt's KV: never filed twice
                 error = f"bootstrap_room {params.room} is in use by request {holder}"
@@ -174,12 +182,13 @@ class PDScheduler:
             job = SendJob(
                 rid,
                 params.room,
-                list(block_ids),
+                groups[0],
                 request.num_prompt_tokens,
                 getattr(request, "arrival_time", None),
                 time.time(),
                 headers,
                 params.samples,
+                groups if len(groups) > 1 else [],
             )
             self._sends.append(job)
             self._holding.add(rid)

@@ -17,6 +17,7 @@ from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host, token_of
+from pd_connector.kv_groups import region_groups
 from pd_connector.kv_params import host_port
 from pd_connector.layout import regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
@@ -143,6 +144,7 @@ class PDWorker:
             heads_outermost=_heads_outermost(kv_caches, num_blocks, local),
             token_major=reshuffle is not None,
             model=model_fingerprint(self.vllm_config),
+            region_groups=region_groups(kv_caches, self.kv_cache_config, num_blocks),  # hybrid KV cache manager
         )
         otlp = getattr(self.vllm_config.observability_config, "otlp_traces_endpoint", None)
         self.manager = KVTransferManager(

@@ -36,6 +36,7 @@ class RankSpec:
     # through transfer.nhd_reshuffle.
     token_major: bool = False
     model: str = ""  # compat.model_fingerprint; "" skips the model check
+    region_groups: tuple[int, ...] = ()  # KV cache group of each region (kv_groups); empty: all group 0
 
     @property
     def heads(self) -> int:

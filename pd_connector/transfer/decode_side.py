@@ -20,6 +20,7 @@ from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache
 from pd_connector.compat import route_mismatch
 from pd_connector.config import PREFILL
+from pd_connector.kv_groups import real_blocks, received_bytes, recv_groups
 from pd_connector.layout import LayoutError
 from pd_connector.metadata import RecvJob
 from pd_connector.peer_sizes import sizes_mismatch
@@ -115,6 +116,7 @@ class DecodeSide:
             dst_block_ids=list(job.dst_block_ids),
             start_block=job.start_block,
             endpoint=self._endpoint,
+            dst_groups=[list(g) for g in job.dst_group_block_ids],
         )
         with self._lock:
             load = self._loads.get(job.req_id)
@@ -217,6 +219,7 @@ class DecodeSide:
             use_mla=spec.use_mla,
             heads_outermost=spec.heads_outermost,
             token_major=spec.token_major,
+            region_groups=list(spec.region_groups),
         )
 
     # ------------------------------------------------------------- outcomes
@@ -289,13 +292,14 @@ class DecodeSide:
             self._ctx.reshuffle.reformat(job.dst_block_ids, load.slices)
         except Exception:  # noqa: BLE001 - the blocks are unusable; vLLM recomputes or fails
             logger.exception("room=%d req=%s: KV load failed: reformatting the received blocks", job.room, job.req_id)
-            self._ctx.outbox.received(job.req_id, failed_blocks=list(job.dst_block_ids))
+            self._ctx.outbox.received(job.req_id, failed_blocks=real_blocks(recv_groups(job)))
             return
         self._publish_received(load)
 
     def _publish_received(self, load: Load) -> None:
         done = load.job
-        self._ctx.stats.observe_recv(len(load.job.dst_block_ids) * self._block_bytes, load.handshake_s)
+        nbytes = received_bytes(self._ctx.regions, self._spec.region_groups, recv_groups(load.job))
+        self._ctx.stats.observe_recv(nbytes, load.handshake_s)
         self._ctx.traces.get(done.req_id, done.room).mark("kv_ready")
         logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.req_id, len(done.dst_block_ids))
         self._ctx.outbox.received(done.req_id)
@@ -324,7 +328,7 @@ class DecodeSide:
         log("room=%d req=%s: KV load failed: %s", load.job.room, req_id, reason)
         self._ctx.stats.fail(why, "recvs_failed")
         self._ctx.traces.emit(req_id, f"failed:{why}")
-        self._ctx.outbox.received(req_id, failed_blocks=list(load.job.dst_block_ids))
+        self._ctx.outbox.received(req_id, failed_blocks=real_blocks(recv_groups(load.job)))
 
     # ------------------------------------------------------------- liveness, abandoned rooms
 

@@ -6,7 +6,15 @@ from collections.abc import Sequence
 
 from pd_connector import protocol as proto
 from pd_connector.compat import KVFacts, kv_mismatch
-from pd_connector.layout import LayoutError, Region, block_runs
+from pd_connector.kv_groups import (
+    BlockTableError,
+    check_peer_groups,
+    group_entries,
+    group_pairs,
+    recv_groups,
+    send_groups,
+)
+from pd_connector.layout import LayoutError, Region
 from pd_connector.metadata import SendJob
 from pd_connector.tp_mapping import (
     MappingError,
@@ -41,10 +49,18 @@ def peer_problem(spec: RankSpec, regions: Sequence[Region], hello: proto.PeerHel
                 f"decode {hello.total_kv_heads} (MLA {hello.use_mla})"
             )
         check_head_regions(regions, [Region(*r) for r in hello.regions], spec.local_kv_heads, hello.local_kv_heads)
+        check_peer_groups(spec.region_groups, hello.region_groups, len(regions))
         plan = plan_decode_rank(spec.heads, spec.tp_size, hello.tp_size, hello.tp_rank, is_mla=spec.use_mla)
         head_major = spec.heads_outermost and hello.heads_outermost
         staged = spec.token_major and hello.token_major  # transfer.nhd_reshuffle
-        if needs_head_split(plan, spec.local_kv_heads, hello.local_kv_heads) and not (head_major or staged):
+        split = needs_head_split(plan, spec.local_kv_heads, hello.local_kv_heads)
+        if split and not head_major and staged and len(set(spec.region_groups)) > 1:
+            raise MappingError(
+                f"prefill TP {spec.tp_size} / decode TP {hello.tp_size} on token-major (NHD) KV is reshuffled for "
+                "one KV cache group only, this model has several; use equal TP sizes or "
+                "--disable-hybrid-kv-cache-manager"
+            )
+        if split and not (head_major or staged):
             raise MappingError(
                 f"prefill TP {spec.tp_size} / decode TP {hello.tp_size} split KV heads inside a block, "
                 "but the KV layout keeps heads inside tokens (NHD) and is not reshuffled on both sides "
@@ -88,16 +104,23 @@ def push_entries(
     """
     if not req.dst_block_ids:
         return None
-    end = check_block_range(job, req)
+    check_block_range(job, req)  # group 0 (the single list); each group's range is checked by group_pairs
     plan = plan_decode_rank(
         spec.heads, spec.tp_size, peer.tp_size, peer.tp_rank, is_mla=spec.use_mla, spread=job.room % spec.tp_size
     )
     slices = slices_from(plan, spec.tp_rank)
     if not slices:  # no D rank reads from this one
         return None
-    runs = block_runs(job.block_ids[req.start_block : end], req.dst_block_ids)
+    try:  # every KV cache group's blocks over that group's regions; D's null blocks are skipped
+        pairs = group_pairs(send_groups(job), recv_groups(req), req.start_block)
+    except BlockTableError as exc:
+        raise BlockRangeError(str(exc)) from None
     peer_regions = [Region(*r) for r in peer.regions]
-    return tp_transfer_entries(regions, peer_regions, slices, spec.local_kv_heads, peer.local_kv_heads, runs)
+    owners = spec.region_groups or (0,) * len(regions)
+    local, remote = spec.local_kv_heads, peer.local_kv_heads
+    return group_entries(
+        owners, regions, peer_regions, pairs, lambda s, d, runs: tp_transfer_entries(s, d, slices, local, remote, runs)
+    )
 
 
 def write_room(

@@ -39,7 +39,15 @@ PROMPT = list(range(5, 5 + 3 * BLOCK + 4))  # 3 full blocks and a partial one
 FAILED_BY_ID = "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}  # vLLM >= 0.32
 
 
-def make_scheduler(model: Path, role: str, policy: str = "fail", **extra: Any) -> Scheduler:
+def make_scheduler(
+    model: Path,
+    role: str,
+    policy: str = "fail",
+    groups: list[KVCacheGroupSpec] | None = None,
+    prefix_caching: bool = False,
+    **extra: Any,
+) -> Scheduler:
+    """A real Scheduler with PDConnector; ``groups``: its KV cache groups (default one full-attention group)."""
     pd_connector.register()
     model_config = ModelConfig(model=str(model), dtype="float32", max_model_len=1024, seed=0)
     kwargs: dict[str, Any] = {
@@ -52,7 +60,7 @@ def make_scheduler(model: Path, role: str, policy: str = "fail", **extra: Any) -
         kwargs["is_encoder_decoder"] = False
     config = VllmConfig(
         model_config=model_config,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(**kwargs),
         kv_transfer_config=KVTransferConfig(
             kv_connector="PDConnector",
@@ -64,9 +72,8 @@ def make_scheduler(model: Path, role: str, policy: str = "fail", **extra: Any) -
     )
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
-    )
+    groups = groups or [KVCacheGroupSpec(["layer.0"], spec)]
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
     sched = Scheduler(
         vllm_config=config,
         kv_cache_config=kv_cache_config,

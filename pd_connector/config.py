@@ -243,8 +243,10 @@ def _validate(cfg: DisaggConfig) -> None:
         ) from None
     if ip.is_unspecified:
         raise ConfigError("kv_connector_extra_config.local_ip must not be 0.0.0.0: it is advertised to peers")
-    if not cfg.bootstrap_host:
-        raise ConfigError("kv_connector_extra_config.bootstrap_host must not be empty")
+    if not cfg.bootstrap_host or cfg.bootstrap_host == "*":
+        raise ConfigError(
+            f"kv_connector_extra_config.bootstrap_host must be a host name or IP, got {cfg.bootstrap_host!r}"
+        )
     for key in ("room_timeout_s", "kv_wait_timeout_s", "peer_timeout_s", "register_interval_s", "http_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"kv_connector_extra_config.{key} must be > 0, got {getattr(cfg, key)}")

@@ -263,6 +263,9 @@ def test_trusted_hosts_default_and_config() -> None:
     assert parse_config("kv_consumer", {"trusted_bootstrap_hosts": ["*"]}).trusted_bootstrap_hosts == ("*",)
     with pytest.raises(ConfigError, match="trusted_bootstrap_hosts.*'300.0.0.0/8'"):
         parse_config("kv_consumer", {"trusted_bootstrap_hosts": ["300.0.0.0/8"]})
+    for bad in ("*", "a b", "x/y"):
+        with pytest.raises(ConfigError, match="bootstrap_host"):
+            parse_config("kv_consumer", {"bootstrap_host": bad})
     with pytest.raises(ConfigError, match="must be a list of strings"):
         parse_config("kv_consumer", {"trusted_bootstrap_hosts": [1]})
 

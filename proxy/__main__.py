@@ -31,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the flags, log the backends and serve until interrupted (SIGINT/SIGTERM)."""
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    # One INFO line per request: skip what LOG_FORMAT never shows (caller lookup, thread/process names).
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     # aiohttp's own loggers: its access log is off; keep its error lines.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     config = fork_workers(config)  # --workers N > 1: from here on in each worker (proxy/workers.py)

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from proxy.backends import BackendState
-from proxy.http1 import Response, UpstreamError
+from proxy.http1 import Response, UpstreamError, encode_json
 from proxy.payloads import decode_body, prefill_body
 from proxy.upstream import (
     Failure,
@@ -144,7 +143,7 @@ class Attempt:
 
     async def _prefill(self) -> Failure | None:
         call, state = self.call, self.p
-        data = json.dumps(prefill_body(call.body, self.room), ensure_ascii=False).encode()
+        data = encode_json(prefill_body(call.body, self.room))
         nominal = self.router.config.request_timeout
         reply = await fetch(self.router.http, state, "POST", call.endpoint, self.timeout, data, call.headers, nominal)
         if isinstance(reply, Failure):
@@ -156,7 +155,7 @@ class Attempt:
     async def _decode(self) -> Outcome:
         state, call = self.d, self.call
         backend = state.backend
-        data = json.dumps(decode_body(call.body, self.room, self.p.backend), ensure_ascii=False).encode()
+        data = encode_json(decode_body(call.body, self.room, self.p.backend))
         response: Response | None = None
         try:
             response = await self.router.http.post(

@@ -131,6 +131,8 @@ class Exchange:
         elapsed = time.monotonic() - self.t0
         self.router.metrics.request_done(self.endpoint, self.status, self.ttfb, elapsed)
         attempt = self.attempt
+        if not logger.isEnabledFor(logging.INFO):
+            return  # nor build the phase trace
         logger.info(
             "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f",
             self.rid,

@@ -21,10 +21,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import json
 import ssl
 import time
+from typing import Any
 
 import httptools
+import msgspec
 
 #: Idle connections older than this are not reused (below uvicorn's 5 s keep-alive, which vLLM
 #: uses, so a request is never written onto a connection the backend is just closing).
@@ -34,6 +37,20 @@ MAX_IDLE_PER_BACKEND = 512
 #: A response buffering more unread bytes than this stops reading its connection until the
 #: reader catches up (a slow client slows the backend down instead of filling memory).
 READ_HIGH_WATER = 1 << 20
+
+
+#: Request-line-and-Host prefixes kept (one per method, backend and path).
+MAX_CACHED_HEADS = 1024
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode_json(value: Any) -> bytes:
+    """``value`` as compact UTF-8 JSON: msgspec's encoder (several times faster than ``json``),
+    ``json`` for what msgspec refuses (integers beyond 64 bits)."""
+    try:
+        return _ENCODER.encode(value)
+    except (TypeError, OverflowError, msgspec.EncodeError):
+        return json.dumps(value, ensure_ascii=False).encode()
 
 
 class ConnState(enum.Enum):
@@ -313,6 +330,7 @@ class Http1Pool:
         self.ssl_context = ssl_context
         self.keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._heads: dict[tuple[str, str, int, str], str] = {}
         self._closed = False
 
     def _put(self, conn: _Connection) -> None:
@@ -376,8 +394,14 @@ class Http1Pool:
         started = time.monotonic()
         conn = await self._connection(host, port, timeout)
         left = timeout - (time.monotonic() - started)
-        authority = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        head = [f"{method} {_clean(path)} HTTP/1.1\r\nHost: {authority}:{port}\r\n"]
+        start = self._heads.get((method, host, port, path))
+        if start is None:
+            if len(self._heads) >= MAX_CACHED_HEADS:
+                self._heads.clear()
+            authority = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            start = f"{method} {_clean(path)} HTTP/1.1\r\nHost: {authority}:{port}\r\n"
+            self._heads[(method, host, port, path)] = start
+        head = [start]
         for name, value in headers.items():
             head.append(f"{name}: {_clean(value)}\r\n")
         if body is not None:

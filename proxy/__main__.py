@@ -12,6 +12,7 @@ from aiohttp import web
 from proxy.app import SHUTDOWN_TIMEOUT_S, create_app
 from proxy.auth import startup_notes
 from proxy.cli import parse_config
+from proxy.log_lines import LoopFlushingHandler
 from proxy.tls import server_context
 from proxy.workers import fork_workers
 
@@ -30,7 +31,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the flags, log the backends and serve until interrupted (SIGINT/SIGTERM)."""
     config = parse_config(argv)
-    logging.basicConfig(level=config.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    logging.basicConfig(level=config.log_level, format=LOG_FORMAT, handlers=[LoopFlushingHandler(sys.stderr)])
     # One INFO line per request: skip what LOG_FORMAT never shows (caller lookup, thread/process names).
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False

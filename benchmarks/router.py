@@ -7,7 +7,7 @@ a non-streaming one, the prefill call, with a small JSON body):
 
 - ``direct``: the load generator talks to the backend's decode port itself;
 - ``router``: ``python -m proxy`` (this repository), default flags (log level INFO: one log
-  line per request);
+  line per request) but ``--workers`` (``--router-workers``, default one per router CPU);
 - ``ascend_proxy``: ``load_balance_proxy_server_example.py`` from
   ``../shared/peers/vllm-ascend-0.23.0.post1/`` (unmodified, default flags; it calls P, then D);
 - ``vllm_router`` / ``sglang_router``: the pip packages ``vllm-router`` / ``sglang-router`` in
@@ -26,6 +26,14 @@ hop adds to one request, robust to load from other processes changing between ro
 ``rps`` = the router's requests per second at ``--concurrency`` streams;
 ``rps_ratio_vs_ascend_proxy`` = router rps / Ascend proxy rps; ``vs_ours``: for every other
 router its ``rps`` and ``p50_ms`` next to ours, ``rps_ratio_ours_vs`` and ``p50_ratio_ours_vs``.
+
+Placement (the same for every router): every router process is pinned to ``--router-cpus``
+(default: every CPU this process may use); the Rust routers run one tokio worker thread per CPU
+they may use, and our Router gets as many worker processes (``--router-workers``). The load
+generator and the backend are not pinned: they share the machine with whichever router is
+under load (the others idle), so every router competes with the same client and backend work.
+Also printed: ``added_p50_ms`` per target, ``rps_ratio_vs_vllm_router`` and
+``vllm_router_added_p50_ms`` at the top level, ``router_cpus`` and ``router_workers``.
 
 Why latency is measured with one stream: with 64 closed-loop streams every target saturates
 this machine's CPU (2 cores shared by load generator, backend and proxy), so a p50 at 64
@@ -161,7 +169,7 @@ def free_port() -> int:
 class Process:
     """A child process in its own session, stopped (with its children) by its process group id."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+    def __init__(self, name: str, args: list[str], log_dir: Path, cpus: set[int] | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as log:
@@ -173,6 +181,7 @@ class Process:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
 
     def wait_http(self, port: int, path: str, timeout: float = 60.0) -> None:
@@ -241,8 +250,28 @@ def _summary(latency: Phase, load: Phase, round_p50: list[float]) -> dict[str, A
     }
 
 
+def parse_cpus(text: str) -> set[int]:
+    """``"0-3,6"`` -> {0, 1, 2, 3, 6} (argparse type)."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid CPU list {text!r} (examples: 0-1, 0,2)") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"empty CPU list {text!r}")
+    return cpus
+
+
+def _added_ms(round_p50: dict[str, list[float]], target: str) -> float:
+    """Median over rounds of (target's one-stream p50 - direct's), in ms: what the hop adds."""
+    pairs = zip(round_p50[target], round_p50["direct"], strict=True)
+    return round(statistics.median((r - d) * 1e3 for r, d in pairs), 3)
+
+
 def _vs_ours(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every other router next to ours: its rps and one-stream p50, ours / theirs."""
+    """Every other router next to ours: its rps, one-stream p50 and added p50, ours / theirs."""
     ours = results["router"]
     out = {}
     for name, theirs in results.items():
@@ -251,8 +280,10 @@ def _vs_ours(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         out[name] = {
             "rps": theirs["rps"],
             "p50_ms": theirs["p50_ms"],
+            "added_p50_ms": theirs["added_p50_ms"],
             "ours_rps": ours["rps"],
             "ours_p50_ms": ours["p50_ms"],
+            "ours_added_p50_ms": ours["added_p50_ms"],
             "rps_ratio_ours_vs": round(ours["rps"] / theirs["rps"], 2) if theirs["rps"] else None,
             "p50_ratio_ours_vs": round(ours["p50_ms"] / theirs["p50_ms"], 2) if theirs["p50_ms"] else None,
         }
@@ -272,6 +303,17 @@ def main() -> int:
         "--targets", nargs="+", help="only these of router, ascend_proxy, vllm_router, sglang_router (default: all)"
     )
     parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a temporary folder)")
+    parser.add_argument(
+        "--router-cpus",
+        type=parse_cpus,
+        default=os.sched_getaffinity(0),
+        help="CPUs every router target is pinned to, e.g. 0-1 (default: all this process may use)",
+    )
+    parser.add_argument(
+        "--router-workers",
+        type=int,
+        help="our Router's --workers (default: one per --router-cpus CPU, as the Rust routers' threads)",
+    )
     args = parser.parse_args()
     if args.serve_backend:
         serve_backend(args.serve_backend, args.chunks)
@@ -285,7 +327,8 @@ def main() -> int:
     ports = {name: free_port() for name in names}
     metrics_ports = {name: free_port() for name in names}
     prefill_port, decode_port = free_port(), free_port()
-    wanted = [t for t in targets(ports, prefill_port, decode_port, args.ascend_proxy, metrics_ports)]
+    router_workers = args.router_workers or len(args.router_cpus)
+    wanted = targets(ports, prefill_port, decode_port, args.ascend_proxy, metrics_ports, router_workers)
     wanted = [t for t in wanted if args.targets is None or t.name in args.targets or t.name == "router"]
     target_names = ("direct", *(t.name for t in wanted))
     processes: list[Process] = []
@@ -296,7 +339,7 @@ def main() -> int:
         processes.append(Process("backend", [*backend, str(decode_port), "--chunks", str(args.chunks)], log_dir))
         processes[-1].wait_http(decode_port, "/health")
         for target in wanted:
-            processes.append(Process(target.name, target.cmd, log_dir))
+            processes.append(Process(target.name, target.cmd, log_dir, args.router_cpus))
         for target, process in zip(wanted, processes[1:], strict=True):
             process.wait_http(ports[target.name], target.health_path)
             _wait_serving(ports[target.name], target.name)
@@ -328,14 +371,19 @@ def main() -> int:
 
         run(bench())
         results = {t: _summary(latency[t], load[t], round_p50[t]) for t in target_names}
-        # Per round, router p50 minus direct p50 (measured seconds apart); the median over rounds.
-        added = statistics.median((r - d) * 1e3 for r, d in zip(round_p50["router"], round_p50["direct"], strict=True))
+        for target in target_names:
+            results[target]["added_p50_ms"] = _added_ms(round_p50, target)
+        added = results["router"]["added_p50_ms"]
         ascend = results.get("ascend_proxy", {}).get("rps")
         ratio = results["router"]["rps"] / ascend if ascend else None
+        vllm = results.get("vllm_router")
+        vllm_ratio = results["router"]["rps"] / vllm["rps"] if vllm and vllm["rps"] else None
         report = {
-            "added_p50_ms": round(added, 3),
+            "added_p50_ms": added,
             "rps": results["router"]["rps"],
             "rps_ratio_vs_ascend_proxy": round(ratio, 2) if ratio is not None else None,
+            "rps_ratio_vs_vllm_router": round(vllm_ratio, 2) if vllm_ratio is not None else None,
+            "vllm_router_added_p50_ms": vllm["added_p50_ms"] if vllm else None,
             "vs_ours": _vs_ours(results),
             "optional_routers_installed": installed(),
             "concurrency": args.concurrency,
@@ -345,10 +393,14 @@ def main() -> int:
             "latency_duration_s": args.latency_duration,
             "chunks_per_stream": args.chunks + 2,
             "cpus": os.cpu_count(),
+            "router_cpus": sorted(args.router_cpus),
+            "router_workers": router_workers,
             "targets": results,
             "targets_met": {
                 "added_p50_ms<=1.0": added <= 1.0,
                 "rps_ratio_vs_ascend_proxy>=2.0": ratio is not None and ratio >= 2.0,
+                "rps_ratio_vs_vllm_router>=1.0": vllm_ratio is not None and vllm_ratio >= 1.0,
+                "added_p50_ms<vllm_router": vllm is not None and added < vllm["added_p50_ms"],
                 "zero_failed": all(r["failed"] == 0 for r in results.values()),
             },
         }

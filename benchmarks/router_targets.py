@@ -7,6 +7,10 @@
 - `sglang_router`: `python -m sglang_router.launch_router --pd-disaggregation` (pip
   `sglang-router`, when installed): P and D at once, D's answer returned.
 
+All of them run on the same cores (`benchmarks/router.py --router-cpus`): vllm-router and
+sglang-router run one tokio worker thread per core they may use, our Router one process per
+core (`--workers`, `--router-workers`).
+
 The last two take `--policy round_robin` (their default `cache_aware` builds a prefix tree, a
 routing feature the others do not have) and a free `--prometheus-port` (default 29000 on every
 interface). sglang-router refuses one URL as both prefiller and decoder, so every target gets the
@@ -56,15 +60,20 @@ def proxy_flags(prefill_port: int, decode_port: int) -> list[str]:
 
 
 def targets(
-    ports: dict[str, int], prefill_port: int, decode_port: int, ascend_proxy: Path, metrics_ports: dict[str, int]
+    ports: dict[str, int],
+    prefill_port: int,
+    decode_port: int,
+    ascend_proxy: Path,
+    metrics_ports: dict[str, int],
+    router_workers: int = 1,
 ) -> list[Target]:
-    """Every router target that can run here, in a fixed order (this repository's Router first)."""
+    """Every router target that can run here, in a fixed order (this repository's Router first,
+    with ``--workers router_workers``)."""
     instances = proxy_flags(prefill_port, decode_port)
     listen = ["--host", HOST]
+    ours = [sys.executable, "-m", "proxy", *listen, "--port", str(ports["router"]), *instances]
     out = [
-        Target(
-            "router", [sys.executable, "-m", "proxy", *listen, "--port", str(ports["router"]), *instances], "/health"
-        ),
+        Target("router", [*ours, "--workers", str(router_workers)], "/health"),
         Target(
             "ascend_proxy",
             [sys.executable, str(ascend_proxy), *listen, "--port", str(ports["ascend_proxy"]), *instances],

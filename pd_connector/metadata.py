@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from pd_connector.kv_params import host_port
+from pd_connector.layer_chunks import LayerChunk
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,5 @@ class PDConnectorMetadata(KVConnectorMetadata):
     idle: bool = False
     # D: requests scheduled for the first time after their KV arrived -> when (wall clock).
     scheduled: dict[str, float] = field(default_factory=dict)
+    # P, transfer_mode "layer": which blocks of which rooms this step's forward completes (layer_chunks).
+    layer_chunks: list[LayerChunk] = field(default_factory=list)

@@ -23,6 +23,7 @@ from pd_connector.kv_params import (
     parse_kv_params,
     prefill_refused,
 )
+from pd_connector.layer_chunks import ChunkPlanner
 from pd_connector.metadata import PDConnectorMetadata, RecvJob, SendJob
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ class PDScheduler:
         self._live_rooms: dict[int, str] = {}
         self._room_of: dict[str, int] = {}
         self._parsed: dict[str, PrefillParams | DecodeParams | None] = {}
+        # P, transfer_mode "layer": which blocks each step completes (the worker streams their layers).
+        self._chunks = ChunkPlanner(block_size) if cfg.is_prefill and cfg.transfer_mode == "layer" else None
 
     def _params(self, request: Request) -> PrefillParams | DecodeParams | None:
         rid = request.request_id
@@ -98,6 +101,9 @@ class PDScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
+        if self._chunks is not None and isinstance(prefill := self._params(request), PrefillParams):
+            if prefill.room is not None and prefill.room not in self._live_rooms:  # a live room's is refused
+                self._chunks.track(rid, prefill.room, request.num_prompt_tokens)
         if not self.cfg.is_decode or rid in self._recv_planned:
             return
         params = self._params(request)
@@ -156,6 +162,8 @@ class PDScheduler:
         groups = [list(g) for g in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
         rid = request.request_id
         params = self._parsed.pop(rid) if rid in self._parsed else _params_of(request)
+        if self._chunks is not None:
+            self._chunks.forget(rid)
         if self.cfg.is_decode and isinstance(params, DecodeParams) and rid not in self._recv_planned:
             self._abandon(rid, params)  # aborted while it queued: P may hold the room for it
         self._local_hits.pop(rid, None)
@@ -221,6 +229,7 @@ class PDScheduler:
             abandoned=self._abandoned,
             idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0,
             scheduled=self._first_scheduled(scheduler_output),
+            layer_chunks=self._chunks.plan(scheduler_output) if self._chunks is not None else [],
         )
         self._sends, self._dropped, self._recvs, self._abandoned = [], [], [], []
         return meta

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pd_connector.config import dp_rank_of, parse_config
-from pd_connector.kv_groups import check_group_block_sizes, group_block_sizes
+from pd_connector.kv_groups import check_group_block_sizes, group_block_sizes, sliding_windows
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.metrics import PDKVConnectorStats, PDPromMetrics
 from pd_connector.scheduler import PDScheduler
@@ -69,7 +69,8 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             dp_rank = dp_rank_of(self.cfg, vllm_config.parallel_config)
             sizes = group_block_sizes(kv_cache_config, vllm_config.cache_config.block_size)
-            self._scheduler = PDScheduler(self.cfg, check_group_block_sizes(sizes), dp_rank)
+            block_size = check_group_block_sizes(sizes)
+            self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, sliding_windows(kv_cache_config))
         else:
             self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)
         logger.info("PDConnector %s side up as %s", role.name.lower(), self.cfg.mode)

@@ -41,8 +41,10 @@ __all__ = [
     "real_blocks",
     "recv_groups",
     "send_groups",
+    "sliding_windows",
     "received_bytes",
     "region_groups",
+    "replay_needs_freed_block",
 ]
 
 #: vLLM's placeholder block (BlockPool.null_block): holds no KV, is never read or written.
@@ -118,6 +120,31 @@ def check_group_block_sizes(sizes: Sequence[int]) -> int:
             "(start vLLM with --disable-hybrid-kv-cache-manager for this model)"
         )
     return sizes[0]
+
+
+def sliding_windows(kv_cache_config: Any) -> list[int]:
+    """The sliding windows (tokens) of the KV cache groups, when vLLM runs several groups."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) <= 1:
+        return []
+    windows = (getattr(g.kv_cache_spec, "sliding_window", None) for g in groups)
+    return sorted({int(w) for w in windows if isinstance(w, int) and w > 0})
+
+
+def replay_needs_freed_block(num_tokens: int, windows: Sequence[int], block_size: int) -> int | None:
+    """The window for which D cannot recompute a fully loaded prompt's last token exactly, else None.
+
+    vLLM admits the loaded prompt with its window's skipped blocks computed for ``num_tokens``
+    tokens (nulls up to ``(num_tokens - w + 1) // block_size``), then recomputes the last prompt
+    token, whose window also needs token ``num_tokens - w``. When that token opens a block (the
+    boundary case) its block is already the null block on D, and P freed it as well: only a local
+    prefill on D gives the same KV as a colocated run.
+    """
+    for w in windows:
+        first_kept = num_tokens - w + 1  # tokens vLLM skips for the next token
+        if first_kept > 0 and first_kept % block_size == 0:
+            return w
+    return None
 
 
 # ------------------------------------------------------------ block tables

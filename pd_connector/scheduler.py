@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host
-from pd_connector.kv_groups import decode_group_blocks
+from pd_connector.kv_groups import decode_group_blocks, replay_needs_freed_block
 from pd_connector.kv_params import (
     DecodeParams,
     KVParamsError,
@@ -54,9 +55,13 @@ def _params_of(request: Request) -> PrefillParams | DecodeParams | None:
 
 
 class PDScheduler:
-    def __init__(self, cfg: DisaggConfig, block_size: int, dp_rank: int = 0) -> None:
+    def __init__(
+        self, cfg: DisaggConfig, block_size: int, dp_rank: int = 0, sliding_windows: Sequence[int] = ()
+    ) -> None:
         self.cfg = cfg
         self.block_size = block_size
+        # D, hybrid KV cache manager: the groups' sliding windows (kv_groups.replay_needs_freed_block).
+        self.sliding_windows = list(sliding_windows)
         # P: what its answer tells D (P-then-D proxies pass it on): bootstrap server and DP rank.
         self.dp_rank = dp_rank
         self._bootstrap_host = advertised_bootstrap_host(cfg, dp_rank)
@@ -96,6 +101,17 @@ class PDScheduler:
         self._local_hits[request.request_id] = num_computed_tokens
         missing = request.num_prompt_tokens - num_computed_tokens
         if missing <= 0:
+            return 0, False
+        window = replay_needs_freed_block(request.num_prompt_tokens, self.sliding_windows, self.block_size)
+        if window is not None:  # update_state_after_alloc then asks P for nothing: P frees the room
+            logger.info(
+                "room=%d req=%s: %d prompt tokens end where the %d-token window opens a block: vLLM's recompute "
+                "of the last token would read a freed block, so this prompt is prefilled here",
+                params.room,
+                request.request_id,
+                request.num_prompt_tokens,
+                window,
+            )
             return 0, False
         return missing, True
 

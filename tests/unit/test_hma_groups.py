@@ -23,7 +23,9 @@ from pd_connector.kv_groups import (
     received_bytes,
     recv_groups,
     region_groups,
+    replay_needs_freed_block,
     send_groups,
+    sliding_windows,
 )
 from pd_connector.layout import Region
 from pd_connector.metadata import RecvJob, SendJob
@@ -130,3 +132,14 @@ def test_wire_format_carries_groups_and_reads_messages_without_them() -> None:
     assert isinstance(old, proto.TransferRequest) and old.dst_groups == [] and recv_groups(old) == [[7, 8]]
     hello = proto.PeerHello("p", b"d", "tcp://x:1", 0, 1, 16, "float16", 2, [(0, 1, 1)], region_groups=[0, 1])
     assert proto.decode(proto.encode(hello)).region_groups == [0, 1]
+
+
+def test_the_boundary_prompt_lengths_of_a_window_are_found() -> None:
+    sliding = SimpleNamespace(block_size=32, sliding_window=48)
+    full = SimpleNamespace(block_size=32)
+    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full), SimpleNamespace(kv_cache_spec=sliding)])
+    assert sliding_windows(cfg) == [48]
+    assert sliding_windows(SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=sliding)])) == []  # one group
+    # L - 48 + 1 a multiple of 32: the last token's oldest key (L - 48) opens a block that was freed.
+    assert [n for n in range(1, 200) if replay_needs_freed_block(n, [48], 32)] == [79, 111, 143, 175]
+    assert replay_needs_freed_block(100, [48], 32) is None and replay_needs_freed_block(79, [], 32) is None

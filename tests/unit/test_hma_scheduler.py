@@ -23,7 +23,7 @@ from vllm.platforms import current_platform
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from pd_connector.connector import PDConnector
 from pd_connector.kv_groups import NULL_BLOCK
@@ -158,3 +158,16 @@ def test_aborted_prefill_with_two_groups_drops_its_room(model: Path) -> None:
     _, meta, _ = step(sched)
     assert meta.dropped_rooms == [4343] and not meta.sends
     assert held(sched) == 0
+
+
+@needs_hma
+def test_a_prompt_ending_where_the_window_opens_a_block_is_prefilled_on_decode(model: Path) -> None:
+    """vLLM would recompute its last token with one key in a freed block: D prefills it and frees P's room."""
+    sched = hybrid(model, "kv_consumer")
+    edge = PROMPT[: 3 * BLOCK - 1]  # 47 tokens: tokens 0..31 skipped, the last one's window starts at 31
+    sched.add_request(Request("d-4", list(edge), request("x", {}).sampling_params, None))
+    sched.requests["d-4"].kv_transfer_params = dict(D_PARAMS)
+    out, meta, _ = step(sched)
+    (job,) = meta.recvs
+    assert job.room == 99 and job.dst_block_ids == [] and not job.dst_group_block_ids  # P only frees the room
+    assert out.num_scheduled_tokens.get("d-4") == len(edge)  # prefilled here, at once

@@ -32,6 +32,7 @@ class PeerHello(msgspec.Struct, tag="hello", frozen=True):
     use_mla: bool = False
     heads_outermost: bool = True  # a run of heads is one byte range per block
     token_major: bool = False  # [blocks, block_size, heads, dim] with a staging buffer (nhd_reshuffle)
+    num_blocks: int = 0  # blocks of each region (P writes only inside them, transfer.write_guard); 0: not told
     region_groups: list[int] = []  # KV cache group of each region (kv_groups); empty: all group 0
 
 
@@ -47,6 +48,7 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     dst_block_ids: list[int]
     start_block: int
     endpoint: str = ""  # D's ZMQ endpoint, so P can answer even a peer it does not know
+    want_checksum: bool = False  # D verifies what lands (verify_kv): P sends a checksum of what it wrote
     # Hybrid KV cache manager: every KV cache group's blocks (null block 0: not needed); empty: one group.
     dst_groups: list[list[int]] = []
 
@@ -76,6 +78,8 @@ class TransferDone(msgspec.Struct, tag="done", frozen=True):
     tp_rank: int
     status: DoneStatus
     error: str = ""  # for logs; D decides on ``status``
+    nbytes: int = -1  # OK: bytes this P rank wrote for the request (-1: not told; D refuses that)
+    checksum: int | None = None  # OK, asked for (want_checksum): transfer.checksum of the bytes written
 
     @property
     def ok(self) -> bool:

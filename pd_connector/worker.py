@@ -144,6 +144,8 @@ class PDWorker:
             heads_outermost=_heads_outermost(kv_caches, num_blocks, local),
             token_major=reshuffle is not None,
             model=model_fingerprint(self.vllm_config),
+            num_blocks=num_blocks,  # peers write only inside these blocks (transfer.write_guard)
+            kv_device=first.device.type,  # transfer.checksum reads host KV only
             region_groups=region_groups(kv_caches, self.kv_cache_config, num_blocks),  # hybrid KV cache manager
         )
         otlp = getattr(self.vllm_config.observability_config, "otlp_traces_endpoint", None)

@@ -36,6 +36,8 @@ class RankSpec:
     # through transfer.nhd_reshuffle.
     token_major: bool = False
     model: str = ""  # compat.model_fingerprint; "" skips the model check
+    num_blocks: int = 0  # KV blocks of each region (0: unknown); peers' writes must stay inside them
+    kv_device: str = "cpu"  # torch device type of the KV tensors (transfer.checksum reads them on "cpu")
     region_groups: tuple[int, ...] = ()  # KV cache group of each region (kv_groups); empty: all group 0
 
     @property

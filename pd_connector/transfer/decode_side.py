@@ -27,10 +27,12 @@ from pd_connector.peer_sizes import sizes_mismatch
 from pd_connector.protocol import DoneStatus
 from pd_connector.tp_mapping import HeadSlice, decode_contacts
 from pd_connector.transfer.channel import zmq_host
+from pd_connector.transfer.checksum import landed_problem
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.nhd_reshuffle import plan_slices
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason, reason_of_status
+from pd_connector.transfer.write_guard import check_own_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class Load:
     cancelled: bool = False  # vLLM aborted the request (RESOLVING: cancel once P's ranks are known)
     answered: set[int] = field(default_factory=set)  # CANCELLING: P tp ranks that answered
     slices: list[HeadSlice] = field(default_factory=list)  # token-major KV: the plan to reformat by
+    reports: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # P tp rank -> (bytes, checksum)
 
     @property
     def complete(self) -> bool:
@@ -100,6 +103,7 @@ class DecodeSide:
 
     def _start(self, job: RecvJob) -> None:
         try:
+            check_own_blocks(real_blocks(recv_groups(job)), self._spec.num_blocks)  # transfer.write_guard
             endpoints, p_tp = self._resolve(job)
         except (BootstrapError, LayoutError) as exc:
             self._routes.invalidate(job.bootstrap_addr)
@@ -117,6 +121,7 @@ class DecodeSide:
             start_block=job.start_block,
             endpoint=self._endpoint,
             dst_groups=[list(g) for g in job.dst_group_block_ids],
+            want_checksum=self._cfg.verify_kv,
         )
         with self._lock:
             load = self._loads.get(job.req_id)
@@ -220,6 +225,7 @@ class DecodeSide:
             heads_outermost=spec.heads_outermost,
             token_major=spec.token_major,
             region_groups=list(spec.region_groups),
+            num_blocks=spec.num_blocks,
         )
 
     # ------------------------------------------------------------- outcomes
@@ -276,17 +282,31 @@ class DecodeSide:
                 logger.warning("room=%d req=%s: late or unknown TransferDone ignored", done.room, done.request_id)
                 return
             load.done.add(done.tp_rank)
+            load.reports[done.tp_rank] = (done.nbytes, done.checksum)
             if not load.complete:
                 return
             del self._loads[done.request_id]
             load.state = LoadState.RECEIVED
-        if len(load.slices) > 1:  # several P ranks wrote parts of each block: permute first
+        if len(load.slices) > 1 or self._cfg.verify_kv:  # permute / checksum the blocks off the listener
             self._ctx.submit(self._reformat_then_publish, load)
             return
-        self._publish_received(load)
+        if self._landed(load):
+            self._publish_received(load)
+
+    def _landed(self, load: Load) -> bool:
+        """What P's ranks reported adds up to this load (bytes; checksum with verify_kv), else it fails."""
+        problem = landed_problem(self._ctx, load.job, load.reports)  # transfer.checksum
+        if problem is not None:
+            self._release(load, problem, "protocol_error")  # its blocks go back as failed: never cached
+        return problem is None
 
     def _reformat_then_publish(self, load: Load) -> None:
         job = load.job
+        if not self._landed(load):  # checked before the permutation: P's checksum is of what it wrote
+            return
+        if len(load.slices) <= 1:
+            self._publish_received(load)
+            return
         assert self._ctx.reshuffle is not None
         try:
             self._ctx.reshuffle.reformat(job.dst_block_ids, load.slices)

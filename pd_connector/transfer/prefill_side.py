@@ -33,6 +33,7 @@ from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
 from pd_connector.transfer.peers import BlockRangeError, expected_requests_from, peer_problem, write_room
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
+from pd_connector.transfer.write_guard import guard_push
 
 logger = logging.getLogger(__name__)
 
@@ -322,6 +323,7 @@ class PrefillSide:
         trace.mark_first("push_started")
         status, error = DoneStatus.OK, ""
         nbytes = entries = 0
+        summed = None
         try:
             with self._lock:
                 peer = self._peers.get(req.peer_id)
@@ -332,10 +334,14 @@ class PrefillSide:
                 raise _Refused(DoneStatus.INCOMPATIBLE, peer_error)
             key = claim(req.request_id, req.peer_id)
             still_wanted = lambda: room.state is RoomState.READY and key not in room.cancelled  # noqa: E731
+            guard, summed = guard_push(peer, req, self._spec)  # transfer.write_guard, transfer.checksum
 
             def write(src: list[int], dst: list[int], lengths: list[int]) -> None:
+                guard.check(dst, lengths)  # inside D's registered KV blocks, else nothing is written
                 descriptor, most = peer.transfer_descriptor, self._cfg.max_batch_entries
                 self._backend.write(descriptor, src, dst, lengths, most, still_wanted)
+                if summed is not None:
+                    summed.add(src, dst, lengths)
 
             nbytes, entries = write_room(self._spec, self._ctx, peer, job, req, write)
         except _Refused as exc:
@@ -352,7 +358,8 @@ class PrefillSide:
         self._log_push(job, req, status, error, nbytes, entries, time.perf_counter() - t0)
         if status is DoneStatus.OK:
             trace.mark("push_done")
-        self._reply(req, status, error)
+        ok = status is DoneStatus.OK
+        self._reply(req, status, error, nbytes if ok else -1, summed.value if ok and summed is not None else None)
         with self._lock:
             room.finished += 1
             self._finish_if_served(room)
@@ -397,7 +404,14 @@ class PrefillSide:
             self._ctx.traces.emit(room.room, None if reason is CloseReason.SENT else reason.value)
             self._ctx.outbox.sent(room.job.req_id)
 
-    def _reply(self, req: proto.TransferRequest, status: DoneStatus, error: str = "") -> None:
+    def _reply(
+        self,
+        req: proto.TransferRequest,
+        status: DoneStatus,
+        error: str = "",
+        nbytes: int = -1,
+        checksum: int | None = None,
+    ) -> None:
         with self._lock:
             peer = self._peers.get(req.peer_id)
         # A peer P does not know (P restarted) is answered at the endpoint its request names.
@@ -406,7 +420,13 @@ class PrefillSide:
             logger.error("room=%d req=%s: cannot answer unknown peer %s", req.room, req.request_id, req.peer_id)
             return
         done = proto.TransferDone(
-            room=req.room, request_id=req.request_id, tp_rank=self._spec.tp_rank, status=status, error=error
+            room=req.room,
+            request_id=req.request_id,
+            tp_rank=self._spec.tp_rank,
+            status=status,
+            error=error,
+            nbytes=nbytes,
+            checksum=checksum,
         )
         if status is not DoneStatus.OK:
             self._count_refusal(req, status)

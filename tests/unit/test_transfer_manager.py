@@ -189,7 +189,7 @@ class Rig:
                 t.fill_(-7.0)
         spec = RankSpec(
             tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, block_size=block_size, kv_dtype=DTYPE, num_layers=LAYERS,
-            model=model,
+            model=model, num_blocks=NUM_BLOCKS,
         )  # fmt: skip
         mgr = KVTransferManager(cfg, spec, regions_of_kv_caches(kv, NUM_BLOCKS), engine)
         side = self.sides[mode] = Side(mgr, kv)

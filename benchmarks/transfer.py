@@ -9,6 +9,15 @@ time submit -> finished_recving. The same number of bytes is then written as
 one large raw write between the same backends. Rounds alternate so
 noise hits both alike. Prints one JSON object.
 
+`--exposed` instead measures what a prefill waits for its KV to reach D (`exposed_ms`: from
+the end of P's forward pass to D's finished_recving), in both transfer modes, D asking first:
+`request` pushes the room after the forward (as P's SendJob does); `layer` runs a simulated
+forward (`--layer-ms` of matrix products per layer, in `--chunks` steps) calling the layer-wise
+streams' save_kv_layer hook after each layer (transfer.layerwise), so only the last layer's write
+is left when it ends. `within_bound`: layer mode's exposed time is at most one layer's share of
+request mode's whole push plus 1 ms. Defaults for `--exposed` follow the reference model (6
+layers, 2 KV heads of 64, fp32, 2,000 tokens).
+
 Region table: a Llama-3-8B-like layer stack in vLLM CPU layout
 ([num_blocks, kv_heads, block_size, 2 * head_dim] per layer), scaled by flags.
 """
@@ -36,6 +45,10 @@ from pd_connector.metadata import RecvJob, SendJob  # noqa: E402
 from pd_connector.protocol import RegisterRank  # noqa: E402
 from pd_connector.transfer.manager import KVTransferManager, RankSpec  # noqa: E402
 from pd_connector.transfer.registry import create_backend, known_backends  # noqa: E402
+
+DEFAULT_SHAPE = {"layers": 32, "kv_heads": 8, "head_dim": 128, "prompt_tokens": 4096}
+#: The serving benchmarks' reference model (hidden 512, 6 layers, 8 heads, 2 KV heads) at 2,000 tokens.
+EXPOSED_SHAPE = {"layers": 6, "kv_heads": 2, "head_dim": 64, "prompt_tokens": 2000}
 
 
 def free_port() -> int:
@@ -79,15 +92,28 @@ def wait_finished(mgr: KVTransferManager, req_id: str, timeout: float = 120.0) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, help="default 32 (--exposed: 6)")
+    ap.add_argument("--kv-heads", type=int, help="default 8 (--exposed: 2)")
+    ap.add_argument("--head-dim", type=int, help="default 128 (--exposed: 64)")
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--prompt-tokens", type=int, help="default 4096 (--exposed: 2000)")
     ap.add_argument("--run", type=int, default=4, help="consecutive blocks per run on D (fragmentation)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", default="mooncake", choices=known_backends(), help="transfer backend")
+    ap.add_argument("--exposed", action="store_true", help="exposed transfer time, request vs layer mode")
+    ap.add_argument("--layer-ms", type=float, default=20.0, help="--exposed: simulated compute per layer")
+    ap.add_argument("--chunks", type=int, default=1, help="--exposed: prefill steps (chunked prefill)")
+    ap.add_argument("--mlp-share", type=float, default=0.5, help="--exposed: a layer's compute after save_kv_layer")
     args = ap.parse_args()
+    shape = EXPOSED_SHAPE if args.exposed else DEFAULT_SHAPE
+    for key, value in shape.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.exposed:
+        from benchmarks.transfer_exposed import run_exposed
+
+        print(json.dumps(run_exposed(args)))
+        return
 
     blocks_needed = -(-args.prompt_tokens // args.block_size)
     num_blocks = 2 * blocks_needed + 8

@@ -103,10 +103,26 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         """Called before each attention layer; loads are async between steps, so nothing to wait for."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Called after each attention layer; P pushes whole requests after prefill, not per layer."""
+        """Called after each attention layer of a forward pass (the layer's KV is in the cache).
+
+        P with transfer_mode "layer": queues the write of the layer's newly completed blocks to D
+        (transfer.layerwise); otherwise nothing (P pushes whole requests after the prefill).
+        """
+        if self._worker is not None and self._worker.layers is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, PDConnectorMetadata)
+            self._worker.save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
-        """Called at the end of the forward pass; pushes are async (reported via get_finished)."""
+        """Called at the end of every forward pass (and of steps without one), metadata still bound.
+
+        Writes stay async (reported via TransferDone / get_finished); in layer mode, layers whose
+        save_kv_layer did not come are queued now.
+        """
+        if self._worker is not None and self._worker.layers is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, PDConnectorMetadata)
+            self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Called every step after the forward pass.

@@ -25,6 +25,7 @@ from pd_connector.protocol import RegisterRank
 from pd_connector.rank_checks import prepare_rank
 from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend
+from pd_connector.transfer.layerwise import LayerStreams, enable_layer_push
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.nhd_reshuffle import NhdReshuffle, token_major_views
 from pd_connector.transfer.registry import create_backend
@@ -100,6 +101,7 @@ class PDWorker:
         self.manager: KVTransferManager | None = None
         self.bootstrap: BootstrapServer | None = None
         self._failed_blocks: set[int] = set()
+        self.layers: LayerStreams | None = None  # P, transfer_mode "layer"
         if torch.accelerator.current_accelerator() is None:
             _prepare_cpu_device()
 
@@ -152,6 +154,8 @@ class PDWorker:
         self.manager = KVTransferManager(
             self.cfg, spec, regions, self.backend, otlp_traces_endpoint=otlp, reshuffle=reshuffle
         )
+        if self.cfg.is_prefill and self.cfg.transfer_mode == "layer":
+            self.layers = enable_layer_push(self.manager, kv_caches, num_blocks)
         if self.cfg.is_prefill:
             self._join_prefill_deployment(spec)
 
@@ -249,7 +253,20 @@ class PDWorker:
         blocks, self._failed_blocks = self._failed_blocks, set()
         return blocks
 
+    def save_kv_layer(self, layer_name: str, meta: PDConnectorMetadata) -> None:
+        """P, layer mode: ``layer_name`` was computed for this step's chunks; write its new blocks."""
+        if self.layers is not None and meta.layer_chunks:
+            self.layers.on_layer(meta.layer_chunks, meta, layer_name)
+
+    def wait_for_save(self, meta: PDConnectorMetadata) -> None:
+        """P, layer mode: the forward is done; layers vLLM did not report are complete too."""
+        if self.layers is not None and meta.layer_chunks:
+            self.layers.on_forward_end(meta.layer_chunks, meta)
+
     def shutdown(self) -> None:
+        if self.layers is not None:
+            self.layers.close()
+            self.layers = None
         if self.manager is not None:
             self.manager.close()
             self.manager = None

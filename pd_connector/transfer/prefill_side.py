@@ -33,6 +33,7 @@ from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
 from pd_connector.transfer.peers import BlockRangeError, expected_requests_from, peer_problem, write_room
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
+from pd_connector.transfer.stream_claims import StreamClaims
 from pd_connector.transfer.write_guard import guard_push
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class _Refused(Exception):
         self.status = status
 
 
-class PrefillSide:
+class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mode "layer" (layerwise)
     def __init__(self, ctx: RankContext, backend: TransferBackend) -> None:
         self._ctx = ctx
         self._cfg = ctx.cfg
@@ -131,10 +132,12 @@ class PrefillSide:
                     self._ctx.stats.inc("rooms_refused")
                     continue
                 waiting = old.waiting if old is not None else []
+                if old is not None and old.submitted_ids:  # claims layer-wise streams took
+                    self.carry_streamed(old, ready)
                 ready.cancelled = self._early_cancels.pop(job.room, set())
                 if ready.cancelled:
                     ready.expected = self._expected(job, waiting[0].req.peer_id if waiting else None)
-                cancelled = not waiting and (
+                cancelled = not waiting and not ready.submitted_ids and (
                     ready.served if ready.cancelled else self._closed.get(job.room) is CloseReason.CANCELLED
                 )
                 if cancelled:  # D gave up before this prefill finished: free at once
@@ -144,6 +147,11 @@ class PrefillSide:
                 else:
                     self._rooms[job.room] = ready
             self._trace_prefill(job)
+            if self.layers is not None:
+                self.layers.release(job.room)  # later D requests: request mode
+                if ready.submitted_ids:
+                    with self._lock:
+                        self._finish_if_served(ready)
             if cancelled:
                 logger.warning("room=%d req=%s: decode had cancelled; freeing the KV now", job.room, job.req_id)
                 self._ctx.traces.emit(job.room, "cancelled")
@@ -171,6 +179,8 @@ class PrefillSide:
                     waiting = pending.waiting
             for w in waiting:
                 self._reply(w.req, DoneStatus.ABORTED, "prefill request was aborted")
+            if self.layers is not None:
+                self.layers.abort(room)
 
     def shutdown(self) -> None:
         """P is going away: every D request still waiting for a prefill is told at once."""
@@ -243,6 +253,8 @@ class PrefillSide:
             req.request_id,
             f" (room closed before: {closed.message(self._cfg.room_timeout_s)})" if closed else "",
         )
+        if self.layers is not None:
+            self.layers.offer(req.room)  # a running layer-wise stream takes it
 
     def on_cancel(
         self, cancel: proto.TransferCancel, status: DoneStatus = DoneStatus.CANCELLED, why: str = _CANCELLED
@@ -263,7 +275,7 @@ class PrefillSide:
                 if room is not None:
                     dropped = [w for w in room.waiting if claim(w.req.request_id, w.req.peer_id) == key]
                     room.waiting = [w for w in room.waiting if claim(w.req.request_id, w.req.peer_id) != key]
-                if room is None or not room.waiting:
+                if room is None or (not room.waiting and not room.submitted_ids):
                     self._rooms.pop(cancel.room, None)
                     self._remember_closed(cancel.room, CloseReason.CANCELLED)
             else:
@@ -274,6 +286,8 @@ class PrefillSide:
         logger.warning("room=%d req=%s: %s", cancel.room, cancel.request_id, why)
         for w in dropped:  # D waits for one answer per request it sent
             self._reply(w.req, status, why)
+        if self.layers is not None:  # a layer-wise stream of it stops and answers once its writes ended
+            self.layers.stop(cancel.room, key, status, why)
         if room is None or room.state is RoomState.AWAITING_PREFILL:
             self._ctx.traces.emit(cancel.room, "cancelled")
 
@@ -473,7 +487,7 @@ class PrefillSide:
                 elif room.state is RoomState.AWAITING_PREFILL:
                     stale += [w for w in room.waiting if w.deadline <= now]
                     room.waiting = [w for w in room.waiting if w.deadline > now]
-                    if not room.waiting:
+                    if not room.waiting and not room.submitted_ids:  # (submitted: a layer-wise stream's)
                         del self._rooms[room.room]
         for w in stale:
             if w.closed_before is not None:

@@ -318,11 +318,11 @@ class DecodeSide:
 
     def _publish_received(self, load: Load) -> None:
         done = load.job
+        self._ctx.traces.get(done.req_id, done.room).mark("kv_ready")
+        self._ctx.outbox.received(done.req_id)  # vLLM first (its next step schedules the request), then the books
         nbytes = received_bytes(self._ctx.regions, self._spec.region_groups, recv_groups(load.job))
         self._ctx.stats.observe_recv(nbytes, load.handshake_s)
-        self._ctx.traces.get(done.req_id, done.room).mark("kv_ready")
         logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.req_id, len(done.dst_block_ids))
-        self._ctx.outbox.received(done.req_id)
 
     @property
     def _block_bytes(self) -> int:

@@ -369,11 +369,13 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         except Exception as exc:  # noqa: BLE001 - report, never leak the room
             logger.exception("room=%d req=%s: unexpected send error", job.room, job.req_id)
             status, error = DoneStatus.INTERNAL_ERROR, f"internal error: {exc!r}"
-        self._log_push(job, req, status, error, nbytes, entries, time.perf_counter() - t0)
-        if status is DoneStatus.OK:
+        seconds, ok = time.perf_counter() - t0, status is DoneStatus.OK
+        if ok:  # D first (its first token waits for this), then the log line; a failure is logged first
             trace.mark("push_done")
-        ok = status is DoneStatus.OK
-        self._reply(req, status, error, nbytes if ok else -1, summed.value if ok and summed is not None else None)
+            self._reply(req, status, error, nbytes, summed.value if summed is not None else None)
+        self._log_push(job, req, status, error, nbytes, entries, seconds)
+        if not ok:
+            self._reply(req, status, error, -1, None)
         with self._lock:
             room.finished += 1
             self._finish_if_served(room)

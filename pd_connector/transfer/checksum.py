@@ -49,6 +49,8 @@ MASK64 = (1 << 64) - 1
 CHUNK_WORDS = 1 << 18
 WORD = 8
 
+#: One in every byte lane of a word: the "+ 1" of every byte.
+_ONES = 0x0101010101010101
 # splitmix64's finalizer constants, as signed int64 (torch has no uint64 arithmetic).
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -102,9 +104,10 @@ def _weight(word: int) -> int:
 def digest(data: torch.Tensor, dst_addr: int) -> int:
     """Checksum of ``data`` (uint8, 1-D) written at destination address ``dst_addr`` (mod 2**64).
 
-    Byte ``v`` at address ``a`` adds ``weight(a & ~7) * (v << 8 * (a & 7))``: a whole aligned word
-    adds ``weight(word address) * word`` (little endian), one torch multiply per 8 bytes, and a
-    word cut between two ranges adds up to the same.
+    Byte ``v`` at address ``a`` adds ``weight(a & ~7) * ((v + 1) << 8 * (a & 7))``: a whole aligned
+    word adds ``weight(word address) * (word + 0x0101..01)`` (little endian), one torch multiply per
+    8 bytes, and a word cut between two ranges adds up to the same. The ``+ 1`` makes the sum depend
+    on which addresses were covered, so zeroed memory does not sum to 0.
     """
     n = data.numel()
     total = 0
@@ -115,7 +118,7 @@ def digest(data: torch.Tensor, dst_addr: int) -> int:
         values = data[edges].tolist() if len(edges) < n else data.tolist()
         for i, v in zip(edges, values, strict=True):
             a = dst_addr + i
-            total += _weight(a & ~(WORD - 1)) * (v << (8 * (a & (WORD - 1))))
+            total += _weight(a & ~(WORD - 1)) * ((v + 1) << (8 * (a & (WORD - 1))))
     for first in range(0, body, CHUNK_WORDS):
         count = min(CHUNK_WORDS, body - first)
         part = data[head + first * WORD : head + (first + count) * WORD]
@@ -126,7 +129,7 @@ def digest(data: torch.Tensor, dst_addr: int) -> int:
         if sys.byteorder != "little":
             raise RuntimeError("verify_kv checksums assume a little-endian host")
         weights = _weights(dst_addr + head + first * WORD, count, part.device)
-        total += int((weights * words).sum().item())
+        total += int((weights * (words + _ONES)).sum().item())
     return total & MASK64
 
 

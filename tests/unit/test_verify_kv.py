@@ -49,8 +49,9 @@ from .test_transfer_manager import (  # noqa: F401 - fixtures
 
 
 def bytewise(data: torch.Tensor, addr: int) -> int:
-    """The definition: byte v at address a adds weight(a & ~7) * (v << 8 * (a & 7))."""
-    return sum(_weight((addr + i) & ~7) * (v << (8 * ((addr + i) & 7))) for i, v in enumerate(data.tolist())) & MASK64
+    """The definition: byte v at address a adds weight(a & ~7) * ((v + 1) << 8 * (a & 7))."""
+    terms = (_weight((addr + i) & ~7) * ((v + 1) << (8 * ((addr + i) & 7))) for i, v in enumerate(data.tolist()))
+    return sum(terms) & MASK64
 
 
 def test_digest_is_the_bytewise_sum_however_the_bytes_are_cut() -> None:
@@ -81,6 +82,8 @@ def test_digest_reads_unaligned_sources_and_sees_every_byte() -> None:
     if swapped[16] != swapped[24]:
         assert digest(swapped, addr) != base
     assert digest(buf[3:], addr + 8) != base  # the same bytes at another address
+    zeros = torch.zeros(4096, dtype=torch.uint8)
+    assert digest(zeros, addr) not in (0, digest(zeros[:4088], addr))  # zeroed memory: not 0, and covered bytes count
 
 
 def test_host_reader_sees_the_tensor_bytes() -> None:

@@ -30,8 +30,9 @@ router its ``rps`` and ``p50_ms`` next to ours, ``rps_ratio_ours_vs`` and ``p50_
 Placement (the same for every router): every router process is pinned to ``--router-cpus``
 (default: every CPU this process may use); the Rust routers run one tokio worker thread per CPU
 they may use, and our Router gets as many worker processes (``--router-workers``). The load
-generator and the backend are not pinned: they share the machine with whichever router is
-under load (the others idle), so every router competes with the same client and backend work.
+generator and the backend are not pinned (``--client-cpus`` pins them): they share the machine
+with whichever router is under load (the others idle), so every router competes with the same
+client and backend work.
 Also printed: ``added_p50_ms`` per target, ``rps_ratio_vs_vllm_router`` and
 ``vllm_router_added_p50_ms`` at the top level, ``router_cpus`` and ``router_workers``.
 
@@ -310,6 +311,11 @@ def main() -> int:
         help="CPUs every router target is pinned to, e.g. 0-1 (default: all this process may use)",
     )
     parser.add_argument(
+        "--client-cpus",
+        type=parse_cpus,
+        help="CPUs of the load generator and the fake backend, e.g. 0 (default: not pinned)",
+    )
+    parser.add_argument(
         "--router-workers",
         type=int,
         help="our Router's --workers (default: one per --router-cpus CPU, as the Rust routers' threads)",
@@ -336,7 +342,8 @@ def main() -> int:
         say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
         say(f"logs in {log_dir}; targets {', '.join(target_names)}")
         backend = [sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(prefill_port)]
-        processes.append(Process("backend", [*backend, str(decode_port), "--chunks", str(args.chunks)], log_dir))
+        backend += [str(decode_port), "--chunks", str(args.chunks)]
+        processes.append(Process("backend", backend, log_dir, args.client_cpus))
         processes[-1].wait_http(decode_port, "/health")
         for target in wanted:
             processes.append(Process(target.name, target.cmd, log_dir, args.router_cpus))
@@ -369,6 +376,8 @@ def main() -> int:
                         f"rps@{args.concurrency} {len(many.latencies) / many.elapsed:8.1f}  failed {many.failed}"
                     )
 
+        if args.client_cpus:
+            os.sched_setaffinity(0, args.client_cpus)
         run(bench())
         results = {t: _summary(latency[t], load[t], round_p50[t]) for t in target_names}
         for target in target_names:
@@ -394,6 +403,7 @@ def main() -> int:
             "chunks_per_stream": args.chunks + 2,
             "cpus": os.cpu_count(),
             "router_cpus": sorted(args.router_cpus),
+            "client_cpus": sorted(args.client_cpus) if args.client_cpus else None,
             "router_workers": router_workers,
             "targets": results,
             "targets_met": {

@@ -28,6 +28,8 @@ def test_benchmark_runs_and_prints_its_json(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert set(report) >= {"added_p50_ms", "rps", "rps_ratio_vs_ascend_proxy", "targets", "targets_met"}
+    assert set(report) >= {"rps_ratio_vs_vllm_router", "vllm_router_added_p50_ms", "router_cpus", "router_workers"}
+    assert report["router_workers"] == len(report["router_cpus"])
     for target in ("direct", "router", "ascend_proxy"):
         assert report["targets"][target]["failed"] == 0, report
         assert report["targets"][target]["rps"] > 0

@@ -103,7 +103,7 @@ class PDScheduler:
         if missing <= 0:
             return 0, False
         window = replay_needs_freed_block(request.num_prompt_tokens, self.sliding_windows, self.block_size)
-        if window is not None:  # update_state_after_alloc then asks P for nothing: P frees the room
+        if window is not None:  # no load (vLLM must not see finished_recving): P is told to free the room
             logger.info(
                 "room=%d req=%s: %d prompt tokens end where the %d-token window opens a block: vLLM's recompute "
                 "of the last token would read a freed block, so this prompt is prefilled here",
@@ -112,6 +112,9 @@ class PDScheduler:
                 request.num_prompt_tokens,
                 window,
             )
+            self._recv_planned.add(request.request_id)
+            self._local_hits.pop(request.request_id, None)
+            self._abandoned.append(self._room_release(request.request_id, params))
             return 0, False
         return missing, True
 
@@ -165,9 +168,12 @@ class PDScheduler:
     def _abandon(self, rid: str, params: DecodeParams) -> None:
         """D: the request ended before its load was asked for; its worker tells P to free the room."""
         logger.info("room=%d req=%s: finished before its KV was asked for; prefill will be told", params.room, rid)
-        self._abandoned.append(
-            RecvJob(rid, params.room, params.bootstrap_host, params.bootstrap_port, params.prefill_dp_rank, [], 0, 0)
-        )
+        self._abandoned.append(self._room_release(rid, params))
+
+    @staticmethod
+    def _room_release(rid: str, params: DecodeParams) -> RecvJob:
+        """D: a job whose worker only tells P to free the room (TransferCancel), no load."""
+        return RecvJob(rid, params.room, params.bootstrap_host, params.bootstrap_port, params.prefill_dp_rank, [], 0, 0)
 
     # ------------------------------------------------------------- prefill side
 

@@ -168,6 +168,12 @@ def test_a_prompt_ending_where_the_window_opens_a_block_is_prefilled_on_decode(m
     sched.add_request(Request("d-4", list(edge), request("x", {}).sampling_params, None))
     sched.requests["d-4"].kv_transfer_params = dict(D_PARAMS)
     out, meta, _ = step(sched)
-    (job,) = meta.recvs
-    assert job.room == 99 and job.dst_block_ids == [] and not job.dst_group_block_ids  # P only frees the room
+    assert not meta.recvs  # no load: vLLM must not hear of a finished receive for a running request
+    (job,) = meta.abandoned  # the worker tells P to free the room (TransferCancel)
+    assert (job.req_id, job.room, job.dst_block_ids) == ("d-4", 99, [])
     assert out.num_scheduled_tokens.get("d-4") == len(edge)  # prefilled here, at once
+    _, meta, _ = step(sched)
+    assert not meta.recvs and not meta.abandoned  # asked once
+    sched.finish_requests("d-4", RequestStatus.FINISHED_ABORTED)
+    _, meta, _ = step(sched)
+    assert not meta.abandoned and held(sched) == 0

@@ -110,6 +110,7 @@ def manager(
 ):
     role = "kv_producer" if side == "p" else "kv_consumer"
     extra = {"local_ip": HOST, "bootstrap_port": bport, "http_timeout_s": 2.0, "staging_bytes": STAGING}
+    extra["verify_kv"] = True  # D checks the checksums its P ranks report (transfer.checksum): they add up
     cfg = parse_config(role, {**extra, "kv_wait_timeout_s": 30.0, "room_timeout_s": 30.0})
     local = len(local_heads(total, tp, rank))
     backend.register(memory_ranges(kv))

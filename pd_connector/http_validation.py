@@ -69,6 +69,8 @@ def parse_body(raw: bytes) -> tuple[DecodeParams | None, str | None]:
         body = json.loads(raw)
     except ValueError:
         return None, None  # not ours to judge: vLLM answers invalid JSON itself
+    except RecursionError:
+        return None, "request body nests JSON too deeply"  # vLLM's own parser would fail with a 500
     if not isinstance(body, dict) or KV_PARAMS_KEY not in body:
         return None, None
     try:

@@ -48,3 +48,5 @@ async def read_json(request: web.Request, limit: int) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise RouterError(400, f"request body is not valid JSON: {exc}", INVALID_REQUEST) from None
+    except RecursionError:
+        raise RouterError(400, "request body nests JSON too deeply", INVALID_REQUEST) from None

@@ -192,6 +192,8 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
             return msgspec.json.decode(raw, type=typ)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise _BadRequest(f"invalid {typ.__name__} body: {exc}") from None
+        except RecursionError:
+            raise _BadRequest(f"invalid {typ.__name__} body: JSON nested too deeply") from None
 
     @app.exception_handler(Exception)
     async def _on_error(request: Request, exc: Exception) -> JSONResponse:

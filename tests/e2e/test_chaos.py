@@ -236,19 +236,7 @@ def test_2_malformed_input(chaos: Chaos, record_property) -> None:
     _done(chaos, fig, t0, record_property)
 
 
-_DEEP_JSON_BUGS = {
-    "router": "proxy/incoming.py read_json catches ValueError only: json.loads raises RecursionError -> HTTP 500",
-    "decode": "pd_connector/http_validation.py parse_body catches ValueError only: RecursionError escapes the "
-    "middleware -> HTTP 500 and a traceback",
-    "bootstrap": "pd_connector/bootstrap/server.py body_as catches DecodeError/ValidationError only: msgspec raises "
-    "RecursionError -> HTTP 500 and a traceback",
-}
-
-
-@pytest.mark.parametrize(
-    "target",
-    [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=bug)) for t, bug in _DEEP_JSON_BUGS.items()],
-)
+@pytest.mark.parametrize("target", ["router", "decode", "bootstrap"])
 def test_2b_deeply_nested_json_is_a_client_error(chaos: Chaos, target: str, record_property) -> None:
     fig, t0 = _phase(f"deep_json_{target}")
     stack = chaos.stack

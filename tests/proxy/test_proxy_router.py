@@ -225,7 +225,7 @@ def test_models_forwarded_to_decoder(router_ok: Router) -> None:
 # --- bad requests -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("payload", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+@pytest.mark.parametrize("payload", [b"{not json", b"[1, 2]", b"\xff\xfe", b"", b"[" * 100_000 + b"]" * 100_000])
 def test_invalid_json_is_400_and_router_keeps_serving(router_ok: Router, payload: bytes) -> None:
     with http_client() as client:
         response = client.post(

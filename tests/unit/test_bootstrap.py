@@ -158,6 +158,7 @@ def test_register_mismatched_block_size_or_dtype_is_400(srv: Server) -> None:
         ("POST", "/bootstrap/query_dp_ranks", b'{"bootstrap_rooms": 5}'),
         ("POST", "/bootstrap/query_dp_ranks", b'{"bootstrap_rooms": ["a"]}'),
         ("POST", "/bootstrap/query_dp_ranks", b"null"),
+        ("PUT", "/bootstrap/register_rank", b'{"rank_ip": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
     ],
 )
 def test_bad_bodies_are_400_and_server_survives(shared_srv: Server, method: str, path: str, body: bytes) -> None:

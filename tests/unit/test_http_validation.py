@@ -111,6 +111,13 @@ def test_invalid_json_is_left_to_the_app(client: TestClient) -> None:
     assert r.status_code == 200 and r.json()["body"] == raw.decode()
 
 
+def test_json_nested_past_the_recursion_limit_is_a_400(client: TestClient) -> None:
+    raw = b'{"kv_transfer_params": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = post(client, "/v1/completions", raw)
+    assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"]
+    assert post(client, "/v1/completions", b"{}").status_code == 200
+
+
 def test_other_paths_and_methods_pass_through(client: TestClient) -> None:
     bad = json.dumps({"kv_transfer_params": {"do_remote_decode": True, "bootstrap_room": -1}}).encode()
     r = post(client, "/tokenize", bad)

@@ -256,3 +256,50 @@ def test_blocks_of_a_failed_load_never_enter_the_prefix_cache(tiny_model) -> Non
     step(sched)
     probe = load_of("probe", 3)
     assert probe.start_block == 3, f"a landed load is cached (3 full blocks); got {probe}"
+
+
+# ------------------------------------------------------------ what P ranks write covers the load
+
+
+@pytest.mark.parametrize(
+    ("heads", "p_tp", "d_tp", "mla"),
+    [(4, 1, 1, False), (4, 1, 2, False), (4, 2, 1, False), (4, 4, 2, False), (2, 4, 1, False), (2, 1, 4, False),
+     (2, 4, 2, False), (8, 2, 4, False), (1, 2, 1, True), (1, 1, 2, True), (1, 4, 2, True)],
+)  # fmt: skip
+def test_p_ranks_write_each_byte_of_the_load_once(heads: int, p_tp: int, d_tp: int, mla: bool) -> None:
+    """Head-major KV, any TP pairing: the ranges D's P ranks write are disjoint and are exactly the load's
+    blocks in every region (what D's byte count and checksum are computed over)."""
+    from pd_connector.tp_mapping import decode_contacts, local_heads
+    from pd_connector.transfer.context import RankSpec
+    from pd_connector.transfer.peers import push_entries
+
+    layers, nb, head_bytes = 2, 16, BLOCK_SIZE * 2 * 8 * 2  # [blocks, heads, block_size, 2 * head_dim] fp16
+
+    def regions(side: int, rank: int, local: int) -> list[Region]:
+        return [
+            Region((side << 40) + (rank << 36) + (layer << 32), local * head_bytes, local * head_bytes)
+            for layer in range(layers)
+        ]
+
+    def spec(rank: int, tp: int) -> RankSpec:
+        local = 1 if mla else len(local_heads(heads, tp, rank))
+        return RankSpec(rank, tp, 0, 1, BLOCK_SIZE, "float16", layers, heads, local, mla, num_blocks=nb)
+
+    room, src, dst = 7, [1, 2, 3, 9], [4, 5, 11, 12]
+    job = SendJob("p", room, src, len(src) * BLOCK_SIZE)
+    for d in range(d_tp):
+        d_spec = spec(d, d_tp)
+        d_regions = regions(2, d, d_spec.local_kv_heads)
+        hello = proto.PeerHello(
+            f"d{d}", b"", "tcp://h:1", d, d_tp, BLOCK_SIZE, "float16", layers,
+            [r.as_tuple() for r in d_regions], heads, d_spec.local_kv_heads, mla, num_blocks=nb,
+        )  # fmt: skip
+        req = proto.TransferRequest(room, "r", f"d{d}", dst, 0)
+        written: list[tuple[int, int]] = []
+        for p in decode_contacts(1 if mla else heads, p_tp, d_tp, d, is_mla=mla, spread=room % p_tp):
+            p_spec = spec(p, p_tp)
+            plan = push_entries(p_spec, regions(1, p, p_spec.local_kv_heads), hello, job, req)
+            if plan is not None:
+                written += list(zip(plan[1], plan[2], strict=True))
+        assert sum(n for _, n in written) == len(dst) * sum(r.block_bytes for r in d_regions)
+        assert merge_ranges(written) == merge_ranges(load_ranges(d_regions, [dst]))

@@ -79,26 +79,26 @@ def test_bytes_on_metrics_match_the_model_shape(pd_stack) -> None:
 
 
 def test_failures_counted_by_reason(pd_stack) -> None:
-    """A load from a bootstrap server nobody listens on (peer_lost, at once) and one for a room P
-    never computes (timeout, after kv_wait_timeout_s), both on D; then vLLM's periodic log line."""
+    """A load from a prefill DP rank the deployment does not have (peer_lost, at once) and one for a
+    room P never computes (timeout, after kv_wait_timeout_s), both on D; then vLLM's periodic log line.
+    (A bootstrap server nobody listens on never reaches the connector: D's middleware answers 502.)"""
     failures = METRIC_NAMES["failures"] + "_total"
     before = {r: metric(pd_stack.decode_url, failures, reason=r) for r in ("peer_lost", "timeout")}
 
-    def decode_only(port: int) -> None:
+    def decode_only(port: int, dp_rank: int | None = None) -> None:
         params = {
             "do_remote_prefill": True,
             "bootstrap_room": random.getrandbits(63),
             "bootstrap_host": "127.0.0.1",
             "bootstrap_port": port,
+            **({} if dp_rank is None else {"prefill_dp_rank": dp_rank}),
         }
         body = {"model": pd_stack.model, "prompt": random_prompt(50), "max_tokens": 2, "kv_transfer_params": params}
         assert post(pd_stack.decode_url, body, timeout=D_KV_WAIT_TIMEOUT_S + 60).status_code >= 400
 
-    from launch.ports import free_port
-
     slow = threading.Thread(target=decode_only, args=(pd_stack.bootstrap_port,))
     slow.start()
-    decode_only(free_port())
+    decode_only(pd_stack.bootstrap_port, dp_rank=5)  # P has DP size 1
     assert wait_metric(pd_stack.decode_url, failures, before["peer_lost"] + 1, reason="peer_lost") == (
         before["peer_lost"] + 1
     )

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.nhd_reshuffle import plan_slices
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason, reason_of_status
+from pd_connector.transfer.tasks import TaskPool
 from pd_connector.transfer.write_guard import check_own_blocks
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,10 @@ logger = logging.getLogger(__name__)
 CANCEL_GRACE_S = 2.0
 #: Loads that wait on P ranks (liveness watches those ranks).
 _WAITING = (LoadState.AWAITING_KV, LoadState.CANCELLING)
+#: An abandoned room is not told to a prefill whose rank was lost this recently (its bootstrap
+#: server would only hold the telling thread), nor again for a room a load of this rank already had.
+LOST_ADDR_QUIET_S = 30.0
+ROOMS_REMEMBERED = 10_000
 
 
 @dataclass
@@ -74,6 +80,10 @@ class DecodeSide:
         self._hello_sent: set[str] = set()
         self._hello_lock = threading.Lock()
         self._routes = RouteCache.for_config(self._cfg)  # its token, CA bundle, trusted hosts
+        # Abandoned rooms are told on their own thread: a slow bootstrap server never holds the handshakes.
+        self._abandon_pool = TaskPool(1)
+        self._lost_addrs: dict[str, float] = {}  # bootstrap address -> when one of its ranks was lost
+        self._loaded_rooms: OrderedDict[int, None] = OrderedDict()  # rooms a load of this rank had
 
     def add_recvs(self, jobs: Sequence[RecvJob]) -> None:
         """Start fetching these requests' KV (the handshake runs off the step loop)."""
@@ -81,6 +91,9 @@ class DecodeSide:
         for job in jobs:
             with self._lock:
                 self._loads[job.req_id] = Load(job, now + self._cfg.kv_wait_timeout_s)
+                self._loaded_rooms[job.room] = None
+                while len(self._loaded_rooms) > ROOMS_REMEMBERED:
+                    self._loaded_rooms.popitem(last=False)
             trace = self._ctx.traces.get(job.req_id, job.room, job.req_id)
             if job.arrival_time is not None:
                 trace.mark("received", job.arrival_time)
@@ -366,6 +379,7 @@ class DecodeSide:
         why = f"prefill rank {endpoint} silent for {silent_s:.1f} s (peer_timeout_s {self._cfg.peer_timeout_s:g})"
         for load in hit:
             self._routes.invalidate(load.job.bootstrap_addr)
+            self._lost_addrs[load.job.bootstrap_addr] = time.monotonic()
             if load.state is not LoadState.CANCELLING:
                 self._fail(load.job.req_id, why, "peer_lost")
                 continue
@@ -377,8 +391,16 @@ class DecodeSide:
     def abandon(self, jobs: Sequence[RecvJob]) -> None:
         """vLLM finished these requests before their KV was asked for (the client went away while they
         queued): tell P, which may hold the room for them, to free it (off the step loop)."""
+        now = time.monotonic()
         for job in jobs:
-            self._ctx.submit(self._cancel_room, job)
+            with self._lock:
+                loaded = job.room in self._loaded_rooms  # that load's end already told P
+            lost = now - self._lost_addrs.get(job.bootstrap_addr, -LOST_ADDR_QUIET_S) < LOST_ADDR_QUIET_S
+            if loaded or lost:
+                why = "a load of it already told prefill" if loaded else "prefill was lost"
+                logger.info("room=%d req=%s: request ended before its KV was asked for; %s", job.room, job.req_id, why)
+                continue
+            self._abandon_pool.submit(self._cancel_room, job)
 
     def _cancel_room(self, job: RecvJob) -> None:
         try:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from pd_connector import protocol as proto
 
 if TYPE_CHECKING:
-    from pd_connector.transfer.prefill_side import Room
+    from pd_connector.transfer.rooms import Room
 
 logger = logging.getLogger(__name__)
 

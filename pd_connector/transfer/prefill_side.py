@@ -18,7 +18,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import register_dp_rank
@@ -31,6 +30,7 @@ from pd_connector.transfer.backend import TransferBackend, TransferError, descri
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
 from pd_connector.transfer.peers import BlockRangeError, expected_requests_from, peer_problem, write_room
+from pd_connector.transfer.rooms import Room, WaitingRequest, claim
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
 from pd_connector.transfer.stream_claims import StreamClaims
@@ -43,53 +43,6 @@ CLOSED_ROOMS_KEPT = 100_000
 #: prefill of the same room before it is refused with the reason the room was closed.
 CLOSED_ROOM_GRACE_S = 5.0
 _CANCELLED = "decode cancelled the transfer"
-
-
-@dataclass
-class WaitingRequest:
-    """A D request for a room whose prefill has not finished."""
-
-    req: proto.TransferRequest
-    deadline: float
-    closed_before: CloseReason | None = None  # the room was closed when this came: wait a short grace
-
-
-@dataclass
-class Room:
-    room: int
-    state: RoomState
-    job: SendJob | None = None  # set from READY on
-    deadline: float = 0.0  # READY: when unclaimed KV is freed
-    expected: int = 0  # requests this rank will get for the room (0: unknown yet)
-    submitted: int = 0
-    finished: int = 0
-    waiting: list[WaitingRequest] = field(default_factory=list)  # AWAITING_PREFILL
-    # Claims are per (D request, D rank): every D rank of one request asks (and may cancel) for itself.
-    submitted_ids: set[str] = field(default_factory=set)
-    cancelled: set[str] = field(default_factory=set)  # D requests' ranks that gave up (each counts as claimed)
-
-    @property
-    def claimed(self) -> int:
-        """Expected requests that came (submitted) or will not (cancelled)."""
-        return len(self.submitted_ids | self.cancelled)
-
-    @property
-    def served(self) -> bool:
-        """Every write ended, and no more will come (all expected claimed, or draining)."""
-        idle = self.finished == self.submitted
-        all_in = self.expected > 0 and self.claimed >= self.expected
-        return idle and (self.state is RoomState.DRAINING or all_in)
-
-    @property
-    def close_reason(self) -> CloseReason:
-        if self.submitted_ids - self.cancelled:
-            return CloseReason.SENT
-        return CloseReason.CANCELLED if self.cancelled else CloseReason.EXPIRED
-
-
-def claim(request_id: str, peer_id: str) -> str:
-    """Key of one D rank's claim on a room: the D request id is shared by all D ranks of the request."""
-    return f"{request_id}@{peer_id}"
 
 
 class _Refused(Exception):

@@ -23,13 +23,13 @@ from pd_connector.transfer.states import RoomState
 from pd_connector.transfer.write_guard import guard_push
 
 if TYPE_CHECKING:
-    from pd_connector.transfer.prefill_side import Room
+    from pd_connector.transfer.rooms import Room
 
 logger = logging.getLogger(__name__)
 
 
 def _claim(request_id: str, peer_id: str) -> str:
-    return f"{request_id}@{peer_id}"  # as prefill_side.claim
+    return f"{request_id}@{peer_id}"  # as rooms.claim
 
 
 class StreamClaims:

@@ -19,7 +19,7 @@ from pd_connector.transfer.liveness import (
     claims_toward,
     decode_peers_waited_on,
 )
-from pd_connector.transfer.prefill_side import Room, WaitingRequest, claim
+from pd_connector.transfer.rooms import Room, WaitingRequest, claim
 from pd_connector.transfer.states import RoomState
 
 from .test_scheduler import D_PARAMS, FakeBlocks, FakeRequest, meta

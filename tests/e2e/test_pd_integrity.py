@@ -177,12 +177,17 @@ def fake_load(decode_url: str, model: str, fake: FakePrefill, room: int) -> tupl
     return resp, time.monotonic() - t0
 
 
-def assert_failed_at_once(resp: httpx.Response, elapsed: float, fake: FakePrefill, room: int) -> None:
+def assert_failed_at_once(
+    resp: httpx.Response, elapsed: float, fake: FakePrefill, room: int, *, fresh_cache: bool = True
+) -> None:
+    """The request failed, at once, after D asked the fake for its blocks (all of them when D's cache is fresh:
+    the session D may hold the prompt's first blocks from earlier tests, and asks only for the rest)."""
     assert resp.status_code >= 400, f"a load that never landed was served: {resp.status_code} {resp.text[:300]}"
     assert resp.json().get("error"), resp.text
     assert elapsed < D_KV_WAIT_TIMEOUT_S, f"the failure took {elapsed:.1f} s: a timeout, not the check"
     asked = [r for r in fake.requests if r.room == room]
-    assert len(asked) == 1 and len(asked[0].dst_block_ids) >= PROMPT_LENGTHS[PROMPT] // 32 - 1, asked
+    least = PROMPT_LENGTHS[PROMPT] // 32 - 1 if fresh_cache else 1
+    assert len(asked) == 1 and len(asked[0].dst_block_ids) >= least, asked
 
 
 def test_a_bare_done_fails_without_verify_kv_and_the_prompt_then_equals_colocated(
@@ -194,7 +199,7 @@ def test_a_bare_done_fails_without_verify_kv_and_the_prompt_then_equals_colocate
     try:
         room = 9_100_001
         resp, elapsed = fake_load(pd_stack.decode_url, pd_stack.model, fake, room)
-        assert_failed_at_once(resp, elapsed, fake, room)
+        assert_failed_at_once(resp, elapsed, fake, room, fresh_cache=False)
     finally:
         fake.stop()
     line = rf"room={room} .*KV load failed: .*without saying how many bytes"

@@ -337,11 +337,6 @@ class DecodeSide:
         self._ctx.stats.observe_recv(nbytes, load.handshake_s)
         logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.req_id, len(done.dst_block_ids))
 
-    @property
-    def _block_bytes(self) -> int:
-        """Bytes of one block of this rank's KV (all regions): what a load fills per block."""
-        return sum(r.block_bytes for r in self._ctx.regions)
-
     def _fail(self, req_id: str, reason: str, why: FailureReason) -> None:
         with self._lock:
             load = self._loads.pop(req_id, None)

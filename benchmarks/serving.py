@@ -10,15 +10,19 @@ same cores and the same request trace for every system (`serving_systems.py`):
   a front end that drives it as vLLM's example proxy does, with minimal CPU runtime patches
   (listed in the JSON under `vllm_mooncake.patches`).
 
-The trace (`serving_trace.py`): per rate, Poisson arrivals for `--duration` s, prompts of 64 to
-2,000 tokens (uniform), `--output-tokens` tokens each, streamed. Per system and rate: TTFT and
-TPOT p50/p99, throughput (requests/s and output tokens/s) and goodput (requests/s that met both
-SLOs: TTFT <= --slo-ttft-ms, TPOT <= --slo-tpot-ms). Ratios ours/colocated and
-ours/vllm_mooncake per rate. One JSON object on stdout, progress on stderr, a PNG of TTFT and
-TPOT against rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
+The trace (`serving_trace.py`): per rate, Poisson arrivals, max(rate x `--duration`,
+`--min-per-bucket` x buckets) requests rounded up to whole rounds of buckets, prompt lengths
+stratified over the buckets of `--bucket-edges` (default 64-500, 500-1000, 1000-1500,
+1500-2000 tokens; the same count in each), `--output-tokens` tokens each, streamed. Per
+system and rate: TTFT and TPOT p50/p99 overall and per bucket, throughput (requests/s and
+output tokens/s) and goodput (requests/s that met both SLOs: TTFT <= --slo-ttft-ms, TPOT <=
+--slo-tpot-ms). Ratios ours/colocated and ours/vllm_mooncake per rate and bucket, and
+`acceptance` (`serving_report.py`): issue 11's criteria with pass flags. One JSON object on
+stdout, progress on stderr, a PNG of TTFT and TPOT against rate and of TTFT p50 per bucket at
+the lowest rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
 
-    python benchmarks/serving.py            # ~9 minutes on 2 cores (~90 s start-up per system)
-    python benchmarks/serving.py --quick    # ~6-7 minutes: 2 rates, 10 s traces
+    python benchmarks/serving.py            # ~11 minutes on 2 cores (~90 s start-up per system)
+    python benchmarks/serving.py --quick    # ~6-7 minutes: 2 rates, 1 request per bucket
 """
 
 from __future__ import annotations
@@ -38,16 +42,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.serving_report import LATENCY_KEYS, acceptance, ratios  # noqa: E402
 from benchmarks.serving_systems import STARTERS, SYSTEMS, mooncake_patches  # noqa: E402
-from benchmarks.serving_trace import RunStats, TraceRequest, make_trace, run_trace  # noqa: E402
+from benchmarks.serving_trace import RunStats, TraceRequest, bucket_labels, check_edges, make_trace, run_trace  # noqa: E402
 from launch.processes import ProcessFailed, ProcessGroup  # noqa: E402
 
 REFERENCE_SHAPE = {"num_layers": 6, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2}
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "bench-llama-h512-l6"
 #: `vllm serve` flags every instance gets, after launch.commands' own (float32, block 32).
 SERVE_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "64"]
-RATIO_KEYS = ("throughput_rps", "goodput_rps", "throughput_output_tok_s")
-LATENCY_KEYS = ("ttft_ms", "tpot_ms")
+DEFAULT_EDGES = [64, 500, 1000, 1500, 2000]
 
 
 def say(message: str) -> None:
@@ -58,10 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model directory (default: build the reference-shape tiny Llama)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    p.add_argument("--rates", type=float, nargs="+", help="request rates (req/s); default 0.2 0.4 0.6 (quick: 0.25 0.5)")
-    p.add_argument("--duration", type=float, help="seconds of arrivals per rate (default 30; quick 10)")
-    p.add_argument("--min-prompt", type=int, default=64)
-    p.add_argument("--max-prompt", type=int, default=2000)
+    p.add_argument(
+        "--rates", type=float, nargs="+", help="request rates (req/s); default 0.2 0.4 0.6 (quick: 0.25 0.5)"
+    )
+    p.add_argument("--duration", type=float, help="seconds of arrivals per rate (default 20; quick 10)")
+    p.add_argument("--bucket-edges", type=int, nargs="+", default=DEFAULT_EDGES, help="prompt-length bucket edges")
+    p.add_argument(
+        "--min-per-bucket", type=int, help="requests per bucket at every rate, at least (default 4; quick 1)"
+    )
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
@@ -74,7 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
     args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.2, 0.4, 0.6])
-    args.duration = args.duration or (10.0 if args.quick else 30.0)
+    args.duration = args.duration or (10.0 if args.quick else 20.0)
+    args.min_per_bucket = args.min_per_bucket or (1 if args.quick else 4)
+    try:
+        args.bucket_edges = check_edges(args.bucket_edges)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.min_per_bucket < 1 or args.duration <= 0 or any(r <= 0 for r in args.rates):
+        p.error(
+            f"--min-per-bucket {args.min_per_bucket}, --duration {args.duration} and --rates {args.rates} must be > 0"
+        )
     return args
 
 
@@ -86,19 +103,26 @@ def build_model(model: str | None) -> str:
     return str(make_tiny_model(DEFAULT_MODEL_DIR, **REFERENCE_SHAPE))
 
 
+def request_count(rate: float, duration: float, buckets: int, min_per_bucket: int) -> int:
+    """rate x duration requests, at least `min_per_bucket` per bucket, rounded up to whole rounds of buckets."""
+    return buckets * max(min_per_bucket, math.ceil(round(rate * duration, 6) / buckets))
+
+
 def traces(args: argparse.Namespace) -> dict[float, list[TraceRequest]]:
-    """Per rate: rate x duration requests (at least 4), the same for every system."""
+    """Per rate: `request_count` requests, the same for every system."""
     out = {}
+    buckets = len(args.bucket_edges) - 1
     for rate in args.rates:
-        count = max(4, round(rate * args.duration))
-        out[rate] = make_trace(rate, count, args.seed, args.min_prompt, args.max_prompt, args.output_tokens)
+        count = request_count(rate, args.duration, buckets, args.min_per_bucket)
+        out[rate] = make_trace(rate, count, args.seed, args.bucket_edges, args.output_tokens)
     return out
 
 
 async def warm_up(url: str, model: str, args: argparse.Namespace) -> None:
     """A short and a long prompt, one after the other (first-request compilation, connections)."""
-    warm = make_trace(1.0, 2, args.seed + 1, args.min_prompt, args.max_prompt, 4)
-    warm = [TraceRequest(0.0, r.prompt[:n], 4) for r, n in zip(warm, (args.min_prompt, args.max_prompt), strict=True)]
+    lengths = (args.bucket_edges[0], args.bucket_edges[-1])
+    warm = make_trace(1.0, 2, args.seed + 1, [lengths[1], lengths[1] + 1], 4)
+    warm = [TraceRequest(0.0, r.prompt[:n], 4) for r, n in zip(warm, lengths, strict=True)]
     for req in warm:
         stats = await run_trace(url, model, [req], 1.0)
         if stats.results[0].error:
@@ -123,11 +147,13 @@ def bench_system(
             for rate, trace in all_traces.items():
                 say(f"{name}: rate {rate}/s, {len(trace)} requests")
                 stats: RunStats = asyncio.run(run_trace(url, model, trace, rate))
-                run = stats.summary(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+                run = stats.summary(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.bucket_edges)
                 summary["runs"].append(run)
                 say(
                     f"{name}: rate {rate}/s: TTFT p50 {run['ttft_ms']['p50']} ms p99 {run['ttft_ms']['p99']} ms, "
-                    f"TPOT p50 {run['tpot_ms']['p50']} ms, goodput {run['goodput_rps']}/s, failed {run['failed']}"
+                    f"TPOT p50 {run['tpot_ms']['p50']} ms p99 {run['tpot_ms']['p99']} ms, "
+                    f"goodput {run['goodput_rps']}/s, failed {run['failed']}; TTFT p50 per bucket "
+                    + ", ".join(f"{k}: {b['ttft_ms']['p50']}" for k, b in run["buckets"].items())
                 )
         except Exception as exc:  # noqa: BLE001 - one system's failure is reported, the others still run
             summary["error"] = f"{type(exc).__name__}: {exc}"[:4000]
@@ -138,30 +164,9 @@ def bench_system(
     return summary
 
 
-def _ratio(ours: float | None, theirs: float | None) -> float | None:
-    if ours is None or theirs is None or theirs == 0 or math.isnan(ours) or math.isnan(theirs):
-        return None
-    return round(ours / theirs, 3)
-
-
-def ratios(ours: dict[str, Any], other: dict[str, Any]) -> list[dict[str, Any]] | dict[str, str]:
-    """Per rate: ours / other for the throughput keys and the p50/p99 latencies (latency < 1 = ours faster)."""
-    if "error" in other or "error" in ours:
-        return {"error": "a system did not run: " + str(other.get("error") or ours.get("error"))[:300]}
-    out = []
-    for mine, theirs in zip(ours["runs"], other["runs"], strict=False):
-        row: dict[str, Any] = {"rate_rps": mine["rate_rps"]}
-        for key in RATIO_KEYS:
-            row[key] = _ratio(mine[key], theirs[key])
-        for key in LATENCY_KEYS:
-            for q in ("p50", "p99"):
-                row[f"{key}_{q}"] = _ratio(mine[key][q], theirs[key][q])
-        out.append(row)
-    return out
-
-
 def plot(systems: dict[str, dict[str, Any]], path: Path, slo: tuple[float, float]) -> str | None:
-    """TTFT and TPOT (p50 solid, p99 dashed) against rate, one line per system; None when it cannot plot."""
+    """TTFT and TPOT (p50 solid, p99 dashed) against rate, one line per system, and TTFT p50 per
+    prompt-length bucket at the lowest rate, one bar per system; None when it cannot plot."""
     try:
         import matplotlib
 
@@ -169,8 +174,8 @@ def plot(systems: dict[str, dict[str, Any]], path: Path, slo: tuple[float, float
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, title, limit in zip(axes, LATENCY_KEYS, ("TTFT", "TPOT"), slo, strict=True):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    for ax, key, title, limit in zip(axes[:2], LATENCY_KEYS, ("TTFT", "TPOT"), slo, strict=True):
         for name, summary in systems.items():
             runs = summary.get("runs") or []
             if not runs:
@@ -185,11 +190,28 @@ def plot(systems: dict[str, dict[str, Any]], path: Path, slo: tuple[float, float
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    _plot_buckets(axes[2], systems)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
+
+
+def _plot_buckets(ax: Any, systems: dict[str, dict[str, Any]]) -> None:
+    """Grouped bars: TTFT p50 per bucket at each system's lowest rate."""
+    lowest = {name: min(s["runs"], key=lambda r: r["rate_rps"]) for name, s in systems.items() if s.get("runs")}
+    labels = list(next(iter(lowest.values()))["buckets"]) if lowest else []
+    width = 0.8 / max(1, len(lowest))
+    for i, (name, run) in enumerate(lowest.items()):
+        values = [run["buckets"][label]["ttft_ms"]["p50"] or 0.0 for label in labels]
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=f"{name} @ {run['rate_rps']}/s")
+    ax.set_xticks([x + width * (len(lowest) - 1) / 2 for x in range(len(labels))], labels)
+    ax.set_title("TTFT p50 per prompt length, lowest rate")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             "arrivals": "poisson",
             "duration_s_per_rate": args.duration,
             "requests_per_rate": {str(rate): len(t) for rate, t in all_traces.items()},
-            "prompt_tokens": [args.min_prompt, args.max_prompt],
+            "prompt_tokens": [args.bucket_edges[0], args.bucket_edges[-1]],
+            "prompt_buckets": bucket_labels(args.bucket_edges),
+            "prompt_lengths": "stratified: the same number of requests per bucket, uniform within it",
             "output_tokens": args.output_tokens,
             "stream": True,
             "seed": args.seed,
@@ -223,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         for other, key in (("colocated", "ours_vs_colocated"), ("vllm_mooncake", "ours_vs_vllm_mooncake")):
             if other in systems:
                 report[key] = ratios(systems["pd"], systems[other])
+    report["acceptance"] = acceptance(systems)
     if "vllm_mooncake" in systems and "error" in systems["vllm_mooncake"]:
         report["vllm_mooncake"] = {"error": systems["vllm_mooncake"]["error"]}
     report["plot"] = plot(systems, args.png or log_dir / "serving.png", (args.slo_ttft_ms, args.slo_tpot_ms))

@@ -1,8 +1,11 @@
 """The request trace of `benchmarks/serving.py`, its streaming client, and the per-run statistics.
 
-One trace per rate: `count` requests with Poisson arrivals (exponential gaps, mean 1/rate),
-prompts of uniformly drawn lengths given as token ids (exact lengths with any tokenizer), and a
-fixed number of output tokens each (`ignore_eos`). The same seed gives every system the same
+One trace per rate: `count` requests with Poisson arrivals (exponential gaps scaled to a mean of exactly 1/rate),
+prompts given as token ids (exact lengths with any tokenizer) whose lengths are stratified over
+the prompt-length buckets (`bucket_edges`, e.g. 64-500, 500-1000, 1000-1500, 1500-2000: each
+round of `len(buckets)` requests has one prompt of each bucket, in a shuffled order, its length
+uniform in the bucket), so every bucket gets the same number of requests, and a fixed number of
+output tokens each (`ignore_eos`). The statistics are given overall and per bucket. The same seed gives every system the same
 trace. The client (asyncio + httpx, one connection pool, no proxies) sends each request at its
 arrival time as a streaming `/v1/completions` with `stream_options.include_usage`, and times the
 first event carrying a choice (TTFT) and the last one (TPOT = (last - first) / (tokens - 1)).
@@ -54,7 +57,8 @@ class RunStats:
     duration_s: float
     results: list[Result] = field(default_factory=list)
 
-    def summary(self, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
+    def summary(self, slo_ttft_s: float, slo_tpot_s: float, edges: Sequence[int] = ()) -> dict[str, Any]:
+        """Overall statistics, plus `buckets` (label -> requests, TTFT and TPOT p50/p99) when `edges` are given."""
         ok = [r for r in self.results if not r.error]
         ttft = [r.ttft_s for r in ok]
         tpot = [r.tpot_s for r in ok if not math.isnan(r.tpot_s)]
@@ -72,7 +76,45 @@ class RunStats:
             "goodput_rps": round(len(good) / self.duration_s, 3),
             "slo_attained": round(len(good) / len(self.results), 3) if self.results else None,
             "duration_s": round(self.duration_s, 2),
+            "buckets": bucket_stats(self.results, edges) if edges else {},
         }
+
+
+def check_edges(edges: Sequence[int]) -> list[int]:
+    """Bucket edges as given, or ValueError naming them: at least 2, positive, strictly increasing."""
+    edges = list(edges)
+    if len(edges) < 2 or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+        raise ValueError(f"bucket edges must be >= 2 positive, strictly increasing token counts, got {edges}")
+    return edges
+
+
+def bucket_labels(edges: Sequence[int]) -> list[str]:
+    """'lo-hi' per bucket: [lo, hi) tokens, the last one [lo, hi]."""
+    return [f"{lo}-{hi}" for lo, hi in zip(edges, edges[1:], strict=False)]
+
+
+def bucket_of(prompt_tokens: int, edges: Sequence[int]) -> int | None:
+    """Index of the bucket holding `prompt_tokens` ([lo, hi), the last [lo, hi]); None outside every bucket."""
+    if prompt_tokens == edges[-1]:
+        return len(edges) - 2
+    return next((i for i in range(len(edges) - 1) if edges[i] <= prompt_tokens < edges[i + 1]), None)
+
+
+def bucket_stats(results: Sequence[Result], edges: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """Per bucket label: how many requests (and failed), TTFT and TPOT p50/p99 of the ones that answered."""
+    out: dict[str, dict[str, Any]] = {}
+    for index, label in enumerate(bucket_labels(edges)):
+        mine = [r for r in results if bucket_of(r.prompt_tokens, edges) == index]
+        ok = [r for r in mine if not r.error]
+        ttft = [r.ttft_s for r in ok]
+        tpot = [r.tpot_s for r in ok if not math.isnan(r.tpot_s)]
+        out[label] = {
+            "requests": len(mine),
+            "failed": len(mine) - len(ok),
+            "ttft_ms": {"p50": ms(percentile(ttft, 0.5)), "p99": ms(percentile(ttft, 0.99))},
+            "tpot_ms": {"p50": ms(percentile(tpot, 0.5)), "p99": ms(percentile(tpot, 0.99))},
+        }
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -87,18 +129,30 @@ def ms(seconds: float) -> float | None:
     return None if math.isnan(seconds) else round(seconds * 1e3, 1)
 
 
-def make_trace(
-    rate: float, count: int, seed: int, min_prompt: int, max_prompt: int, output_tokens: int
-) -> list[TraceRequest]:
-    """`count` requests, Poisson arrivals at `rate`/s, prompt lengths uniform in [min, max]."""
+def make_trace(rate: float, count: int, seed: int, edges: Sequence[int], output_tokens: int) -> list[TraceRequest]:
+    """`count` requests, Poisson arrivals at `rate`/s, prompt lengths stratified over the buckets of `edges`.
+
+    The exponential gaps are scaled so that their mean is exactly 1/rate: a short trace (16
+    requests) otherwise often runs at twice or half its nominal rate.
+    """
+    check_edges(edges)
     rng = random.Random(f"{seed}:{rate}")
-    at = 0.0
-    trace = []
+    prompts = []
+    order: list[int] = []
     for _ in range(count):
-        length = rng.randint(min_prompt, max_prompt)
-        prompt = [rng.choice(PROMPT_TOKEN_IDS) for _ in range(length)]
+        if not order:
+            order = list(range(len(edges) - 1))
+            rng.shuffle(order)
+        index = order.pop()
+        last = index == len(edges) - 2
+        length = rng.randint(edges[index], edges[index + 1] if last else edges[index + 1] - 1)
+        prompts.append([rng.choice(PROMPT_TOKEN_IDS) for _ in range(length)])
+    gaps = [rng.expovariate(rate) for _ in range(count - 1)]
+    scale = (len(gaps) / rate) / sum(gaps) if gaps else 1.0
+    trace, at = [], 0.0
+    for i, prompt in enumerate(prompts):
         trace.append(TraceRequest(at_s=at, prompt=prompt, max_tokens=output_tokens))
-        at += rng.expovariate(rate)
+        at += gaps[i] * scale if i < len(gaps) else 0.0
     return trace
 
 

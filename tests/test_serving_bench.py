@@ -1,5 +1,6 @@
-"""benchmarks/serving.py's parts that need no vLLM: the trace, the client and its statistics, the
-front ends (round robin; vLLM-Mooncake bodies), the ratios and the plot."""
+"""benchmarks/serving.py's parts that need no vLLM: the trace, the client and its statistics (overall and
+per prompt-length bucket), the front ends (round robin; vLLM-Mooncake bodies), the ratios, the
+acceptance criteria and the plot."""
 
 from __future__ import annotations
 
@@ -12,21 +13,74 @@ import pytest
 
 from benchmarks import serving
 from benchmarks.serving_proxy import mooncake_bodies
+from benchmarks.serving_report import acceptance, ratios
 from benchmarks.serving_systems import mooncake_patches
-from benchmarks.serving_trace import Result, RunStats, make_trace, percentile, run_trace
+from benchmarks.serving_trace import (
+    Result,
+    RunStats,
+    bucket_labels,
+    bucket_of,
+    check_edges,
+    make_trace,
+    percentile,
+    run_trace,
+)
 from launch.processes import ProcessGroup, free_ports, wait_http_ok
 
 REPO = Path(__file__).resolve().parent.parent
+EDGES = [64, 500, 1000, 1500, 2000]
 
 
-def test_trace_is_seeded_poisson_with_prompt_lengths_in_range() -> None:
-    trace = make_trace(2.0, 200, seed=3, min_prompt=64, max_prompt=2000, output_tokens=32)
-    assert trace == make_trace(2.0, 200, seed=3, min_prompt=64, max_prompt=2000, output_tokens=32)
-    assert trace != make_trace(1.0, 200, seed=3, min_prompt=64, max_prompt=2000, output_tokens=32)
+def test_trace_is_seeded_poisson_with_prompt_lengths_stratified_over_the_buckets() -> None:
+    trace = make_trace(2.0, 200, seed=3, edges=EDGES, output_tokens=32)
+    assert trace == make_trace(2.0, 200, seed=3, edges=EDGES, output_tokens=32)
+    assert trace != make_trace(1.0, 200, seed=3, edges=EDGES, output_tokens=32)
     assert all(64 <= len(r.prompt) <= 2000 and r.max_tokens == 32 for r in trace)
     gaps = [b.at_s - a.at_s for a, b in zip(trace, trace[1:], strict=False)]
     assert trace[0].at_s == 0.0 and all(g >= 0 for g in gaps)
-    assert 0.35 < sum(gaps) / len(gaps) < 0.65  # mean gap 1/rate
+    assert abs(sum(gaps) / len(gaps) - 0.5) < 1e-9 and min(gaps) < 0.25 < 1.0 < max(gaps)  # exponential, mean 1/rate
+    # Every round of 4 requests holds one prompt of each bucket.
+    for start in range(0, 200, 4):
+        assert sorted(bucket_of(len(r.prompt), EDGES) for r in trace[start : start + 4]) == [0, 1, 2, 3]
+    first_rounds = [[bucket_of(len(r.prompt), EDGES) for r in trace[i : i + 4]] for i in range(0, 40, 4)]
+    assert len({tuple(r) for r in first_rounds}) > 1  # shuffled, not always in the same order
+
+
+def test_buckets_edges_and_membership() -> None:
+    assert bucket_labels(EDGES) == ["64-500", "500-1000", "1000-1500", "1500-2000"]
+    assert [bucket_of(n, EDGES) for n in (64, 499, 500, 1499, 1500, 2000)] == [0, 0, 1, 2, 3, 3]
+    assert bucket_of(63, EDGES) is None and bucket_of(2001, EDGES) is None
+    for bad in ([64], [0, 10], [64, 500, 500], [100, 50]):
+        with pytest.raises(ValueError, match=str(bad[0])):
+            check_edges(bad)
+
+
+def test_request_count_gives_every_bucket_its_minimum_in_whole_rounds() -> None:
+    assert serving.request_count(0.2, 20.0, buckets=4, min_per_bucket=4) == 16
+    assert serving.request_count(0.6, 20.0, buckets=4, min_per_bucket=2) == 12
+    assert serving.request_count(1.0, 21.0, buckets=4, min_per_bucket=1) == 24  # 21 rounded up to whole rounds
+    args = serving.parse_args(["--quick"])
+    assert args.rates == [0.25, 0.5] and args.min_per_bucket == 1 and args.bucket_edges == EDGES
+    args = serving.parse_args([])
+    assert args.rates == [0.2, 0.4, 0.6] and (args.slo_ttft_ms, args.slo_tpot_ms) == (3000.0, 50.0)
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--bucket-edges", "500", "64"])
+
+
+def test_bucket_statistics_in_the_summary() -> None:
+    results = [Result(100, ttft_s=0.1, tpot_s=0.01, output_tokens=8), Result(200, ttft_s=0.3, tpot_s=0.02)]
+    results += [Result(1800, ttft_s=2.0, tpot_s=0.03), Result(1900, error="HTTP 500: x")]
+    buckets = RunStats(rate=1.0, duration_s=4.0, results=results).summary(3.0, 0.05, EDGES)["buckets"]
+    assert list(buckets) == bucket_labels(EDGES)
+    assert buckets["64-500"] == {
+        "requests": 2,
+        "failed": 0,
+        "ttft_ms": {"p50": 100.0, "p99": 300.0},
+        "tpot_ms": {"p50": 10.0, "p99": 20.0},
+    }
+    assert buckets["500-1000"]["requests"] == 0 and buckets["500-1000"]["ttft_ms"]["p50"] is None
+    assert buckets["1500-2000"]["requests"] == 2 and buckets["1500-2000"]["failed"] == 1
+    assert buckets["1500-2000"]["ttft_ms"]["p50"] == 2000.0
 
 
 def test_summary_percentiles_goodput_and_failures() -> None:
@@ -67,7 +121,7 @@ def test_client_through_the_round_robin_front_end(tmp_path: Path) -> None:
         proxy = [sys.executable, str(REPO / "benchmarks" / "serving_proxy.py"), "--port", str(front), "rr"]
         proc = group.start("front", [*proxy, f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}"])
         wait_http_ok(f"http://127.0.0.1:{front}/health", 30, proc)
-        trace = make_trace(20.0, 10, seed=0, min_prompt=4, max_prompt=8, output_tokens=4)
+        trace = make_trace(20.0, 10, seed=0, edges=[4, 8], output_tokens=4)
         stats = asyncio.run(run_trace(f"http://127.0.0.1:{front}", "bench", trace, 20.0))
     assert [r.error for r in stats.results] == [""] * 10
     # The fake backend streams 4 token events, then a final one with usage.completion_tokens 4.
@@ -79,14 +133,80 @@ def test_ratios_and_plot(tmp_path: Path) -> None:
 
     def run(rate: float, tput: float, ttft: float) -> dict:
         lat = {"p50": ttft, "p99": 2 * ttft}
+        bucket = {"requests": 1, "failed": 0, "ttft_ms": lat, "tpot_ms": {"p50": 10.0, "p99": None}}
         return {"rate_rps": rate, "throughput_rps": tput, "goodput_rps": tput, "throughput_output_tok_s": 10 * tput,
-                "ttft_ms": lat, "tpot_ms": {"p50": 10.0, "p99": None}}  # fmt: skip
+                "ttft_ms": lat, "tpot_ms": {"p50": 10.0, "p99": None}, "buckets": {"64-500": bucket}}  # fmt: skip
 
     ours = {"runs": [run(1.0, 2.0, 100.0), run(2.0, 4.0, 200.0)]}
     theirs = {"runs": [run(1.0, 1.0, 200.0), run(2.0, 1.0, 400.0)]}
-    rows = serving.ratios(ours, theirs)
+    rows = ratios(ours, theirs)
     assert rows[1]["throughput_rps"] == 4.0 and rows[1]["ttft_ms_p50"] == 0.5 and rows[0]["tpot_ms_p99"] is None
-    assert "error" in serving.ratios(ours, {"error": "x", "runs": []})
+    assert "error" in ratios(ours, {"error": "x", "runs": []})
+    assert rows[0]["buckets"] == {
+        "64-500": {"ttft_ms_p50": 0.5, "ttft_ms_p99": 0.5, "tpot_ms_p50": 1.0, "tpot_ms_p99": None}
+    }
     path = tmp_path / "plot.png"
     assert serving.plot({"pd": ours, "colocated": theirs, "broken": {"error": "x"}}, path, (1000.0, 100.0)) == str(path)
     assert path.stat().st_size > 1000
+
+
+def _run(rate: float, ttft_per_bucket: list[float], tpot_p99: float) -> dict:
+    """A summary of one rate: overall TTFT p50 = the mean of the buckets' (enough for the ratio math)."""
+    buckets = {
+        label: {"requests": 4, "failed": 0, "ttft_ms": {"p50": t, "p99": 2 * t}, "tpot_ms": {"p50": 10.0, "p99": 20.0}}
+        for label, t in zip(bucket_labels(EDGES), ttft_per_bucket, strict=True)
+    }
+    ttft = sum(ttft_per_bucket) / len(ttft_per_bucket)
+    return {
+        "rate_rps": rate,
+        "ttft_ms": {"p50": ttft, "p99": 2 * ttft},
+        "tpot_ms": {"p50": 10.0, "p99": tpot_p99},
+        "buckets": buckets,
+    }
+
+
+def test_acceptance_uses_the_lowest_rate_for_ttft_and_the_highest_for_tpot() -> None:
+    systems = {
+        # runs out of rate order on purpose: the lowest and highest rate are found by rate.
+        "pd": {"runs": [_run(0.6, [900, 900, 900, 900], 30.0), _run(0.2, [120, 600, 1100, 1500], 99.0)]},
+        "colocated": {"runs": [_run(0.2, [100, 500, 1000, 1500], 1.0), _run(0.6, [1, 1, 1, 1], 40.0)]},
+        "vllm_mooncake": {"runs": [_run(0.2, [200, 700, 1000, 1400], 1.0), _run(0.6, [1, 1, 1, 1], 1.0)]},
+    }
+    result = acceptance(systems)
+    coloc = result["ttft_p50_ratio_vs_colocated_max_low_rate"]
+    assert coloc["per_bucket"] == {"64-500": 1.2, "500-1000": 1.2, "1000-1500": 1.1, "1500-2000": 1.0}
+    assert coloc["value"] == 1.2 and coloc["pass"] is True and coloc["rate_rps"] == 0.2
+    tpot = result["tpot_p99_ours_vs_colocated_at_highest_rate"]
+    assert (tpot["value"], tpot["ours_ms"], tpot["colocated_ms"], tpot["pass"]) == (0.75, 30.0, 40.0, True)
+    mc = result["ttft_p50_ratio_vs_vllm_mooncake"]
+    assert mc["overall"] == round(830 / 825, 3) and mc["pass"] is False  # 830 vs 825 ms overall
+    assert mc["max_over_buckets"] == 1.1 and mc["pass_every_bucket"] is False
+    assert result["all_pass"] is False
+    # 1.3 passes (<=), a TPOT ratio of exactly 1.0 does not (<).
+    systems["pd"]["runs"][1] = _run(0.2, [130, 500, 1000, 1400], 99.0)
+    systems["pd"]["runs"][0] = _run(0.6, [1, 1, 1, 1], 40.0)
+    result = acceptance(systems)
+    assert result["ttft_p50_ratio_vs_colocated_max_low_rate"]["value"] == 1.3
+    assert result["ttft_p50_ratio_vs_colocated_max_low_rate"]["pass"] is True
+    assert result["tpot_p99_ours_vs_colocated_at_highest_rate"]["pass"] is False
+    assert result["ttft_p50_ratio_vs_vllm_mooncake"]["pass"] is True  # 757.5 vs 825 ms
+    assert result["ttft_p50_ratio_vs_vllm_mooncake"]["pass_every_bucket"] is True  # 1.0 at most (1000 vs 1000)
+
+
+def test_acceptance_all_pass_and_missing_numbers() -> None:
+    systems = {
+        "pd": {"runs": [_run(0.2, [100, 500, 900, 1400], 10.0), _run(0.6, [1, 1, 1, 1], 30.0)]},
+        "colocated": {"runs": [_run(0.2, [100, 500, 1000, 1500], 1.0), _run(0.6, [1, 1, 1, 1], 40.0)]},
+        "vllm_mooncake": {"runs": [_run(0.2, [200, 700, 1000, 1400], 1.0), _run(0.6, [1, 1, 1, 1], 1.0)]},
+    }
+    assert acceptance(systems)["all_pass"] is True
+    systems["vllm_mooncake"] = {"error": "RuntimeError: boom", "runs": []}
+    result = acceptance(systems)
+    mc = result["ttft_p50_ratio_vs_vllm_mooncake"]
+    assert mc["pass"] is None and "boom" in mc["reason"] and result["all_pass"] is False
+    assert result["ttft_p50_ratio_vs_colocated_max_low_rate"]["pass"] is True
+    # An empty bucket (no TTFT) leaves the colocated criterion unjudged, and says which bucket.
+    systems["colocated"]["runs"][0]["buckets"]["64-500"]["ttft_ms"]["p50"] = None
+    coloc = acceptance(systems)["ttft_p50_ratio_vs_colocated_max_low_rate"]
+    assert coloc["pass"] is None and "64-500" in coloc["reason"]
+    assert acceptance({})["tpot_p99_ours_vs_colocated_at_highest_rate"]["reason"] == "pd was not run"

@@ -21,8 +21,8 @@ output tokens/s) and goodput (requests/s that met both SLOs: TTFT <= --slo-ttft-
 stdout, progress on stderr, a PNG of TTFT and TPOT against rate and of TTFT p50 per bucket at
 the lowest rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
 
-    python benchmarks/serving.py            # ~11 minutes on 2 cores (~90 s start-up per system)
-    python benchmarks/serving.py --quick    # ~6-7 minutes: 2 rates, 1 request per bucket
+    python benchmarks/serving.py            # ~12 minutes on 2 cores (start-up 1.5-3 min per system)
+    python benchmarks/serving.py --quick    # ~9 minutes: 2 rates, 1-2 requests per bucket
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, help="seconds of arrivals per rate (default 20; quick 10)")
     p.add_argument("--bucket-edges", type=int, nargs="+", default=DEFAULT_EDGES, help="prompt-length bucket edges")
     p.add_argument(
-        "--min-per-bucket", type=int, help="requests per bucket at every rate, at least (default 4; quick 1)"
+        "--min-per-bucket", type=int, help="requests per bucket at every rate, at least (default 3; quick 1)"
     )
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.2, 0.4, 0.6])
     args.duration = args.duration or (10.0 if args.quick else 20.0)
-    args.min_per_bucket = args.min_per_bucket or (1 if args.quick else 4)
+    args.min_per_bucket = args.min_per_bucket or (1 if args.quick else 3)
     try:
         args.bucket_edges = check_edges(args.bucket_edges)
     except ValueError as exc:

@@ -35,11 +35,15 @@ PREFILL_DONE = "prefill_done"
 DECODE_SAMPLES = "decode_samples"
 #: P's answer when it refused the request: why (the room is in use by another request).
 PREFILL_ERROR = "prefill_error"
+#: D's request: P's KV covers only the prompt's first N tokens (the Router's first-token path
+#: sends D P's prompt plus P's first token; D computes that token itself). Absent: all of them.
+PREFILLED_TOKENS = "prefilled_tokens"
 
 #: Rooms are 63-bit: [0, MAX_ROOM).
 MAX_ROOM = 2**63
 MAX_DP_RANK = 1 << 16
 MAX_SAMPLES = 1024
+MAX_PREFILLED_TOKENS = 1 << 31
 #: Port of P's bootstrap server when nobody names one.
 DEFAULT_BOOTSTRAP_PORT = 18800
 
@@ -78,6 +82,8 @@ class DecodeParams:
     bootstrap_host: str
     bootstrap_port: int
     prefill_dp_rank: int | None
+    #: Tokens of D's prompt whose KV P holds (None: the whole prompt).
+    prefilled_tokens: int | None = None
 
     @property
     def bootstrap_addr(self) -> str:
@@ -94,6 +100,8 @@ class DecodeParams:
         }
         if self.prefill_dp_rank is not None:
             out[PREFILL_DP_RANK] = self.prefill_dp_rank
+        if self.prefilled_tokens is not None:
+            out[PREFILLED_TOKENS] = self.prefilled_tokens
         return out
 
 
@@ -171,8 +179,11 @@ def parse_kv_params(params: Any, *, room_optional: bool = False) -> PrefillParam
         host = _check_host(params.get(BOOTSTRAP_HOST))
         port = _int_field(params, BOOTSTRAP_PORT, 1, 65536)
         dp_rank = _int_field(params, PREFILL_DP_RANK, 0, MAX_DP_RANK, required=False)
+        prefilled = _int_field(params, PREFILLED_TOKENS, 1, MAX_PREFILLED_TOKENS, required=False)
         assert room is not None and port is not None
-        return DecodeParams(room=room, bootstrap_host=host, bootstrap_port=port, prefill_dp_rank=dp_rank)
+        return DecodeParams(
+            room=room, bootstrap_host=host, bootstrap_port=port, prefill_dp_rank=dp_rank, prefilled_tokens=prefilled
+        )
     return None
 
 

@@ -54,6 +54,14 @@ def _params_of(request: Request) -> PrefillParams | DecodeParams | None:
     return params
 
 
+def _prefilled_tokens(request: Request, params: DecodeParams) -> int:
+    """Prompt tokens of a D request whose KV P holds: all, or ``prefilled_tokens`` when the Router
+    appended P's first token to the prompt (never more than the prompt)."""
+    if params.prefilled_tokens is None:
+        return request.num_prompt_tokens
+    return min(params.prefilled_tokens, request.num_prompt_tokens)
+
+
 class PDScheduler:
     def __init__(
         self, cfg: DisaggConfig, block_size: int, dp_rank: int = 0, sliding_windows: Sequence[int] = ()
@@ -99,10 +107,15 @@ class PDScheduler:
         if not isinstance(params, DecodeParams):
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
-        missing = request.num_prompt_tokens - num_computed_tokens
+        covered = _prefilled_tokens(request, params)
+        missing = covered - num_computed_tokens
         if missing <= 0:
             return 0, False
-        window = replay_needs_freed_block(request.num_prompt_tokens, self.sliding_windows, self.block_size)
+        # Only a load of the whole prompt makes vLLM recompute its last token (which a window may
+        # not reach); with P's first token appended, D computes that token itself.
+        window = None
+        if covered == request.num_prompt_tokens:
+            window = replay_needs_freed_block(covered, self.sliding_windows, self.block_size)
         if window is not None:  # no load (vLLM must not see finished_recving): P is told to free the room
             logger.info(
                 "room=%d req=%s: %d prompt tokens end where the %d-token window opens a block: vLLM's recompute "
@@ -131,7 +144,8 @@ class PDScheduler:
         self._recv_planned.add(rid)
         local = self._local_hits.pop(rid, 0)
         start_block = local // self.block_size
-        num_blocks = -(-request.num_prompt_tokens // self.block_size)
+        covered = _prefilled_tokens(request, params)
+        num_blocks = -(-covered // self.block_size)
         groups: list[list[int]] = []
         if num_external_tokens > 0:  # one block table per KV cache group (hybrid KV cache manager)
             groups = decode_group_blocks(blocks.get_block_ids(), start_block, num_blocks)
@@ -146,7 +160,7 @@ class PDScheduler:
                 prefill_dp_rank=params.prefill_dp_rank,
                 dst_block_ids=dst,
                 start_block=start_block,
-                num_tokens=request.num_prompt_tokens,
+                num_tokens=covered,
                 arrival_time=getattr(request, "arrival_time", None),
                 admitted_at=time.time(),
                 trace_headers=getattr(request, "trace_headers", None),

@@ -93,8 +93,24 @@ class AttemptState(enum.Enum):
 class Attempt:
     """One try of a client request on prefiller ``p`` and decoder ``d`` with bootstrap ``room``."""
 
-    def __init__(self, router: Router, call: Call, p: BackendState, d: BackendState, room: int, timeout: float) -> None:
+    def __init__(
+        self,
+        router: Router,
+        call: Call,
+        p: BackendState,
+        d: BackendState,
+        room: int,
+        timeout: float,
+        *,
+        p_answered: bool = False,
+        prefilled_tokens: int | None = None,
+    ) -> None:
+        """``p_answered``: P already answered (the first-token path) and holds the room's KV; the
+        attempt then runs D only. ``prefilled_tokens``: that KV covers only the first that many
+        tokens of D's prompt (None: all of it)."""
         self.router = router
+        self.p_answered = p_answered
+        self.prefilled_tokens = prefilled_tokens
         self.call = call
         self.p = p
         self.d = d
@@ -102,7 +118,7 @@ class Attempt:
         self.timeout = timeout
         self.state = AttemptState.WAITING
         pool = router.pool
-        self.p_lease = pool.lease(p, call.tokens)
+        self.p_lease = pool.lease(p, 0 if p_answered else call.tokens)
         self.d_lease = pool.lease(d)
         self.opened: Opened | None = None
         #: P's failure while D's stream was relayed (the stream then ends with P's error).
@@ -120,19 +136,23 @@ class Attempt:
         the attempt's failure (P's when P failed: D waits for P's KV, so P's error is the cause)."""
         router = self.router
         metrics, endpoint = router.metrics, self.call.endpoint
-        metrics.backend_request(endpoint, self.p.backend)
-        metrics.backend_request(endpoint, self.d.backend)
         loop = asyncio.get_running_loop()
         self._settled = settled = loop.create_future()
+        metrics.backend_request(endpoint, self.d.backend)
         # D's request first (as both go out in the same loop turn, D's answer is the critical path).
         self.d_task = d_task = loop.create_task(self._decode())
-        self.p_task = p_task = loop.create_task(self._prefill())
-        p_task.add_done_callback(self._prefill_done)
+        p_task: asyncio.Task[Failure | None] | None = None
+        if not self.p_answered:
+            metrics.backend_request(endpoint, self.p.backend)
+            self.p_task = p_task = loop.create_task(self._prefill())
+            p_task.add_done_callback(self._prefill_done)
+        else:
+            self.p_lease.release()  # P answered already
         try:
             await settled  # a cancellation here is the caller's own (the client went away)
         finally:
             self._settled = None
-        if p_task.done() and (failure := p_task.result()) is not None:
+        if p_task is not None and p_task.done() and (failure := p_task.result()) is not None:
             return failure
         outcome = d_task.result()
         if isinstance(outcome, Opened):
@@ -155,7 +175,7 @@ class Attempt:
     async def _decode(self) -> Outcome:
         state, call = self.d, self.call
         backend = state.backend
-        data = encode_json(decode_body(call.body, self.room, self.p.backend))
+        data = encode_json(decode_body(call.body, self.room, self.p.backend, self.prefilled_tokens))
         response: Response | None = None
         try:
             response = await self.router.http.post(

@@ -141,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="use the client's bootstrap_room (top level or in kv_transfer_params) instead of a random one; "
         "a room already in flight is refused with HTTP 409 (default: off, every request gets a random room)",
     )
+    add(
+        "--first-token-from-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stream P's own first token to the client as soon as P answers, then D's tokens (streamed "
+        "/v1/completions whose sampling allows it; D gets P's prompt plus that token and computes it): TTFT "
+        "is P's; --no-first-token-from-prefill: D answers from the first token on (default: on)",
+    )
     add_security_flags(parser)
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: %(default)s)")
     return parser
@@ -311,6 +319,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         waiting_retry_interval=args.waiting_retry_interval,
         log_level=args.log_level,
         trust_client_room=args.trust_client_room,
+        first_token_from_prefill=args.first_token_from_prefill,
         workers=args.workers,
         backend_authorization=security.backend_authorization,
         access=security.access,

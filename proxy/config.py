@@ -155,6 +155,9 @@ class RouterConfig:
     #: Use a client-given ``bootstrap_room`` (``--trust-client-room``); otherwise every request
     #: gets a random one. Either way, a room already in flight is refused (HTTP 409).
     trust_client_room: bool = False
+    #: Streamed completions get P's own first token at once (:mod:`proxy.first_token`); D then
+    #: loads P's KV and decodes the rest (``--first-token-from-prefill``, on by default).
+    first_token_from_prefill: bool = True
     #: Router processes sharing the port (``--workers``, :mod:`proxy.workers`).
     workers: int = 1
 

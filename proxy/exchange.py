@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -29,6 +30,8 @@ from proxy.errors import (
     RouterError,
     error_response,
 )
+from proxy.first_token import FirstTokenPath
+from proxy.first_token_body import ineligible_reason
 from proxy.http1 import UpstreamError
 from proxy.incoming import backend_headers, read_json, request_id
 from proxy.payloads import estimate_prompt_tokens, new_room, resolve_room, validate_body
@@ -166,11 +169,21 @@ class Exchange:
     async def _attempts(self) -> web.StreamResponse:
         router = self.router
         config = router.config
+        if config.first_token_from_prefill and ineligible_reason(self.endpoint, self.call.body) is None:
+            return await FirstTokenPath(self).run()
+        return await self.pair_attempts()
+
+    async def pair_attempts(
+        self, start: int = 1, tried_p: set[BackendState] | None = None, tried_d: set[BackendState] | None = None
+    ) -> web.StreamResponse:
+        """Attempts ``start``.. on P/D pairs (P and D at once), avoiding the instances that failed."""
+        router = self.router
+        config = router.config
         pool = router.pool
-        tried_p: set[BackendState] = set()
-        tried_d: set[BackendState] = set()
+        tried_p = set() if tried_p is None else tried_p
+        tried_d = set() if tried_d is None else tried_d
         failure: Failure | None = None
-        for number in range(1, config.max_retries + 1):
+        for number in range(start, config.max_retries + 1):
             if number > 1:
                 router.metrics.retry(self.endpoint)
                 self.room = new_room()
@@ -246,23 +259,35 @@ class Exchange:
         except ConnectionResetError:
             raise asyncio.CancelledError from None  # the client went away
 
-    async def _relay(self, attempt: Attempt, opened: Opened) -> web.StreamResponse:
-        """Send D's stream to the client unchanged; end it with an error event if P or D fails."""
+    def stream_response(self, status: int, content_type: str | None) -> web.StreamResponse:
+        """The client's streamed answer (not yet prepared)."""
+        self.status = status
+        headers = {
+            "Content-Type": content_type or "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": self.rid,
+        }
+        return web.StreamResponse(status=status, headers=headers)
+
+    async def _relay(
+        self,
+        attempt: Attempt,
+        opened: Opened,
+        response: web.StreamResponse | None = None,
+        transform: Callable[[bytes], bytes] | None = None,
+    ) -> web.StreamResponse:
+        """Send D's stream to the client (unchanged, or through ``transform``) on ``response``
+        (prepared already, or a new one); end it with an error event if P or D fails."""
         upstream = opened.response
-        response = web.StreamResponse(
-            status=upstream.status,
-            headers={
-                "Content-Type": upstream.content_type or "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": self.rid,
-            },
-        )
-        self.status = upstream.status
         failure: Failure | None = None
         eof_sent = False
         chunk = opened.first
-        await response.prepare(self.request)
+        if response is None:
+            response = self.stream_response(upstream.status, upstream.content_type)
+            await response.prepare(self.request)
         while True:
+            if transform is not None:
+                chunk = transform(chunk)
             if upstream.at_eof() and attempt.late_p_failure is None:
                 # The end of D's stream came with this chunk: send both in one write.
                 await response.write_eof(chunk)
@@ -293,6 +318,10 @@ class Exchange:
         if not eof_sent:
             await response.write_eof()
         return response
+
+    def stream_cut(self, attempt: Attempt, failure: Failure) -> None:
+        """A stream that began ends with ``failure``: counted, logged, the attempt closed."""
+        self._stream_cut(attempt, failure)
 
     def _stream_cut(self, attempt: Attempt, failure: Failure) -> None:
         self.router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)

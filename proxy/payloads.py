@@ -187,10 +187,16 @@ def prefill_body(body: dict[str, Any], room: int) -> dict[str, Any]:
     return out
 
 
-def decode_body(body: dict[str, Any], room: int, prefiller: Backend) -> dict[str, Any]:
-    """Body for D: the client's request, plus where to get the KV cache from (``prefiller``)."""
+def decode_body(
+    body: dict[str, Any], room: int, prefiller: Backend, prefilled_tokens: int | None = None
+) -> dict[str, Any]:
+    """Body for D: the client's request, plus where to get the KV cache from (``prefiller``).
+
+    ``prefilled_tokens``: P holds the KV of only the prompt's first that many tokens (the
+    first-token path's continuation); None: of the whole prompt.
+    """
     out = dict(body)  # shallow: only top-level keys are replaced
     out.pop(ROOM_KEY, None)
     host, port = prefiller.bootstrap_address
-    out[KV_KEY] = DecodeParams(room, host, port, prefiller.dp_rank).to_json()
+    out[KV_KEY] = DecodeParams(room, host, port, prefiller.dp_rank, prefilled_tokens).to_json()
     return out

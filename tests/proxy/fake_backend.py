@@ -42,9 +42,34 @@ TOKENS = ("Hello", ",", " world", "!")
 POLL_S = 0.02
 
 
-def _completion(path: str, rid: str, text: str, kv: Any, port: int) -> dict[str, Any]:
+#: The token id a ``return_token_ids`` answer names for its one generated token.
+FIRST_TOKEN_ID = 101
+
+
+def prompt_ids(prompt: Any) -> list[int]:
+    """The fake's "tokenization": token ids as given, else one id per character."""
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    return [ord(c) for c in str(prompt)]
+
+
+def _completion(path: str, rid: str, text: str, kv: Any, port: int, body: dict[str, Any]) -> dict[str, Any]:
     base = {"id": f"cmpl-{rid}", "created": int(time.time()), "model": "fake-model", "kv_transfer_params": kv}
     usage = {"prompt_tokens": 3, "completion_tokens": len(TOKENS), "total_tokens": 3 + len(TOKENS)}
+    if body.get("return_token_ids") and not path.endswith("/chat/completions"):
+        # Like vLLM: the prompt's ids and the generated ones in the choice (one token: max_tokens 1).
+        ids = prompt_ids(body.get("prompt"))
+        usage = {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
+        choice = {
+            "index": 0,
+            "text": TOKENS[0],
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "prompt_token_ids": ids,
+            "token_ids": [FIRST_TOKEN_ID],
+        }
+        return {**base, "object": "text_completion", "choices": [choice], "usage": usage, "served_by": port}
     if path.endswith("/chat/completions"):
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
         return {**base, "object": "chat.completion", "choices": [choice], "usage": usage, "served_by": port}
@@ -139,7 +164,7 @@ def build_app(
                 record["state"] = "disconnected"
                 return Response(status_code=499)
             record["state"] = "completed"
-            return JSONResponse(_completion(path, rid, "".join(TOKENS), kv, port))
+            return JSONResponse(_completion(path, rid, "".join(TOKENS), kv, port, body))
 
         if mode in ("slow_stream", "die_mid_stream"):
             tokens = [f"tok{i} " for i in range(chunks)]

@@ -209,6 +209,9 @@ def router_args(
         "DEBUG",
         # The tests steer requests with client rooms; ``--no-trust-client-room`` in ``extra`` turns it off.
         "--trust-client-room",
+        # Most tests check the two-instance path (P and D at once); ``--first-token-from-prefill``
+        # in ``extra`` turns the first-token path back on (tests/proxy/test_first_token.py).
+        "--no-first-token-from-prefill",
         *extra,
     ]
 

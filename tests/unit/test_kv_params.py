@@ -66,6 +66,13 @@ def test_decode_params_with_dp_rank() -> None:
     assert parse_kv_params({**D_OK, "prefill_dp_rank": None}).prefill_dp_rank is None  # type: ignore[union-attr]
 
 
+def test_decode_params_prefilled_tokens_round_trip() -> None:
+    parsed = parse_kv_params({**D_OK, "prefilled_tokens": 64})
+    assert isinstance(parsed, DecodeParams) and parsed.prefilled_tokens == 64
+    assert parsed.to_json()["prefilled_tokens"] == 64
+    assert "prefilled_tokens" not in DecodeParams(1, "h", 2, None).to_json()
+
+
 @pytest.mark.parametrize("params", ["room=1", 5, ["do_remote_decode"], b"{}", 1.5])
 def test_non_dict(params: object) -> None:
     with pytest.raises(KVParamsError, match="kv_transfer_params must be a JSON object"):
@@ -105,6 +112,9 @@ D_BAD = [
     ({"prefill_dp_rank": 1 << 16}, "prefill_dp_rank"),
     ({"prefill_dp_rank": "x"}, "prefill_dp_rank"),
     ({"prefill_dp_rank": True}, "prefill_dp_rank"),
+    ({"prefilled_tokens": 0}, "prefilled_tokens"),
+    ({"prefilled_tokens": "x"}, "prefilled_tokens"),
+    ({"prefilled_tokens": 1 << 31}, "prefilled_tokens"),
 ]
 
 

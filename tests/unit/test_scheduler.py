@@ -142,6 +142,28 @@ def test_decode_full_local_hit_still_frees_the_room(dsched: PDScheduler) -> None
     assert job.dst_block_ids == [] and job.start_block == 4 and job.room == 77
 
 
+def test_decode_continuation_loads_only_what_p_prefilled(dsched: PDScheduler) -> None:
+    """The Router's first-token path: D's prompt is P's 64 tokens plus P's first token."""
+    req = FakeRequest("req-c", {**D_PARAMS, "prefilled_tokens": 64}, 65)
+    assert dsched.get_num_new_matched_tokens(req, 16) == (48, True)  # D computes token 65 itself
+    dsched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4, 5]), 48)
+    (job,) = meta(dsched).recvs
+    assert job.num_tokens == 64 and job.start_block == 1 and job.dst_block_ids == [2, 3, 4]
+
+
+def test_decode_continuation_fully_cached_frees_the_room(dsched: PDScheduler) -> None:
+    req = FakeRequest("req-c2", {**D_PARAMS, "prefilled_tokens": 64}, 65)
+    assert dsched.get_num_new_matched_tokens(req, 64) == (0, False)
+    dsched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4, 5]), 0)
+    (job,) = meta(dsched).recvs
+    assert job.dst_block_ids == [] and job.room == 77
+
+
+def test_decode_prefilled_tokens_never_exceed_the_prompt(dsched: PDScheduler) -> None:
+    req = FakeRequest("req-c3", {**D_PARAMS, "prefilled_tokens": 500}, 40)
+    assert dsched.get_num_new_matched_tokens(req, 0) == (40, True)
+
+
 def test_decode_request_finished_forgets_the_request(dsched: PDScheduler) -> None:
     req = FakeRequest("req-4", dict(D_PARAMS), 40)
     dsched.get_num_new_matched_tokens(req, 0)

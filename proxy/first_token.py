@@ -1,0 +1,270 @@
+"""The first-token path: the client gets P's own first token as soon as P answers.
+
+For an eligible streamed ``/v1/completions`` request (:func:`proxy.first_token_body.ineligible_reason`)
+:class:`FirstTokenPath` replaces the two-instance attempts of :class:`proxy.exchange.Exchange`:
+
+1. **P** (retried on other prefillers with fresh rooms while nothing went to the client): prefill,
+   sample token 1, keep the KV for the room. Its answer names the prompt's token ids and token 1's.
+2. **Token 1 goes to the client** (TTFT = P's answer time plus the Router's hop). When token 1 is the
+   whole answer (EOS, a stop token, ``max_tokens`` 1) the stream ends there and a detached
+   one-token D request loads, and so frees, P's KV.
+3. **D** gets the continuation (prompt ids + token 1, ``prefilled_tokens`` = the prompt's length) and
+   its stream is relayed (usage corrected). D failing before its first byte: the continuation is
+   retried as a normal P+D attempt on another pair with a fresh room (P prefills prompt + token 1;
+   what P samples there is not used). A failure after D's first byte ends the stream with an error
+   event, as on the two-instance path.
+
+P's answer without token ids (a vLLM that ignores ``return_token_ids``): D gets the client's own
+request for the same room and answers from token 1 on, as on the two-instance path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from proxy.attempt import Attempt, Call, Opened
+from proxy.backends import BackendState
+from proxy.errors import UPSTREAM_UNAVAILABLE, RouterError
+from proxy.first_token_body import (
+    FirstToken,
+    UsageFix,
+    continuation_body,
+    final_events,
+    first_chunk,
+    include_usage,
+    is_whole_answer,
+    parse_first_token,
+    prefill_first_body,
+)
+from proxy.http1 import encode_json
+from proxy.payloads import decode_body, new_room
+from proxy.routing import RouteRequest
+from proxy.upstream import Failure, Reply, fetch, http_failure, refused_failure
+
+if TYPE_CHECKING:
+    from proxy.exchange import Exchange
+
+logger = logging.getLogger("proxy")
+
+
+class FirstTokenPath:
+    """One client request on the first-token path (its :class:`proxy.exchange.Exchange` keeps the
+    bookkeeping: attempts, status, TTFB, the log line)."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.ex = exchange
+        self.router = exchange.router
+        self.call = exchange.call
+        self.tried_p: set[BackendState] = set()
+        self.tried_d: set[BackendState] = set()
+
+    async def run(self) -> web.StreamResponse:
+        ex = self.ex
+        got = await self._first_token()
+        if isinstance(got, web.StreamResponse):
+            return got  # the final error answer
+        p, reply, first = got
+        if first is None:
+            logger.warning(
+                "rid=%s room=%s %s answered without token ids; D answers from the first token",
+                ex.rid,
+                ex.room,
+                p.backend.name,
+            )
+            return await self._plain_decode(p)
+        return await self._stream(p, first)
+
+    # -- 1. P's first token --------------------------------------------------------------------
+
+    async def _first_token(self) -> tuple[BackendState, Reply, FirstToken | None] | web.StreamResponse:
+        ex, router, call = self.ex, self.router, self.call
+        config, pool = router.config, router.pool
+        failure: Failure | None = None
+        for number in range(1, config.max_retries + 1):
+            if number > 1:
+                router.metrics.retry(ex.endpoint)
+                ex.room = new_room()
+                delay = config.retry_delay * 2 ** (number - 2)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            p = pool.pick("prefill", ex.room, self.tried_p, RouteRequest(ex.room, call.tokens, call.body))
+            if p is None:
+                return ex._error(RouterError(503, "no prefill instance is available", UPSTREAM_UNAVAILABLE))
+            remaining = ex.deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ex.attempts = number
+            outcome = await self._prefill(p, remaining)
+            if isinstance(outcome, Reply):
+                return p, outcome, parse_first_token(outcome.body)
+            failure = outcome
+            self._count_failure(failure)
+            if not failure.retryable or number == config.max_retries:
+                break
+            logger.warning(
+                "rid=%s room=%s prefill attempt %d/%d failed (%s); retrying with a fresh room",
+                ex.rid,
+                ex.room,
+                number,
+                config.max_retries,
+                failure.error.message,
+            )
+        if failure is None:
+            return ex._error(
+                RouterError(504, "the request timed out before a prefiller answered", UPSTREAM_UNAVAILABLE)
+            )
+        return ex._final_failure(failure)
+
+    async def _prefill(self, p: BackendState, timeout: float) -> Reply | Failure:
+        router, call = self.router, self.call
+        router.metrics.backend_request(call.endpoint, p.backend)
+        lease = router.pool.lease(p, call.tokens)
+        try:
+            data = encode_json(prefill_first_body(call.body, self.ex.room))
+            nominal = router.config.request_timeout
+            reply = await fetch(router.http, p, "POST", call.endpoint, timeout, data, call.headers, nominal)
+        finally:
+            lease.release()
+        if isinstance(reply, Failure):
+            return reply
+        if reply.status >= 300:
+            return http_failure(p, reply.status, reply.body, reply.content_type)
+        refused = refused_failure(p, reply.body)
+        return reply if refused is None else refused
+
+    def _count_failure(self, failure: Failure) -> None:
+        router = self.router
+        router.metrics.backend_error(self.call.endpoint, failure.state.backend, failure.kind)
+        if failure.kind == "connect":
+            router.pool.mark_unhealthy(failure.state, failure.error.message)
+        (self.tried_p if failure.state.backend.role == "prefill" else self.tried_d).add(failure.state)
+
+    # -- 2 and 3. token 1 to the client, then D ------------------------------------------------
+
+    async def _stream(self, p: BackendState, first: FirstToken) -> web.StreamResponse:
+        ex, call = self.ex, self.call
+        prompt_len = len(first.prompt_token_ids)
+        cont_body = continuation_body(call.body, first)
+        cont = Call(call.endpoint, call.rid, cont_body, True, prompt_len + 1, call.headers)
+        response = ex.stream_response(200, "text/event-stream")
+        if is_whole_answer(first, call.body):
+            self._release_room(p, cont, prompt_len)
+            await response.prepare(ex.request)
+            await response.write(first_chunk(first, final=True))
+            ex.ttfb = time.monotonic() - ex.t0
+            await response.write_eof(final_events(first, include_usage(call.body)))
+            return response
+        d = self.router.pool.pick("decode", ex.room, self.tried_d, RouteRequest(ex.room, cont.tokens, cont_body))
+        if d is None:
+            self._release_room(p, cont, prompt_len)  # a decoder may be back by then; else room_timeout_s frees
+            return ex._error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+        try:
+            await response.prepare(ex.request)
+            await response.write(first_chunk(first, final=False))
+        except BaseException:
+            self._release_room(p, cont, prompt_len)  # the client left before D was asked
+            raise
+        ex.ttfb = time.monotonic() - ex.t0
+        remaining = ex.deadline - time.monotonic()
+        attempt = Attempt(self.router, cont, p, d, ex.room, remaining, p_answered=True, prefilled_tokens=prompt_len)
+        return await self._continue(attempt, response, UsageFix(include_usage(call.body)))
+
+    async def _continue(self, attempt: Attempt, response: web.StreamResponse, fix: UsageFix) -> web.StreamResponse:
+        """D's continuation: relayed on success; retried as a P+D attempt while D sent nothing."""
+        ex, router = self.ex, self.router
+        config, pool = router.config, router.pool
+        while True:
+            ex.attempt = attempt
+            outcome = await attempt.run()
+            if isinstance(outcome, Opened):
+                try:
+                    return await ex._relay(attempt, outcome, response, fix)
+                except ConnectionResetError:
+                    raise asyncio.CancelledError from None  # the client went away
+            if not isinstance(outcome, Failure):  # a streamed request is always Opened
+                outcome = Failure(
+                    attempt.d, "empty", RouterError(502, "decoder sent no stream", "decode_failed"), False
+                )
+            failure = outcome
+            attempt.close()
+            self._count_failure(failure)
+            if failure.state is attempt.d and failure.kind in ("http_5xx", "error_event"):
+                self.tried_p.add(attempt.p)  # as on the two-instance path: D's failed load is most often P's
+            remaining = ex.deadline - time.monotonic()
+            if not failure.retryable or ex.attempts >= config.max_retries or remaining <= 0:
+                break
+            ex.attempts += 1
+            router.metrics.retry(ex.endpoint)
+            ex.room = new_room()
+            route = RouteRequest(ex.room, attempt.call.tokens, attempt.call.body)
+            p = pool.pick("prefill", ex.room, self.tried_p, route)
+            d = pool.pick("decode", ex.room, self.tried_d, route)
+            if p is None or d is None:
+                break
+            logger.warning(
+                "rid=%s room=%s decode after the first token failed (%s); retrying the continuation on %s + %s",
+                ex.rid,
+                ex.room,
+                failure.error.message,
+                p.backend.name,
+                d.backend.name,
+            )
+            attempt = Attempt(router, attempt.call, p, d, ex.room, remaining)
+        ex.stream_cut(attempt, failure)
+        await response.write(failure.error.to_sse())
+        await response.write_eof()
+        return response
+
+    async def _plain_decode(self, p: BackendState) -> web.StreamResponse:
+        """P answered without token ids: D serves the client's own request from P's KV."""
+        ex = self.ex
+        d = self.router.pool.pick(
+            "decode", ex.room, self.tried_d, RouteRequest(ex.room, self.call.tokens, self.call.body)
+        )
+        if d is None:
+            return ex._error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+        attempt = Attempt(self.router, self.call, p, d, ex.room, ex.deadline - time.monotonic(), p_answered=True)
+        ex.attempt = attempt
+        outcome = await attempt.run()
+        if not isinstance(outcome, Failure):
+            return await ex._answer(attempt, outcome)
+        attempt.close()
+        self._count_failure(outcome)
+        if outcome.state is d and outcome.kind in ("http_5xx", "error_event"):
+            self.tried_p.add(p)
+        if not outcome.retryable or ex.attempts >= self.router.config.max_retries:
+            return ex._final_failure(outcome)
+        return await ex.pair_attempts(ex.attempts + 1, self.tried_p, self.tried_d)
+
+    def _release_room(self, p: BackendState, cont: Call, prompt_len: int) -> None:
+        """P holds the room's KV for a D that will not come: a detached one-token D request loads it
+        (which frees it on P); nothing of its answer is used."""
+        router, ex = self.router, self.ex
+        d = router.pool.pick("decode", ex.room, set(), RouteRequest(ex.room, cont.tokens, cont.body))
+        if d is None:
+            logger.warning("rid=%s room=%s no decoder to release P's KV; room_timeout_s frees it", ex.rid, ex.room)
+            return
+        body = {**cont.body, "stream": False, "max_tokens": 1}
+        body.pop("stream_options", None)
+        body.pop("min_tokens", None)
+        data = encode_json(decode_body(body, ex.room, p.backend, prompt_len))
+        rid, room = ex.rid, ex.room
+
+        async def release() -> None:
+            reply = await fetch(
+                router.http, d, "POST", cont.endpoint, router.config.request_timeout, data, cont.headers
+            )
+            if isinstance(reply, Failure) or reply.status >= 300:
+                detail = reply.detail if isinstance(reply, Failure) else f"HTTP {reply.status}"
+                logger.warning(
+                    "rid=%s room=%s releasing P's KV through %s failed: %s", rid, room, d.backend.name, detail
+                )
+            else:
+                logger.debug("rid=%s room=%s P's KV released through %s", rid, room, d.backend.name)
+
+        router.keep(asyncio.get_running_loop().create_task(release()))

@@ -1,0 +1,146 @@
+"""The first-token path (``--first-token-from-prefill``) of a real Router process in front of fake backends.
+
+The fake P answers ``return_token_ids`` like vLLM (the prompt's ids, one id per character of a
+text prompt, and token 101 for its one generated token ``Hello``); the fake D streams ``Hello``,
+``,``, `` world``, ``!`` whatever its prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from fake_backend import FIRST_TOKEN_ID, TOKENS
+from proxy_testlib import (
+    Backends,
+    Router,
+    RouterFactory,
+    http_client,
+    new_rid,
+    record,
+    records,
+    request_body,
+    sse_events,
+    wait_until,
+)
+
+ON = "--first-token-from-prefill"
+PROMPT_IDS = [ord(c) for c in "Hi"]
+
+
+@pytest.fixture(scope="session")
+def router_first(backends: Backends, router_factory: RouterFactory) -> Router:
+    return router_factory(backends.ok_p, backends.ok_d, ON)
+
+
+def _stream(router: Router, rid: str, **extra: Any) -> tuple[int, list[str]]:
+    body = request_body("/v1/completions", stream=True, **extra)
+    with http_client() as client:
+        response = client.post(f"{router.url}/v1/completions", json=body, headers={"X-Request-Id": rid})
+    return response.status_code, sse_events(response.content)
+
+
+def _texts(events: list[str]) -> list[str]:
+    out = []
+    for event in events:
+        if event == "[DONE]":
+            continue
+        choices = json.loads(event)["choices"]
+        out.extend(c["text"] for c in choices)
+    return out
+
+
+def test_p_token_first_then_d_continues_from_it(router_first: Router, backends: Backends) -> None:
+    rid = new_rid("first")
+    status, events = _stream(router_first, rid)
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    # P's token, then D's stream (D's own chunks, its final empty chunk with the finish reason).
+    assert _texts(events) == [TOKENS[0], *TOKENS, ""]
+    first = json.loads(events[0])
+    assert first["id"] == f"cmpl-{rid}" and first["object"] == "text_completion"
+    assert first["choices"][0]["finish_reason"] is None
+    p_body = record(backends.ok_p, rid)["body"]
+    assert p_body["max_tokens"] == 1 and p_body["return_token_ids"] is True and p_body["stream"] is False
+    assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+    assert "ignore_eos" not in p_body  # token 1 may be EOS: P's answer is then the whole answer
+    d_body = record(backends.ok_d, rid)["body"]
+    assert d_body["prompt"] == [*PROMPT_IDS, FIRST_TOKEN_ID]
+    assert d_body["max_tokens"] == 7
+    kv = d_body["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True and kv["prefilled_tokens"] == len(PROMPT_IDS)
+    assert kv["bootstrap_room"] == p_body["kv_transfer_params"]["bootstrap_room"]
+
+
+def test_usage_counts_token_one_as_generated(router_first: Router, backends: Backends) -> None:
+    rid = new_rid("first-usage")
+    status, events = _stream(router_first, rid, stream_options={"include_usage": True})
+    assert status == 200
+    usage = json.loads(events[-2])["usage"]
+    # The fake D counts 3 prompt tokens and 4 generated; one of its prompt tokens was P's token 1.
+    assert usage == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+
+def test_one_token_request_is_answered_by_p_and_its_kv_released(router_first: Router, backends: Backends) -> None:
+    rid = new_rid("first-one")
+    status, events = _stream(router_first, rid, max_tokens=1, stream_options={"include_usage": True})
+    assert status == 200
+    assert _texts(events) == [TOKENS[0]]
+    assert json.loads(events[0])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(events[1])["usage"]["completion_tokens"] == 1
+    assert events[-1] == "[DONE]"
+    # The detached release: D loads P's KV for the room, one token, not streamed.
+    release = wait_until(lambda: records(backends.ok_d, rid), timeout=10)
+    assert len(release) == 1
+    body = release[0]["body"]
+    assert body["max_tokens"] == 1 and body["stream"] is False
+    assert body["kv_transfer_params"]["prefilled_tokens"] == len(PROMPT_IDS)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"stop": ["x"]}, {"n": 2}, {"logprobs": 0}, {"echo": True}, {"presence_penalty": 0.5}, {"seed": 3}],
+    ids=["stop", "n", "logprobs", "echo", "presence_penalty", "seed"],
+)
+def test_ineligible_requests_take_the_two_instance_path(router_first: Router, backends: Backends, extra: dict) -> None:
+    rid = new_rid("first-not")
+    status, events = _stream(router_first, rid, **extra)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert record(backends.ok_d, rid)["body"]["prompt"] == "Hi"  # the client's own request
+    assert "return_token_ids" not in record(backends.ok_p, rid)["body"]
+
+
+def test_greedy_seed_is_eligible(router_first: Router, backends: Backends) -> None:
+    rid = new_rid("first-seed0")
+    status, _ = _stream(router_first, rid, seed=3, temperature=0)
+    assert status == 200
+    assert record(backends.ok_d, rid)["body"]["prompt"] == [*PROMPT_IDS, FIRST_TOKEN_ID]
+
+
+def test_failed_decoder_retries_the_continuation_on_another_pair(
+    backends: Backends, router_factory: RouterFactory
+) -> None:
+    router = router_factory((backends.ok_p, backends.ok_p2), (backends.fail500, backends.ok_d2), ON)
+    rid = new_rid("first-retry")
+    status, events = _stream(router, rid, bootstrap_room=0)  # room 0: ok_p + fail500 first
+    assert status == 200 and events[-1] == "[DONE]"
+    assert _texts(events) == [TOKENS[0], *TOKENS, ""]
+    assert record(backends.fail500, rid)["body"]["kv_transfer_params"]["prefilled_tokens"] == 2
+    # The retry: P2 prefills prompt + token 1 (a normal P request), D2 loads all of it.
+    p2 = record(backends.ok_p2, rid)["body"]
+    assert p2["prompt"] == [*PROMPT_IDS, FIRST_TOKEN_ID] and "return_token_ids" not in p2
+    d2 = record(backends.ok_d2, rid)["body"]
+    assert d2["prompt"] == [*PROMPT_IDS, FIRST_TOKEN_ID] and "prefilled_tokens" not in d2["kv_transfer_params"]
+    assert d2["max_tokens"] == 7
+
+
+def test_chat_and_unstreamed_requests_are_unchanged(router_first: Router, backends: Backends) -> None:
+    for path, stream in (("/v1/chat/completions", True), ("/v1/completions", False)):
+        rid = new_rid("first-chat")
+        with http_client() as client:
+            response = client.post(
+                f"{router_first.url}{path}", json=request_body(path, stream=stream), headers={"X-Request-Id": rid}
+            )
+        assert response.status_code == 200
+        assert "return_token_ids" not in record(backends.ok_p, rid)["body"]

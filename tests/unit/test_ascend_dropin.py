@@ -25,17 +25,7 @@ from pd_connector.rank_checks import RankSetupError, check_kv_memory, check_size
 from pd_connector.tp_mapping import is_head_major
 
 from .test_layout import _apply, _storages, whole_block_writes
-from .test_transfer_manager import (  # noqa: F401 - fixtures
-    Rig,
-    backend_name,
-    backend_pool,
-    bootstrap,
-    engines,
-    fresh_rig,
-    recv_job,
-    rig,
-    snapshot,
-)
+from .transfer_rig import Rig, recv_job, snapshot
 
 MiB2 = 2 << 20
 NB, BS, HEADS, HD = 12, 16, 4, 8
@@ -131,7 +121,7 @@ def test_protocol_defaults_to_the_platform_transport(monkeypatch: pytest.MonkeyP
 
 
 class _FakeNpuTensor:
-    class device:  # noqa: N801 - mimics torch.device
+    class device:
         type = "npu"
 
 
@@ -176,7 +166,7 @@ def test_own_side_sizes_that_match_pass() -> None:
     ],
 )
 def test_decode_checks_prefill_sizes_against_the_route(
-    fresh_rig: Rig,  # noqa: F811 - the fixture imported above
+    fresh_rig: Rig,
     pd_logs: pytest.LogCaptureFixture,
     sizes: dict,
     error: str | None,

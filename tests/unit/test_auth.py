@@ -21,14 +21,7 @@ from pd_connector.metadata import SendJob
 from pd_connector.protocol import RegisterRank
 
 from .conftest import HOST, free_port, wait_for
-from .test_transfer_manager import (  # noqa: F401 - fixtures
-    BLOCK_SIZE,
-    Rig,
-    backend_name,
-    backend_pool,
-    engines,
-    recv_job,
-)
+from .transfer_rig import BLOCK_SIZE, Rig, recv_job
 
 TOKEN = "s3cret-token-for-the-tests-0123"
 
@@ -101,7 +94,7 @@ def test_a_bad_bootstrap_body_is_one_log_line(secure_server: BootstrapServer, ca
 
 
 def test_transfer_with_a_token_and_unsigned_frames_refused(
-    engines, token_env: dict[str, str], secure_server: BootstrapServer  # noqa: F811
+    engines, token_env: dict[str, str], secure_server: BootstrapServer
 ) -> None:
     rig = Rig(secure_server, engines)
     try:

@@ -15,12 +15,8 @@ from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.layerwise import LayerStreams, layer_regions_of
 from pd_connector.transfer.states import RoomState
 
-from . import test_transfer_manager as tm
 from .conftest import wait_for
-from .test_transfer_manager import BLOCK_SIZE, BOTH_BACKENDS, LAYERS, Rig, Side, assert_landed, recv_job, snapshot
-
-# The manager tests' fixtures (backends shared per module, bootstrap server, rig).
-backend_pool, engines, backend_name, bootstrap, rig = tm.backend_pool, tm.engines, tm.backend_name, tm.bootstrap, tm.rig
+from .transfer_rig import BLOCK_SIZE, BOTH_BACKENDS, LAYERS, Rig, Side, assert_landed, recv_job, snapshot
 
 
 def layer_mode(rig: Rig, seed: int) -> tuple[Side, LayerStreams]:

@@ -17,16 +17,7 @@ from pd_connector.transfer.liveness import PeerState
 from pd_connector.transfer.states import RoomState
 
 from .conftest import wait_for
-from .test_transfer_manager import (  # noqa: F401 - fixtures
-    BLOCK_SIZE,
-    Rig,
-    backend_name,
-    backend_pool,
-    bootstrap,
-    engines,
-    recv_job,
-    rig,
-)
+from .transfer_rig import BLOCK_SIZE, Rig, recv_job
 
 PEER_TIMEOUT_S = 1.0
 TOKEN = "liveness-test-token-0123456789"
@@ -37,7 +28,7 @@ def _send_job(req_id: str, room: int, blocks: list[int]) -> SendJob:
 
 
 @pytest.mark.parametrize("token", [False, True], ids=["no-token", "token"])
-def test_live_peers_with_pending_work_are_never_lost(rig: Rig, token: bool, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_live_peers_with_pending_work_are_never_lost(rig: Rig, token: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """D waits 3 x peer_timeout_s for a slow prefill: both ranks ping each other meanwhile (signed
     frames with a token), nothing is declared lost, and the KV lands once the prefill comes."""
     extra = {"peer_timeout_s": PEER_TIMEOUT_S}
@@ -60,7 +51,7 @@ def test_live_peers_with_pending_work_are_never_lost(rig: Rig, token: bool, monk
     wait_for(lambda: d.mgr.channel.heartbeats.watch.state(p.mgr.endpoint) is PeerState.IDLE, 2, what="D idle")
 
 
-def test_a_silent_prefill_fails_decode_loads_within_peer_timeout(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:  # noqa: F811
+def test_a_silent_prefill_fails_decode_loads_within_peer_timeout(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
     p = rig.make("prefill", peer_timeout_s=PEER_TIMEOUT_S)
     d = rig.make("decode", peer_timeout_s=PEER_TIMEOUT_S)  # kv_wait_timeout_s 30
     d.mgr.add_recvs([recv_job(rig, "d-1", 502, [3]), recv_job(rig, "d-2", 503, [5, 6])])
@@ -77,7 +68,7 @@ def test_a_silent_prefill_fails_decode_loads_within_peer_timeout(rig: Rig, pd_lo
     assert d.idle()
 
 
-def test_a_silent_decode_frees_its_rooms_on_prefill(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:  # noqa: F811
+def test_a_silent_decode_frees_its_rooms_on_prefill(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
     """D asked, then went silent before P's prefill finished: P drops D's request (no KV is written
     into a dead rank) and frees the prefill's KV the moment it comes, instead of after room_timeout_s."""
     p = rig.make("prefill", peer_timeout_s=PEER_TIMEOUT_S)  # room_timeout_s 30
@@ -94,7 +85,7 @@ def test_a_silent_decode_frees_its_rooms_on_prefill(rig: Rig, pd_logs: pytest.Lo
     assert "decode rank" in pd_logs.text and "silent for" in pd_logs.text
 
 
-def test_a_request_that_ended_before_asking_frees_the_room_at_once(rig: Rig) -> None:  # noqa: F811
+def test_a_request_that_ended_before_asking_frees_the_room_at_once(rig: Rig) -> None:
     """D's vLLM finished the request while it queued (client gone): D tells P, which frees the KV it held."""
     p = rig.make("prefill")  # room_timeout_s 30
     d = rig.make("decode")
@@ -109,7 +100,7 @@ def test_a_request_that_ended_before_asking_frees_the_room_at_once(rig: Rig) -> 
     assert d.idle() and d.recving == set()  # vLLM is not told about a request it already finished
 
 
-def test_an_abandoned_room_before_its_prefill_is_freed_when_the_prefill_comes(rig: Rig) -> None:  # noqa: F811
+def test_an_abandoned_room_before_its_prefill_is_freed_when_the_prefill_comes(rig: Rig) -> None:
     p = rig.make("prefill")
     d = rig.make("decode")
     assert d.mgr.decode is not None

@@ -20,18 +20,7 @@ from pd_connector.transfer.states import RoomState
 
 from .conftest import wait_for
 from .test_scheduler import FakeRequest, meta, psched  # noqa: F401 - fixture
-from .test_transfer_manager import (  # noqa: F401 - fixtures
-    BLOCK_SIZE,
-    Rig,
-    assert_landed,
-    backend_name,
-    backend_pool,
-    bootstrap,
-    engines,
-    recv_job,
-    rig,
-    snapshot,
-)
+from .transfer_rig import BLOCK_SIZE, Rig, assert_landed, recv_job, snapshot
 
 DONE = RequestStatus.FINISHED_LENGTH_CAPPED
 
@@ -58,7 +47,7 @@ def test_scheduler_sends_the_sample_count(psched: PDScheduler) -> None:  # noqa:
     assert meta(psched).sends[0].samples == 3
 
 
-def test_n_decode_requests_of_one_room_each_get_the_kv_then_p_frees_once(rig: Rig) -> None:  # noqa: F811
+def test_n_decode_requests_of_one_room_each_get_the_kv_then_p_frees_once(rig: Rig) -> None:
     p = rig.make("prefill", seed=3)
     d = rig.make("decode")
     before = snapshot(d.kv)
@@ -76,7 +65,7 @@ def test_n_decode_requests_of_one_room_each_get_the_kv_then_p_frees_once(rig: Ri
     assert p.idle() and d.idle() and p.stats().transfers_ok == 3
 
 
-def test_a_cancelled_sample_counts_as_served(rig: Rig) -> None:  # noqa: F811
+def test_a_cancelled_sample_counts_as_served(rig: Rig) -> None:
     p = rig.make("prefill", seed=4)
     d = rig.make("decode")
     p.mgr.add_sends([SendJob("p-req", 32, [1], BLOCK_SIZE, samples=2)])
@@ -87,7 +76,7 @@ def test_a_cancelled_sample_counts_as_served(rig: Rig) -> None:  # noqa: F811
     assert p.idle()
 
 
-def test_second_prefill_of_a_live_room_is_refused_and_freed_never_overwrites(rig: Rig) -> None:  # noqa: F811
+def test_second_prefill_of_a_live_room_is_refused_and_freed_never_overwrites(rig: Rig) -> None:
     p = rig.make("prefill", seed=5)
     d = rig.make("decode")
     before = snapshot(d.kv)
@@ -103,7 +92,7 @@ def test_second_prefill_of_a_live_room_is_refused_and_freed_never_overwrites(rig
 
 
 @pytest.mark.parametrize("first", ["prefill", "cancel"])
-def test_cancel_before_decode_asked_frees_the_room_at_once(rig: Rig, first: str) -> None:  # noqa: F811
+def test_cancel_before_decode_asked_frees_the_room_at_once(rig: Rig, first: str) -> None:
     p = rig.make("prefill", seed=6)
     rig.make("decode")
     job = SendJob("p-req", 34, [1], BLOCK_SIZE)
@@ -120,7 +109,7 @@ def test_cancel_before_decode_asked_frees_the_room_at_once(rig: Rig, first: str)
     wait_for(lambda: p.idle(), 1)
 
 
-def test_decode_abort_while_waiting_for_prefill_cancels_on_p(rig: Rig) -> None:  # noqa: F811
+def test_decode_abort_while_waiting_for_prefill_cancels_on_p(rig: Rig) -> None:
     """vLLM aborted a D request whose KV P has not produced yet: P drops the request and answers, D
     releases the load as failed within a second (not after kv_wait_timeout_s), nothing lingers."""
     p = rig.make("prefill", seed=7)
@@ -137,7 +126,7 @@ def test_decode_abort_while_waiting_for_prefill_cancels_on_p(rig: Rig) -> None: 
     assert p.idle() and d.idle()
 
 
-def test_decode_abort_before_asking_frees_p_room_at_once(rig: Rig) -> None:  # noqa: F811
+def test_decode_abort_before_asking_frees_p_room_at_once(rig: Rig) -> None:
     p = rig.make("prefill", seed=8)
     d = rig.make("decode")
     before = snapshot(d.kv)

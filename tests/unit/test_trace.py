@@ -11,8 +11,7 @@ import pytest
 from pd_connector.metadata import SendJob
 from pd_connector.trace import PHASES, PhaseTrace, TraceBook, export_spans, parse_trace_line
 
-from . import test_transfer_manager as tm
-from .test_transfer_manager import backend_name, backend_pool, bootstrap, engines, rig  # noqa: F401 - fixtures
+from . import transfer_rig as tm
 
 
 def test_line_format_round_trips() -> None:
@@ -89,7 +88,7 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_transfer_between_managers_traces_and_counts(rig: tm.Rig) -> None:  # noqa: F811 - the fixture
+def test_transfer_between_managers_traces_and_counts(rig: tm.Rig) -> None:
     handler = Lines()
     log = logging.getLogger("pd_connector.trace")
     log.addHandler(handler)

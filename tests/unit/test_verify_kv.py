@@ -34,18 +34,7 @@ from pd_connector.transfer.checksum import (
 from pd_connector.transfer.states import RoomState
 
 from .conftest import wait_for
-from .test_transfer_manager import (  # noqa: F401 - fixtures
-    BLOCK_SIZE,
-    BOTH_BACKENDS,
-    LAYERS,
-    Rig,
-    backend_name,
-    backend_pool,
-    bootstrap,
-    engines,
-    recv_job,
-    rig,
-)
+from .transfer_rig import BLOCK_SIZE, BOTH_BACKENDS, LAYERS, Rig, recv_job
 
 
 def bytewise(data: torch.Tensor, addr: int) -> int:
@@ -143,7 +132,7 @@ class LostWrites:
 
 
 @BOTH_BACKENDS
-def test_a_landed_transfer_passes_verify_kv(rig: Rig) -> None:  # noqa: F811
+def test_a_landed_transfer_passes_verify_kv(rig: Rig) -> None:
     p = rig.make("prefill", seed=11)
     d = rig.make("decode", verify_kv=True)
     src, dst = [1, 2, 3, 9, 10], [4, 5, 6, 12, 13]
@@ -157,7 +146,7 @@ def test_a_landed_transfer_passes_verify_kv(rig: Rig) -> None:  # noqa: F811
 
 
 @BOTH_BACKENDS
-def test_writes_that_never_landed_fail_the_load_with_verify_kv(rig: Rig, pd_logs) -> None:  # noqa: F811
+def test_writes_that_never_landed_fail_the_load_with_verify_kv(rig: Rig, pd_logs) -> None:
     p = rig.make("prefill", seed=12)
     d = rig.make("decode", verify_kv=True)
     assert p.mgr.prefill is not None
@@ -178,7 +167,7 @@ def test_writes_that_never_landed_fail_the_load_with_verify_kv(rig: Rig, pd_logs
     assert d.stats().recvs_failed == 1
 
 
-def test_a_done_that_does_not_say_what_it_wrote_fails_even_without_verify_kv(rig: Rig, pd_logs) -> None:  # noqa: F811
+def test_a_done_that_does_not_say_what_it_wrote_fails_even_without_verify_kv(rig: Rig, pd_logs) -> None:
     """A peer that answers OK for a room P never prefilled (no write, no byte count): D refuses it."""
     p = rig.make("prefill", seed=13)
     d = rig.make("decode")
@@ -203,7 +192,7 @@ def test_a_done_that_does_not_say_what_it_wrote_fails_even_without_verify_kv(rig
 
 
 @pytest.mark.parametrize("verify", [False, True])
-def test_a_decode_that_needs_nothing_accepts_zero_bytes(rig: Rig, verify: bool) -> None:  # noqa: F811
+def test_a_decode_that_needs_nothing_accepts_zero_bytes(rig: Rig, verify: bool) -> None:
     p = rig.make("prefill", seed=14)
     d = rig.make("decode", verify_kv=verify)
     p.mgr.add_sends([SendJob("p-req", 504, [1, 2], 2 * BLOCK_SIZE)])

@@ -18,18 +18,7 @@ from pd_connector.layout import LayoutError, Region, regions_of_kv_caches
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.write_guard import WriteGuard, WriteTargetError, check_own_blocks, request_blocks
 
-from .test_transfer_manager import (  # noqa: F401 - fixtures
-    BOTH_BACKENDS,
-    NUM_BLOCKS,
-    Rig,
-    backend_name,
-    backend_pool,
-    bootstrap,
-    engines,
-    recv_job,
-    rig,
-    snapshot,
-)
+from .transfer_rig import BOTH_BACKENDS, NUM_BLOCKS, Rig, recv_job, snapshot
 
 NB = 8
 
@@ -159,7 +148,7 @@ def test_messages_without_the_new_fields_still_decode() -> None:
 
 
 @BOTH_BACKENDS
-def test_prefill_refuses_a_block_past_the_decode_cache_and_writes_nothing(rig: Rig, pd_logs) -> None:  # noqa: F811
+def test_prefill_refuses_a_block_past_the_decode_cache_and_writes_nothing(rig: Rig, pd_logs) -> None:
     p = rig.make("prefill", seed=4)
     d = rig.make("decode")
     src = [1, 2, 3]
@@ -187,7 +176,7 @@ def test_prefill_refuses_a_block_past_the_decode_cache_and_writes_nothing(rig: R
     ), lines
 
 
-def test_decode_refuses_to_ask_for_blocks_outside_its_cache(rig: Rig, pd_logs) -> None:  # noqa: F811
+def test_decode_refuses_to_ask_for_blocks_outside_its_cache(rig: Rig, pd_logs) -> None:
     p = rig.make("prefill", seed=5)
     d = rig.make("decode")
     p.mgr.add_sends([SendJob("p-req", 403, [1, 2], 2 * 16)])

@@ -1,0 +1,31 @@
+"""Loopback helpers for the unit tests: the host, free ports, polling."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (bind 127.0.0.1:0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01, what: str = "") -> Any:
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what or predicate}")
+        time.sleep(interval)

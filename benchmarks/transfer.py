@@ -31,7 +31,9 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,6 +45,7 @@ from pd_connector.config import parse_config  # noqa: E402
 from pd_connector.layout import memory_ranges, regions_of_kv_caches  # noqa: E402
 from pd_connector.metadata import RecvJob, SendJob  # noqa: E402
 from pd_connector.protocol import RegisterRank  # noqa: E402
+from pd_connector.transfer.backend import TransferBackend  # noqa: E402
 from pd_connector.transfer.manager import KVTransferManager, RankSpec  # noqa: E402
 from pd_connector.transfer.registry import create_backend, known_backends  # noqa: E402
 
@@ -90,6 +93,59 @@ def wait_finished(mgr: KVTransferManager, req_id: str, timeout: float = 120.0) -
     raise TimeoutError(req_id)
 
 
+@dataclass
+class ManagerPair:
+    """A prefill and a decode KVTransferManager, their backends, and the bootstrap server P is registered on."""
+
+    server: BootstrapServer
+    bport: int
+    p_backend: TransferBackend
+    d_backend: TransferBackend
+    p_mgr: KVTransferManager
+    d_mgr: KVTransferManager
+
+    def close(self) -> None:
+        self.p_mgr.close()
+        self.d_mgr.close()
+        self.p_backend.close()
+        self.d_backend.close()
+        self.server.stop()
+
+
+def pair_of_managers(
+    p_kv: dict[str, torch.Tensor],
+    d_kv: dict[str, torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: str,
+    backend: str,
+    p_extra: dict[str, Any] | None = None,
+) -> ManagerPair:
+    """A bootstrap server on a free loopback port, one backend per side with its KV registered,
+    a P and a D manager over them (one layer per KV tensor), and P's rank registered."""
+    layers = len(p_kv)
+    bport = free_port()
+    extra = {"bootstrap_port": bport, "local_ip": "127.0.0.1", "backend": backend}
+    p_cfg = parse_config("kv_producer", {**extra, **(p_extra or {})})
+    d_cfg = parse_config("kv_consumer", extra)
+    server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), "127.0.0.1", bport)
+    server.start()
+    spec = RankSpec(0, 1, 0, 1, block_size, kv_dtype, layers, num_blocks=num_blocks)
+    p_backend, d_backend = create_backend(p_cfg), create_backend(d_cfg)
+    p_backend.register(memory_ranges(p_kv))
+    d_backend.register(memory_ranges(d_kv))
+    p_mgr = KVTransferManager(p_cfg, spec, regions_of_kv_caches(p_kv, num_blocks), p_backend)
+    d_mgr = KVTransferManager(d_cfg, spec, regions_of_kv_caches(d_kv, num_blocks), d_backend)
+    register_rank(
+        f"127.0.0.1:{bport}",
+        RegisterRank(1, 0, 1, 0, "127.0.0.1", p_mgr.rank_port, block_size, kv_dtype, num_layers=layers),
+        retries=3,
+        interval_s=0.2,
+        timeout_s=5,
+    )
+    return ManagerPair(server, bport, p_backend, d_backend, p_mgr, d_mgr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, help="default 32 (--exposed: 6)")
@@ -120,26 +176,8 @@ def main() -> None:
     p_kv = make_kv(args.layers, num_blocks, args.kv_heads, args.block_size, args.head_dim)
     d_kv = {name: torch.full_like(t, -1.0) for name, t in p_kv.items()}
 
-    bport = free_port()
-    extra = {"bootstrap_port": bport, "local_ip": "127.0.0.1", "backend": args.backend}
-    p_cfg = parse_config("kv_producer", extra)
-    d_cfg = parse_config("kv_consumer", extra)
-    server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), "127.0.0.1", bport)
-    server.start()
-    spec = RankSpec(0, 1, 0, 1, args.block_size, "float16", args.layers)
-
-    p_backend, d_backend = create_backend(p_cfg), create_backend(d_cfg)
-    p_backend.register(memory_ranges(p_kv))
-    d_backend.register(memory_ranges(d_kv))
-    p_mgr = KVTransferManager(p_cfg, spec, regions_of_kv_caches(p_kv, num_blocks), p_backend)
-    d_mgr = KVTransferManager(d_cfg, spec, regions_of_kv_caches(d_kv, num_blocks), d_backend)
-    register_rank(
-        f"127.0.0.1:{bport}",
-        RegisterRank(1, 0, 1, 0, "127.0.0.1", p_mgr.rank_port, args.block_size, "float16", num_layers=args.layers),
-        retries=3,
-        interval_s=0.2,
-        timeout_s=5,
-    )
+    pair = pair_of_managers(p_kv, d_kv, num_blocks, args.block_size, "float16", args.backend)
+    p_backend, d_backend, p_mgr, d_mgr, bport = pair.p_backend, pair.d_backend, pair.p_mgr, pair.d_mgr, pair.bport
 
     src_blocks = scattered_blocks(num_blocks, blocks_needed, run=8, offset=0)
     dst_blocks = scattered_blocks(num_blocks, blocks_needed, run=args.run, offset=3)
@@ -191,15 +229,11 @@ def main() -> None:
         "ratio": round(raw_s / conn_s, 3),
         "rounds": args.rounds,
         "backend": args.backend,
-        "transport": p_cfg.protocol if args.backend == "mooncake" else args.backend,
+        "transport": p_mgr.cfg.protocol if args.backend == "mooncake" else args.backend,
         "pid": os.getpid(),
     }
     print(json.dumps(result))
-    p_mgr.close()
-    d_mgr.close()
-    p_backend.close()
-    d_backend.close()
-    server.stop()
+    pair.close()
 
 
 if __name__ == "__main__":

@@ -24,17 +24,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.transfer import free_port, scattered_blocks, wait_finished
-from pd_connector.bootstrap.client import register_rank
-from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
-from pd_connector.config import parse_config
+from benchmarks.transfer import pair_of_managers, scattered_blocks, wait_finished
 from pd_connector.layer_chunks import LayerChunk
-from pd_connector.layout import memory_ranges, regions_of_kv_caches
 from pd_connector.metadata import RecvJob, SendJob
-from pd_connector.protocol import RegisterRank
 from pd_connector.transfer.layerwise import LayerStreams, layer_regions_of
-from pd_connector.transfer.manager import KVTransferManager, RankSpec
-from pd_connector.transfer.registry import create_backend
 
 DTYPE = torch.float32
 
@@ -75,27 +68,12 @@ def run_exposed(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks = 2 * blocks + 8
     p_kv = make_kv(args.layers, num_blocks, args.kv_heads, args.block_size, args.head_dim, None)
     d_kv = make_kv(args.layers, num_blocks, args.kv_heads, args.block_size, args.head_dim, -1.0)
-    bport = free_port()
-    extra = {"bootstrap_port": bport, "local_ip": "127.0.0.1", "backend": args.backend}
-    p_cfg = parse_config("kv_producer", {**extra, "transfer_mode": "layer"})
-    d_cfg = parse_config("kv_consumer", extra)
-    server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), "127.0.0.1", bport)
-    server.start()
-    spec = RankSpec(0, 1, 0, 1, args.block_size, "float32", args.layers, num_blocks=num_blocks)
-    p_backend, d_backend = create_backend(p_cfg), create_backend(d_cfg)
-    p_backend.register(memory_ranges(p_kv))
-    d_backend.register(memory_ranges(d_kv))
-    p_mgr = KVTransferManager(p_cfg, spec, regions_of_kv_caches(p_kv, num_blocks), p_backend)
-    d_mgr = KVTransferManager(d_cfg, spec, regions_of_kv_caches(d_kv, num_blocks), d_backend)
+    pair = pair_of_managers(
+        p_kv, d_kv, num_blocks, args.block_size, "float32", args.backend, {"transfer_mode": "layer"}
+    )
+    p_mgr, d_mgr, bport = pair.p_mgr, pair.d_mgr, pair.bport
     assert p_mgr.prefill is not None
     streams: LayerStreams = p_mgr.prefill.enable_layer_push(layer_regions_of(p_kv, [1] * args.layers))
-    register_rank(
-        f"127.0.0.1:{bport}",
-        RegisterRank(1, 0, 1, 0, "127.0.0.1", p_mgr.rank_port, args.block_size, "float32", num_layers=args.layers),
-        retries=3,
-        interval_s=0.2,
-        timeout_s=5,
-    )
     src = scattered_blocks(num_blocks, blocks, run=8, offset=0)
     dst = scattered_blocks(num_blocks, blocks, run=4, offset=3)
     work = torch.randn(256, 256)
@@ -178,10 +156,6 @@ def run_exposed(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "backend": args.backend,
     }
-    p_mgr.close()
-    d_mgr.close()
     streams.close()
-    p_backend.close()
-    d_backend.close()
-    server.stop()
+    pair.close()
     return result

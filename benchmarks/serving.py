@@ -182,7 +182,7 @@ def plot(systems: dict[str, dict[str, Any]], path: Path, slo: tuple[float, float
                 continue
             rates = [r["rate_rps"] for r in runs]
             (line,) = ax.plot(rates, [r[key]["p50"] for r in runs], marker="o", label=f"{name} p50")
-            ax.plot(rates, [r[key]["p99"] for r in runs], linestyle="--", color=line.get_color(), label=f"{name} p99")
+            ax.plot(rates, [r[key]["p99"] for r in runs], "x--", color=line.get_color(), label=f"{name} p99")
         ax.axhline(limit, color="grey", linewidth=0.8, linestyle=":", label="SLO")
         ax.set_title(f"{title} vs request rate")
         ax.set_xlabel("request rate (req/s)")

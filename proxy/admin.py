@@ -117,7 +117,7 @@ class Membership:
         pool = self.pool
         snapshot = pool.snapshot()
         snapshot["waiting"] = [
-            {"role": b.role, "host": b.host, "port": b.port, "url": b.base_url} for b, _ in self.waiting.values()
+            {"role": b.role, "host": b.host, "port": b.port, "url": b.url(pool.tls)} for b, _ in self.waiting.values()
         ]
         snapshot["routing"] = self.config.routing
         # vLLM-Ascend proxy's keys.
@@ -245,8 +245,8 @@ def routes(router: Router) -> list[tuple[str, str, Handler]]:
         async def one(state: BackendState) -> str | None:
             reply = await fetch(router.http, state, "POST", path, config.request_timeout, None, backend_auth)
             if isinstance(reply, Failure):
-                return f"{state.backend.base_url}: {reply.detail}"
-            return None if reply.status < 300 else f"{state.backend.base_url}: HTTP {reply.status}"
+                return f"{state.backend.url(router.pool.tls)}: {reply.detail}"
+            return None if reply.status < 300 else f"{state.backend.url(router.pool.tls)}: HTTP {reply.status}"
 
         states = [*router.pool.active["prefill"], *router.pool.active["decode"]]
         failed = [f for f in await asyncio.gather(*(one(s) for s in states)) if f is not None]

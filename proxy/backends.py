@@ -49,14 +49,14 @@ class BackendState:
         self.last_error: str | None = None
         self.status_code: int | None = None
 
-    def record(self) -> dict[str, Any]:
-        """JSON-ready status of this instance (``/health``, ``/instances``)."""
+    def record(self, tls: bool = False) -> dict[str, Any]:
+        """JSON-ready status of this instance (``/health``, ``/instances``); ``tls``: its URL is https."""
         backend = self.backend
         out: dict[str, Any] = {
             "role": backend.role,
             "host": backend.host,
             "port": backend.port,
-            "url": backend.base_url,
+            "url": backend.url(tls),
             "healthy": self.healthy,
             "draining": self.draining,
             "in_flight_requests": self.in_flight,
@@ -104,10 +104,13 @@ class BackendPool:
         decoders: tuple[Backend, ...],
         routing: str = "room",
         options: RoutingOptions | None = None,
+        tls: bool = False,
     ) -> None:
         if routing not in POLICIES:
             raise ValueError(f"unknown routing policy {routing!r}")
         self.routing = routing
+        #: The Router calls these instances over HTTPS (``--backend-ssl*``): their URLs say https.
+        self.tls = tls
         #: This pool's own policy (a stateful one is a fresh instance per pool).
         self.policy = make_policy(routing, options)
         #: A stateless policy is skipped when a role has one instance; a stateful one sees every request.
@@ -222,9 +225,9 @@ class BackendPool:
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready description of every instance."""
         return {
-            "prefillers": [s.record() for s in self.active["prefill"]],
-            "decoders": [s.record() for s in self.active["decode"]],
-            "draining": [s.record() for s in self.draining.values()],
+            "prefillers": [s.record(self.tls) for s in self.active["prefill"]],
+            "decoders": [s.record(self.tls) for s in self.active["decode"]],
+            "draining": [s.record(self.tls) for s in self.draining.values()],
         }
 
 

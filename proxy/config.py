@@ -85,10 +85,10 @@ class Backend:
         """(host, port) of the bootstrap server D contacts for this prefiller's KV."""
         return (self.bootstrap_host or self.host, self.bootstrap_port)
 
-    @property
-    def base_url(self) -> str:
-        """``http://host:port`` of the instance's OpenAI-compatible server."""
-        return f"http://{url_host(self.host)}:{self.port}"
+    def url(self, tls: bool = False) -> str:
+        """``http://host:port`` of the instance's OpenAI-compatible server; ``https://`` with
+        ``tls`` (the Router calls its backends over HTTPS: ``--backend-ssl*``)."""
+        return f"{'https' if tls else 'http'}://{url_host(self.host)}:{self.port}"
 
     @property
     def address(self) -> str:

@@ -26,7 +26,8 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.pool = BackendPool(config.prefillers, config.decoders, config.routing, config.routing_options)
+        tls_out = config.backend_tls is not None
+        self.pool = BackendPool(config.prefillers, config.decoders, config.routing, config.routing_options, tls=tls_out)
         self.metrics = RouterMetrics(self.pool)
         #: Every call to a backend (P and D requests, health checks, models, admin calls).
         tls = client_context(config.backend_tls) if config.backend_tls else None

@@ -24,6 +24,7 @@ from proxy.backends import BackendPool
 from proxy.cli import parse_config
 from proxy.config import AccessConfig, Backend, BackendTlsConfig
 from proxy.metrics import RouterMetrics
+from proxy.router import Router
 from proxy.tls import client_context, server_context
 
 BASE = ["--prefiller-hosts", "p1", "--prefiller-ports", "8100", "--decoder-hosts", "d1", "--decoder-ports", "8200"]
@@ -334,3 +335,14 @@ def test_backend_tls_flags(tmp_path: Path) -> None:
     assert "needs --backend-ssl-certfile" in _cli_error([*BASE, "--backend-ssl-keyfile", str(key)])
     bad = secret_file(tmp_path, "bad-ca.pem", "not a certificate\n")
     assert f"cannot load the backends' CA certificates {bad!r}" in _cli_error([*BASE, "--backend-ssl-ca-certs", bad])
+
+
+@pytest.mark.parametrize(("flags", "scheme"), [([], "http"), (["--backend-ssl"], "https")])
+def test_instances_name_the_scheme_the_router_calls_backends_with(flags: list[str], scheme: str) -> None:
+    router = Router(parse_config([*BASE, *flags]))
+    try:
+        listing = router.membership.listing()
+        urls = [e["url"] for e in (*listing["prefillers"], *listing["decoders"])]
+        assert urls == [f"{scheme}://p1:8100", f"{scheme}://d1:8200"]
+    finally:
+        router.http.close()

@@ -41,6 +41,7 @@ METRIC_NAMES = {
     "failures": "vllm:pd_kv_transfer_failures",
     "rooms_expired": "vllm:pd_kv_rooms_expired",
     "auth_refused": "vllm:pd_kv_auth_refused",
+    "bad_frames": "vllm:pd_kv_bad_frames",
     "transfers_ok": "vllm:pd_kv_pushes",
     "recvs_ok": "vllm:pd_kv_loads",
 }
@@ -152,6 +153,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "recvs_ok": counter("recvs_ok", "Completed KV loads of this decode instance."),
             "rooms_expired": counter("rooms_expired", "Rooms freed on prefill because no decode asked in time."),
             "auth_refused": counter("auth_refused", "ZMQ frames refused: missing or wrong control-plane token."),
+            "bad_frames": counter("bad_frames", "ZMQ frames dropped: not a PDConnector message (no failure)."),
         }
         self.histograms = {
             "transfer_seconds": histogram("transfer_seconds", "Duration of one KV push.", _SECONDS_BUCKETS),

@@ -58,8 +58,10 @@ def reason_of_status(status: DoneStatus) -> FailureReason:
 
 #: Keys of the interval dict whose values are lists of observations (one per transfer).
 SERIES = ("transfer_seconds", "transfer_bytes", "transfer_entries", "handshake_seconds")
-#: Keys of the interval dict whose values are counts.
-COUNTS = ("bytes_sent", "bytes_received", "transfers_ok", "recvs_ok", "rooms_expired", "auth_refused")
+#: Keys of the interval dict whose values are counts. A refused or malformed ZMQ frame
+#: (``auth_refused``, ``bad_frames``) fails no transfer or load by itself, so it is counted
+#: here and never as a ``failures`` reason: what it breaks shows up as that request's failure.
+COUNTS = ("bytes_sent", "bytes_received", "transfers_ok", "recvs_ok", "rooms_expired", "auth_refused", "bad_frames")
 #: Keys of the interval dict's "gauges" dict (each: {rank id: value}).
 GAUGES = ("rooms_held", "loads_waiting")
 

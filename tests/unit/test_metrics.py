@@ -135,3 +135,22 @@ def test_prom_metrics_record_an_interval() -> None:
     assert get(METRIC_NAMES["failures"] + "_total", {**eng, "reason": "timeout"}) == 1
     assert get(METRIC_NAMES["failures"] + "_total", {**eng, "reason": "mismatch"}) == 0  # present from the start
     assert all(name.startswith("vllm:pd_kv_") for name in METRIC_NAMES.values())
+
+
+def test_bad_frames_are_counted_apart_from_failures() -> None:
+    """A malformed ZMQ frame fails no transfer: its own counter, no failure reason bumped."""
+    from types import SimpleNamespace
+
+    stats = TransferStats("dp0tp0")
+    stats.inc("bad_frames", 2)
+    data = stats.take_interval()
+    assert data is not None and data["bad_frames"] == 2 and not any(data["failures"].values())
+    assert not PDKVConnectorStats(data=data).is_empty()
+    registry = CollectorRegistry()
+    cfg = SimpleNamespace(kv_transfer_config=None)
+    prom = PDConnector.build_prom_metrics(cfg, _metric_types(registry), ["model_name", "engine"], {0: ["tiny", "0"]})  # type: ignore[arg-type]
+    prom.observe(data, 0)
+    eng = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value(METRIC_NAMES["bad_frames"] + "_total", eng) == 2
+    for reason in FAILURE_REASONS:
+        assert registry.get_sample_value(METRIC_NAMES["failures"] + "_total", {**eng, "reason": reason}) == 0

@@ -217,6 +217,10 @@ def test_garbage_frames_are_dropped(rig: Rig) -> None:
     finally:
         ctx.term()
     assert p.mgr.channel.listening and d.mgr.channel.listening
+    for side in (p, d):  # counted for /metrics on their own: no transfer failed
+        interval = side.mgr.stats.take_interval()
+        assert interval is not None and interval["bad_frames"] == len(frames) + 2
+        assert not any(interval["failures"].values())
     before = snapshot(d.kv)
     d.mgr.add_recvs([recv_job(rig, "d-req", 707, [0, 1])])
     p.mgr.add_sends([SendJob("p-req", 707, [14, 15], 32)])

@@ -31,7 +31,7 @@ from proxy.errors import (
     error_response,
 )
 from proxy.first_token import FirstTokenPath
-from proxy.first_token_body import ineligible_reason
+from proxy.first_token_body import FirstTokenFrom, ineligible_reason
 from proxy.http1 import UpstreamError
 from proxy.incoming import backend_headers, read_json, request_id
 from proxy.payloads import estimate_prompt_tokens, new_room, resolve_room, validate_body
@@ -88,6 +88,8 @@ class Exchange:
         self.deadline = t0 + router.config.request_timeout
         self.out_headers = {"X-Request-Id": call.rid}
         self.attempt: Attempt | None = None
+        #: Who sent the client's first token.
+        self.first_token_from = FirstTokenFrom.DECODE
         self.attempts = 0
         self.status = 0
         self.ttfb: float | None = None
@@ -137,7 +139,7 @@ class Exchange:
         if not logger.isEnabledFor(logging.INFO):
             return  # nor build the phase trace
         logger.info(
-            "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f",
+            "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f first=%s",
             self.rid,
             self.room,
             self.endpoint,
@@ -148,6 +150,7 @@ class Exchange:
             self.attempts,
             f"{self.ttfb * 1000:.1f}" if self.ttfb is not None else "-",
             elapsed * 1000,
+            self.first_token_from.value,
         )
         if attempt is not None:
             logger.info("%s", self._phase_trace(attempt, elapsed).line())

@@ -32,6 +32,7 @@ from proxy.backends import BackendState
 from proxy.errors import UPSTREAM_UNAVAILABLE, RouterError
 from proxy.first_token_body import (
     FirstToken,
+    FirstTokenFrom,
     UsageFix,
     continuation_body,
     final_events,
@@ -157,6 +158,7 @@ class FirstTokenPath:
             await response.prepare(ex.request)
             await response.write(first_chunk(first, final=True))
             ex.ttfb = time.monotonic() - ex.t0
+            ex.first_token_from = FirstTokenFrom.PREFILL
             await response.write_eof(final_events(first, include_usage(call.body)))
             return response
         d = self.router.pool.pick("decode", ex.room, self.tried_d, RouteRequest(ex.room, cont.tokens, cont_body))
@@ -170,6 +172,7 @@ class FirstTokenPath:
             self._release_room(p, cont, prompt_len)  # the client left before D was asked
             raise
         ex.ttfb = time.monotonic() - ex.t0
+        ex.first_token_from = FirstTokenFrom.PREFILL
         remaining = ex.deadline - time.monotonic()
         attempt = Attempt(self.router, cont, p, d, ex.room, remaining, p_answered=True, prefilled_tokens=prompt_len)
         return await self._continue(attempt, response, UsageFix(include_usage(call.body)))

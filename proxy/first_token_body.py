@@ -16,6 +16,7 @@ with sampling (a seeded run is reproducible on one instance only), no structured
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,15 @@ _BLOCKING_FIELDS = (
     "best_of",
     "use_beam_search",
 )
+
+
+class FirstTokenFrom(enum.Enum):
+    """Who answered the client's first token (the request's log line says ``first=``)."""
+
+    DECODE = "D"
+    PREFILL = "P"  # the first-token path: P's own token, D's from the second on
+
+
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
 

@@ -31,9 +31,9 @@ from proxy.attempt import Attempt, Call, Opened
 from proxy.backends import BackendState
 from proxy.errors import UPSTREAM_UNAVAILABLE, RouterError
 from proxy.first_token_body import (
+    ContinuationFix,
     FirstToken,
     FirstTokenFrom,
-    UsageFix,
     continuation_body,
     final_events,
     first_chunk,
@@ -41,6 +41,7 @@ from proxy.first_token_body import (
     is_whole_answer,
     parse_first_token,
     prefill_first_body,
+    wants_token_ids,
 )
 from proxy.http1 import encode_json
 from proxy.payloads import decode_body, new_room
@@ -156,7 +157,7 @@ class FirstTokenPath:
         if is_whole_answer(first, call.body):
             self._release_room(p, cont, prompt_len)
             await response.prepare(ex.request)
-            await response.write(first_chunk(first, final=True))
+            await response.write(first_chunk(first, final=True, token_ids=wants_token_ids(call.body)))
             ex.ttfb = time.monotonic() - ex.t0
             ex.first_token_from = FirstTokenFrom.PREFILL
             await response.write_eof(final_events(first, include_usage(call.body)))
@@ -167,7 +168,7 @@ class FirstTokenPath:
             return ex._error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
         try:
             await response.prepare(ex.request)
-            await response.write(first_chunk(first, final=False))
+            await response.write(first_chunk(first, final=False, token_ids=wants_token_ids(call.body)))
         except BaseException:
             self._release_room(p, cont, prompt_len)  # the client left before D was asked
             raise
@@ -175,9 +176,12 @@ class FirstTokenPath:
         ex.first_token_from = FirstTokenFrom.PREFILL
         remaining = ex.deadline - time.monotonic()
         attempt = Attempt(self.router, cont, p, d, ex.room, remaining, p_answered=True, prefilled_tokens=prompt_len)
-        return await self._continue(attempt, response, UsageFix(include_usage(call.body)))
+        fix = ContinuationFix(include_usage(call.body), wants_token_ids(call.body))
+        return await self._continue(attempt, response, fix)
 
-    async def _continue(self, attempt: Attempt, response: web.StreamResponse, fix: UsageFix) -> web.StreamResponse:
+    async def _continue(
+        self, attempt: Attempt, response: web.StreamResponse, fix: ContinuationFix
+    ) -> web.StreamResponse:
         """D's continuation: relayed on success; retried as a P+D attempt while D sent nothing."""
         ex, router = self.ex, self.router
         config, pool = router.config, router.pool

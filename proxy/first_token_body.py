@@ -42,7 +42,6 @@ _BLOCKING_FIELDS = (
     "guided_choice",
     "guided_grammar",
     "guided_whitespace_pattern",
-    "return_token_ids",
     "return_tokens_as_token_ids",
     "best_of",
     "use_beam_search",
@@ -192,8 +191,9 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + _ENCODER.encode(payload) + b"\n\n"
 
 
-def first_chunk(first: FirstToken, *, final: bool) -> bytes:
-    """The SSE event carrying token 1 (with P's finish reason when it is the whole answer)."""
+def first_chunk(first: FirstToken, *, final: bool, token_ids: bool = False) -> bytes:
+    """The SSE event carrying token 1 (with P's finish reason when it is the whole answer);
+    ``token_ids``: the client asked for ``return_token_ids`` (the prompt's ids come here)."""
     choice: dict[str, Any] = {
         "index": 0,
         "text": first.text,
@@ -201,6 +201,9 @@ def first_chunk(first: FirstToken, *, final: bool) -> bytes:
         "finish_reason": first.finish_reason if final else None,
         "stop_reason": first.stop_reason if final else None,
     }
+    if token_ids:
+        choice["prompt_token_ids"] = first.prompt_token_ids
+        choice["token_ids"] = [first.token_id]
     return _event(
         {
             "id": first.id,
@@ -221,27 +224,46 @@ def final_events(first: FirstToken, usage: bool) -> bytes:
     return out + b"data: [DONE]\n\n"
 
 
-class UsageFix:
-    """Rewrites D's usage event: token 1 was D's prompt, the client counts it as generated."""
+def wants_token_ids(body: dict[str, Any]) -> bool:
+    return body.get("return_token_ids") is True
 
-    __slots__ = ("active",)
 
-    def __init__(self, active: bool) -> None:
-        self.active = active
+class ContinuationFix:
+    """Rewrites D's events for the client: token 1 was D's prompt, the client counts it as generated.
+
+    ``usage``: the usage event's counts move one token from prompt to completion. ``token_ids``:
+    D's first event names D's prompt ids (the client's prompt plus token 1); the client had its
+    prompt's ids with token 1, so they are dropped (``null``, as on vLLM's later events).
+    """
+
+    __slots__ = ("usage", "prompt_ids")
+
+    def __init__(self, usage: bool, token_ids: bool = False) -> None:
+        self.usage = usage
+        self.prompt_ids = token_ids
 
     def __call__(self, chunk: bytes) -> bytes:
-        if not self.active or b'"prompt_tokens"' not in chunk:
+        usage = self.usage and b'"prompt_tokens"' in chunk
+        prompt_ids = self.prompt_ids and b'"prompt_token_ids":[' in chunk
+        if not (usage or prompt_ids):
             return chunk
         events = chunk.split(b"\n\n")
         for i, event in enumerate(events):
-            if not event.startswith(b"data: {") or b'"prompt_tokens"' not in event:
+            if not event.startswith(b"data: {"):
                 continue
             try:
                 payload = _DECODER.decode(event[6:])
-                usage = payload["usage"]
-                usage["prompt_tokens"] -= 1
-                usage["completion_tokens"] += 1
-            except (msgspec.DecodeError, KeyError, TypeError):
+                changed = False
+                if usage and isinstance(payload.get("usage"), dict):
+                    payload["usage"]["prompt_tokens"] -= 1
+                    payload["usage"]["completion_tokens"] += 1
+                    changed = True
+                for choice in payload.get("choices") or () if prompt_ids else ():
+                    if choice.get("prompt_token_ids") is not None:
+                        choice["prompt_token_ids"] = None
+                        changed = True
+            except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
                 continue
-            events[i] = b"data: " + _ENCODER.encode(payload)
+            if changed:
+                events[i] = b"data: " + _ENCODER.encode(payload)
         return b"\n\n".join(events)

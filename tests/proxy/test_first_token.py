@@ -144,3 +144,12 @@ def test_chat_and_unstreamed_requests_are_unchanged(router_first: Router, backen
             )
         assert response.status_code == 200
         assert "return_token_ids" not in record(backends.ok_p, rid)["body"]
+
+
+def test_client_token_ids_come_with_p_token(router_first: Router, backends: Backends) -> None:
+    rid = new_rid("first-ids")
+    status, events = _stream(router_first, rid, return_token_ids=True)
+    assert status == 200
+    choice = json.loads(events[0])["choices"][0]
+    assert choice["prompt_token_ids"] == PROMPT_IDS and choice["token_ids"] == [FIRST_TOKEN_ID]
+    assert record(backends.ok_d, rid)["body"]["return_token_ids"] is True

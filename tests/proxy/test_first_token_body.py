@@ -7,7 +7,7 @@ import json
 import pytest
 
 from proxy.first_token_body import (
-    UsageFix,
+    ContinuationFix,
     continuation_body,
     final_events,
     first_chunk,
@@ -106,7 +106,7 @@ def test_final_events() -> None:
 
 
 def test_usage_fix() -> None:
-    fix = UsageFix(True)
+    fix = ContinuationFix(True)
     plain = b'data: {"choices":[{"text":"a"}]}\n\n'
     assert fix(plain) is plain
     chunk = (
@@ -116,4 +116,21 @@ def test_usage_fix() -> None:
     usage = json.loads(out.split(b"\n\n")[0][len(b"data: ") :])["usage"]
     assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     assert out.endswith(b"data: [DONE]\n\n")
-    assert UsageFix(False)(chunk) is chunk
+    assert ContinuationFix(False)(chunk) is chunk
+
+
+def test_prompt_ids_of_d_are_dropped() -> None:
+    fix = ContinuationFix(False, token_ids=True)
+    chunk = b'data: {"choices":[{"index":0,"text":"b","prompt_token_ids":[1,2,3,7],"token_ids":[8]}]}\n\n'
+    choice = json.loads(fix(chunk)[len(b"data: ") : -2])["choices"][0]
+    assert choice["prompt_token_ids"] is None and choice["token_ids"] == [8]
+    later = b'data: {"choices":[{"index":0,"text":"c","prompt_token_ids":null,"token_ids":[9]}]}\n\n'
+    assert fix(later) is later
+
+
+def test_first_chunk_with_token_ids() -> None:
+    first = parse_first_token(_answer())
+    assert first is not None
+    choice = json.loads(first_chunk(first, final=False, token_ids=True)[len(b"data: ") :])["choices"][0]
+    assert choice["prompt_token_ids"] == [1, 2, 3] and choice["token_ids"] == [7]
+    assert "token_ids" not in json.loads(first_chunk(first, final=False)[len(b"data: ") :])["choices"][0]

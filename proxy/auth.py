@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from pd_connector.log_limit import LogLimiter
 from proxy.config import AccessConfig
 from proxy.errors import error_response
 from proxy.incoming import request_id
@@ -120,6 +121,8 @@ class Gate:
         self.admin_paths = frozenset(admin_paths)
         self.client = BearerCheck(access.api_keys) if access.api_keys else None
         self.admin = BearerCheck([access.admin_token]) if access.admin_token else None
+        #: Refusal lines: a few per endpoint, reason and caller per window (pd_connector.log_limit).
+        self._refusals = LogLimiter(logger)
 
     def wrap(self, endpoint: str, handler: Handler) -> Handler:
         """``handler`` behind the rule of ``endpoint`` (itself when nothing is required)."""
@@ -176,7 +179,8 @@ class Gate:
         return guarded
 
     def _refused(self, request: web.Request, endpoint: str, refusal: Refusal) -> None:
-        logger.warning(
+        self._refusals.warning(
+            (endpoint, refusal.value, request.remote),
             "rid=%s refused %s %s from %s: %s credential",
             request_id(request),
             request.method,

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pd_connector.auth import AUTH_HEADER, check_bearer
+from pd_connector.log_limit import LogLimiter
 from pd_connector.protocol import RankInfo, RegisterRank, Route, rank_key
 
 logger = logging.getLogger(__name__)
@@ -167,12 +168,15 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
     bearer token; one without it gets 401 and a log line naming the caller (``refused`` counts them).
     """
     app = FastAPI(title="PDConnector bootstrap")
+    #: Refusals (401, 400, 409): a few lines per kind, caller host and route per window (log_limit).
+    refusals = LogLimiter(logger)
 
     @app.middleware("http")
     async def _check_token(request: Request, call_next: Any) -> Response:
         if request.url.path != "/bootstrap/health" and not check_bearer(token, request.headers.get(AUTH_HEADER)):
             state.refused += 1
-            logger.warning(
+            refusals.warning(
+                ("token", _peer_host(request), _route_of(app, request)),
                 "bootstrap: refusing %s %s from %s: missing or wrong token",
                 request.method,
                 request.url.path,
@@ -183,7 +187,10 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
 
     @app.exception_handler(_BadRequest)
     async def _on_bad_request(request: Request, exc: _BadRequest) -> JSONResponse:
-        logger.warning("bootstrap: %s %s: HTTP 400 %s", request.method, request.url.path, exc)
+        refusals.warning(
+            ("bad request", _peer_host(request), _route_of(app, request)),
+            "bootstrap: %s %s from %s: HTTP 400 %s", request.method, request.url.path, _peer(request), exc,
+        )  # fmt: skip
         return _error(400, str(exc))
 
     async def body_as(request: Request, typ: type) -> object:
@@ -210,7 +217,8 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
         moved = old is not None and (old.rank_ip, old.rank_port) != (req.rank_ip, req.rank_port)
         if moved and token is None and await still_listening(old.rank_ip, old.rank_port):
             state.conflicts += 1
-            logger.warning(
+            refusals.warning(
+                ("live rank", _peer_host(request)),
                 "bootstrap: refusing to move live rank %s from %s:%d to %s (caller %s): no auth token configured",
                 name, old.rank_ip, old.rank_port, new, _peer(request),
             )  # fmt: skip
@@ -253,9 +261,10 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
         try:
             old = state.register_dp_rank(req.bootstrap_room, req.dp_rank, replace=token is not None)
         except Conflict as exc:
-            logger.warning(
-                "bootstrap: room=%d: refusing register_dp_rank from %s: %s", req.bootstrap_room, _peer(request), exc
-            )
+            refusals.warning(
+                ("dp rank", _peer_host(request)),
+                "bootstrap: room=%d: refusing register_dp_rank from %s: %s", req.bootstrap_room, _peer(request), exc,
+            )  # fmt: skip
             return _error(409, str(exc))
         except ValueError as exc:
             return _error(400, str(exc))
@@ -291,6 +300,19 @@ class _BadRequest(Exception):
 
 def _peer(request: Request) -> str:
     return f"{request.client.host}:{request.client.port}" if request.client else "unknown"
+
+
+def _peer_host(request: Request) -> str:
+    """The caller's host, without its (per-connection) port: part of its refusal lines' key."""
+    return request.client.host if request.client else "unknown"
+
+
+def _route_of(app: FastAPI, request: Request) -> str:
+    """``METHOD path`` of one of the app's routes, else ``other``: part of a refusal line's key
+    (never the caller's own path, which would make the keys unbounded)."""
+    path = request.url.path
+    known = any(getattr(route, "path", None) == path for route in app.router.routes)
+    return f"{request.method} {path}" if known and request.method in ("GET", "PUT", "POST") else "other"
 
 
 class BootstrapServer:

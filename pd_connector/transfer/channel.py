@@ -19,6 +19,7 @@ import zmq
 
 from pd_connector import auth
 from pd_connector import protocol as proto
+from pd_connector.log_limit import LogLimiter
 from pd_connector.transfer.liveness import Heartbeats, Lost, PeerWatch
 from pd_connector.transfer.stats import TransferStats
 
@@ -42,6 +43,8 @@ class Channel:
         self._token = token  # frames are HMAC-signed with it (pd_connector.auth)
         self._on_message = on_message
         self._on_tick = on_tick
+        #: Refused and malformed frames: a few lines per kind per window (log_limit), all counted.
+        self._refusals = LogLimiter(logger)
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -122,13 +125,16 @@ class Channel:
             frame = auth.verify(self._token, frame)
         except auth.AuthError as exc:
             self._stats.inc("auth_refused")
-            logger.warning("refusing ZMQ frame on %s from %s: %s", self.endpoint, _claimed_sender(frame), exc)
+            self._refusals.warning(
+                "auth",
+                "refusing ZMQ frame on %s from %s: %s", self.endpoint, _claimed_sender(frame), exc,
+            )  # fmt: skip
             return
         try:
             msg = proto.decode(frame)
         except proto.ProtocolError as exc:
             self._stats.inc("bad_frames")
-            logger.warning("dropping malformed ZMQ frame on %s: %s", self.endpoint, exc)
+            self._refusals.warning("malformed", "dropping malformed ZMQ frame on %s: %s", self.endpoint, exc)
             return
         if isinstance(msg, proto.Ping):
             self.heartbeats.on_ping(msg, time.monotonic())

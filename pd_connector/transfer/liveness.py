@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pd_connector import protocol as proto
+from pd_connector.log_limit import LogLimiter
 
 if TYPE_CHECKING:
     from pd_connector.transfer.rooms import Room
@@ -126,10 +127,11 @@ class Heartbeats:
         self.watch = watch
         self._endpoint = endpoint
         self._send = send
+        self._refusals = LogLimiter(logger)  # malformed Pings: a few lines per window (log_limit)
 
     def on_ping(self, ping: proto.Ping, now: float) -> None:
         if not _ENDPOINT.match(ping.reply_to):
-            logger.warning("dropping a Ping with a malformed reply endpoint %r", ping.reply_to[:100])
+            self._refusals.warning("ping", "dropping a Ping with a malformed reply endpoint %r", ping.reply_to[:100])
             return
         self.watch.heard(ping.reply_to, now)
         self._send(ping.reply_to, proto.Pong(about=ping.about))

@@ -154,6 +154,18 @@ def test_without_admin_token_admin_routes_answer_loopback_only(caplog: pytest.Lo
         caplog.clear()
 
 
+def test_a_flood_of_refused_calls_writes_a_few_lines_and_counts_all(caplog: pytest.LogCaptureFixture) -> None:
+    gate, metrics = _gate(AccessConfig(api_keys=("k" * 24,)))
+    handler = gate.wrap("/v1/completions", _ok)
+    with caplog.at_level(logging.WARNING, logger="proxy"):
+        for _ in range(40):
+            assert _call(handler, "/v1/completions", "10.1.2.3", "Bearer guess").status == 401
+        assert _call(handler, "/v1/completions", "10.1.2.4", "Bearer guess").status == 401  # its own lines
+    lines = [r.getMessage() for r in caplog.records if "refused POST /v1/completions" in r.getMessage()]
+    assert sum("from 10.1.2.3" in line for line in lines) == 10 and sum("from 10.1.2.4" in line for line in lines) == 1
+    assert _refused(metrics, "/v1/completions", "wrong") == 41
+
+
 def test_insecure_admin_answers_any_address() -> None:
     gate, _ = _gate(AccessConfig(insecure_admin=True))
     assert _call(gate.wrap("/instances/remove", _ok), "/instances/remove", "10.1.2.3").status == 200

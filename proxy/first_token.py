@@ -29,7 +29,7 @@ from aiohttp import web
 
 from proxy.attempt import Attempt, Call, Opened
 from proxy.backends import BackendState
-from proxy.errors import UPSTREAM_UNAVAILABLE, RouterError
+from proxy.errors import PREFILL_FAILED, UPSTREAM_UNAVAILABLE, RouterError
 from proxy.first_token_body import (
     ContinuationFix,
     FirstToken,
@@ -45,6 +45,7 @@ from proxy.first_token_body import (
 )
 from proxy.http1 import encode_json
 from proxy.payloads import decode_body, new_room
+from proxy.prefill_watch import WATCH_AFTER_S
 from proxy.routing import RouteRequest
 from proxy.upstream import Failure, Reply, fetch, http_failure, refused_failure
 
@@ -126,18 +127,56 @@ class FirstTokenPath:
         router, call = self.router, self.call
         router.metrics.backend_request(call.endpoint, p.backend)
         lease = router.pool.lease(p, call.tokens)
+        data = encode_json(prefill_first_body(call.body, self.ex.room))
+        nominal = router.config.request_timeout
+        task = asyncio.get_running_loop().create_task(
+            fetch(router.http, p, "POST", call.endpoint, timeout, data, call.headers, nominal)
+        )
         try:
-            data = encode_json(prefill_first_body(call.body, self.ex.room))
-            nominal = router.config.request_timeout
-            reply = await fetch(router.http, p, "POST", call.endpoint, timeout, data, call.headers, nominal)
+            frozen = await self._watch(p, task)
         finally:
             lease.release()
+            if not task.done():
+                task.cancel()  # closes P's connection: vLLM aborts the request (when it runs again)
+        if frozen is not None:
+            return frozen
+        reply = task.result()
         if isinstance(reply, Failure):
             return reply
         if reply.status >= 300:
             return http_failure(p, reply.status, reply.body, reply.content_type)
         refused = refused_failure(p, reply.body)
         return reply if refused is None else refused
+
+    async def _watch(self, p: BackendState, task: asyncio.Task[Reply | Failure]) -> Failure | None:
+        """Wait for P's answer; while it waits, check P is alive (:mod:`proxy.prefill_watch`). A P
+        that does not answer ``/health`` is given up (a retryable failure) where another prefiller
+        can take the request; a lone P is waited for."""
+        ex, router = self.ex, self.router
+        alone_logged = False
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_AFTER_S)
+            if done:
+                return None
+            if await router.prefill_watch.alive(p):
+                continue
+            if task.done():
+                return None
+            route = RouteRequest(ex.room, self.call.tokens, self.call.body)
+            other = router.pool.pick("prefill", ex.room, self.tried_p | {p}, route)
+            if other is None or other is p:
+                if not alone_logged:
+                    logger.warning(
+                        "rid=%s room=%s %s does not answer /health; no other prefiller, still waiting",
+                        ex.rid,
+                        ex.room,
+                        p.backend.name,
+                    )
+                    alone_logged = True
+                continue
+            message = f"{p.backend.name} stopped answering (its /health did not answer within {router.config.health_timeout:g}s)"
+            router.pool.mark_unhealthy(p, message)
+            return Failure(p, "timeout", RouterError(504, message, PREFILL_FAILED), True, detail="unresponsive")
 
     def _count_failure(self, failure: Failure) -> None:
         router = self.router

@@ -14,6 +14,7 @@ from proxy.backends import BackendPool
 from proxy.config import RouterConfig
 from proxy.http1 import Http1Pool
 from proxy.metrics import RouterMetrics
+from proxy.prefill_watch import PrefillWatch
 from proxy.rooms import RoomsInUse
 from proxy.tls import client_context
 from proxy.upstream import check_all
@@ -32,6 +33,8 @@ class Router:
         #: Every call to a backend (P and D requests, health checks, models, admin calls).
         tls = client_context(config.backend_tls) if config.backend_tls else None
         self.http = Http1Pool(config.connect_timeout, ssl_context=tls)
+        #: Liveness of the prefillers first-token requests wait on (``first_token``).
+        self.prefill_watch = PrefillWatch(self.http, config.health_timeout)
         #: Tasks the Router keeps references to until they end (detached prefills, aborts, ...).
         self.tasks: set[asyncio.Task[Any]] = set()
         #: Instances added and removed at run time (``/instances/...``).

@@ -8,14 +8,22 @@ text prompt, and token 101 for its one generated token ``Hello``); the fake D st
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fake_backend import FIRST_TOKEN_ID, TOKENS
 from proxy_testlib import (
+    FAKE_BACKEND,
     Backends,
+    Proc,
     Router,
     RouterFactory,
+    free_port,
     http_client,
     new_rid,
     record,
@@ -153,3 +161,31 @@ def test_client_token_ids_come_with_p_token(router_first: Router, backends: Back
     choice = json.loads(events[0])["choices"][0]
     assert choice["prompt_token_ids"] == PROMPT_IDS and choice["token_ids"] == [FIRST_TOKEN_ID]
     assert record(backends.ok_d, rid)["body"]["return_token_ids"] is True
+
+
+def test_frozen_prefiller_is_given_up_for_another(
+    backends: Backends, fresh_router: RouterFactory, proc_dir: Path
+) -> None:
+    """A stopped P (its /health silent too) is left after the watch's probe; P2 answers in full."""
+    port = free_port()
+    args = [sys.executable, str(FAKE_BACKEND), "--port", str(port), "--mode", "ok"]
+    frozen = Proc(f"frozen fake {port}", port, args, proc_dir / f"frozen-{port}.log").start()
+    try:
+        frozen.wait_listening()
+        router = fresh_router(
+            (port, backends.ok_p2), backends.ok_d, ON, "--health-interval", "0", "--health-timeout", "1"
+        )
+        assert frozen.popen is not None
+        os.kill(frozen.popen.pid, signal.SIGSTOP)
+        rid = new_rid("first-frozen")
+        t0 = time.monotonic()
+        status, events = _stream(router, rid, bootstrap_room=0)  # room 0: the frozen P first
+        took = time.monotonic() - t0
+        assert status == 200 and _texts(events) == [TOKENS[0], *TOKENS, ""]
+        assert took < 6, took  # one watch period (1 s) + one probe (1 s), and the rest
+        assert record(backends.ok_p2, rid)["body"]["return_token_ids"] is True
+        assert "stopped answering" in router.proc.log_text()
+    finally:
+        if frozen.popen is not None and frozen.popen.poll() is None:
+            os.kill(frozen.popen.pid, signal.SIGCONT)
+        frozen.stop()

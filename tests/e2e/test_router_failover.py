@@ -129,9 +129,9 @@ def _stream(url: str, model: str, room: int, max_tokens: int, started: list[int]
                 outcome.status = response.status_code
                 for line in response.iter_lines():
                     if line.startswith("data: "):
-                        if not outcome.events:
-                            started.append(room)
                         outcome.events.append(line[len("data: ") :])
+                        if len(outcome.events) == 2:  # D's first event (the first one is P's token)
+                            started.append(room)
                 if response.status_code != 200:
                     outcome.error = response.read().decode(errors="replace")
     except httpx.HTTPError as exc:

@@ -7,11 +7,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from aiohttp import web
-
-from proxy.app import SHUTDOWN_TIMEOUT_S, create_app
+from proxy.app import HOT_ROUTES_KEY, SHUTDOWN_TIMEOUT_S, create_app
 from proxy.auth import startup_notes
 from proxy.cli import parse_config
+from proxy.hot_server import serve
 from proxy.log_lines import LoopFlushingHandler
 from proxy.tls import server_context
 from proxy.workers import fork_workers
@@ -44,19 +43,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("Router listening on %s://%s:%d (%s)", scheme, config.host, config.port, config.describe())
     for level, note in startup_notes(config.access, config.host):
         log.log(level, "%s", note)
-    web.run_app(
+    served = serve(
         app,
+        app[HOT_ROUTES_KEY],
         host=config.host,
         port=config.port,
-        access_log=None,
-        print=None,
-        handler_cancellation=True,
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        backlog=2048,
         reuse_port=config.workers > 1,
         ssl_context=server_context(config.tls) if config.tls else None,
-        loop=_new_loop(),
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(served)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
     return 0
 
 

@@ -1,5 +1,9 @@
 """The Router's aiohttp application: ``create_app(config)`` and its routes.
 
+``python -m proxy`` serves it through :mod:`proxy.hot_server`: ``POST`` on the two generation
+endpoints runs the same handlers (:data:`HOT_ROUTES_KEY`) on a raw asyncio + httptools server,
+every other request is aiohttp's.
+
 Request lifecycle (docs/design.md §2, §4): a completion or chat request gets a bootstrap room, one
 prefill instance P and one decode instance D; both requests are sent at once; D's answer
 (JSON, or the SSE stream byte for byte) goes back to the client.
@@ -53,13 +57,18 @@ from proxy.router import Router
 from proxy.upstream import Failure, fetch, http_failure, passthrough_response
 from proxy.workers import MEMBERSHIP_PATHS, current_worker, refuse_membership_changes
 
-__all__ = ["ROUTER_KEY", "SHUTDOWN_TIMEOUT_S", "Router", "create_app", "parse_instances"]
+__all__ = ["HOT_ROUTES_KEY", "ROUTER_KEY", "SHUTDOWN_TIMEOUT_S", "Router", "create_app", "parse_instances"]
 
 logger = logging.getLogger("proxy")
 
 #: How long a graceful shutdown waits for requests in flight.
 SHUTDOWN_TIMEOUT_S = 5.0
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+#: The generation endpoints' handlers (auth and error answers included) by path, for the raw
+#: server (proxy.hot_server) that serves ``POST`` on them without aiohttp's request machinery.
+HOT_ROUTES_KEY: web.AppKey[dict[str, Handler]] = web.AppKey("hot_routes")
+#: The routes proxy.hot_server serves itself (``POST`` only).
+HOT_PATHS = (COMPLETIONS, CHAT_COMPLETIONS)
 
 
 def _guarded(handler: Handler) -> Handler:
@@ -164,10 +173,15 @@ def create_app(config: RouterConfig) -> web.Application:
         return error_response(404, f"no route {request.method} {request.path}", NOT_FOUND)
 
     gate = Gate(config.access, router.metrics, ADMIN_PATHS)  # keys and admin token (proxy.auth)
+    hot: dict[str, Handler] = {}
     for method, path, handler in routes:
+        served = _guarded(gate.wrap(path, handler))
         if method == "GET":
-            app.router.add_get(path, _guarded(gate.wrap(path, handler)))  # HEAD too
+            app.router.add_get(path, served)  # HEAD too
         else:
-            app.router.add_route(method, path, _guarded(gate.wrap(path, handler)))
+            app.router.add_route(method, path, served)
+        if method == "POST" and path in HOT_PATHS:
+            hot[path] = served
+    app[HOT_ROUTES_KEY] = hot
     app.router.add_route("*", "/{tail:.*}", gate.wrap_fallback(fallback))
     return app

@@ -18,7 +18,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +156,23 @@ def make_trace(rate: float, count: int, seed: int, edges: Sequence[int], output_
     return trace
 
 
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a server-sent-event stream, split at b"\n" only.
+
+    Not `aiter_lines`: it splits like `str.splitlines`, also at U+0085, U+2028 and other
+    separators that JSON leaves unescaped inside strings, and the random byte tokens of the tiny
+    model do decode to them, which cut an event in two.
+    """
+    buffer = b""
+    async for chunk in resp.aiter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+    if buffer:
+        yield buffer.decode("utf-8", errors="replace")
+
+
 async def send_one(client: httpx.AsyncClient, url: str, model: str, req: TraceRequest) -> Result:
     """Stream one completion; time its first and last choice events."""
     body = {
@@ -177,7 +194,7 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: TraceRe
                 text = (await resp.aread()).decode("utf-8", errors="replace")
                 result.error = f"HTTP {resp.status_code}: {text[:200]}"
                 return result
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data:") or line.endswith("[DONE]"):
                     continue
                 event = json.loads(line[5:])

@@ -5,10 +5,13 @@ acceptance criteria and the plot."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from benchmarks import serving
@@ -18,12 +21,14 @@ from benchmarks.serving_systems import mooncake_patches
 from benchmarks.serving_trace import (
     Result,
     RunStats,
+    TraceRequest,
     bucket_labels,
     bucket_of,
     check_edges,
     make_trace,
     percentile,
     run_trace,
+    send_one,
 )
 from launch.processes import ProcessGroup, free_ports, wait_http_ok
 
@@ -211,3 +216,26 @@ def test_acceptance_all_pass_and_missing_numbers() -> None:
     coloc = acceptance(systems)["ttft_p50_ratio_vs_colocated_max_low_rate"]
     assert coloc["pass"] is None and "64-500" in coloc["reason"]
     assert acceptance({})["tpot_p99_ours_vs_colocated_at_highest_rate"]["reason"] == "pd was not run"
+
+
+def test_client_splits_events_at_newlines_only() -> None:
+    """Generated text may hold U+2028 / U+0085 unescaped (valid JSON): one event, not three; chunks
+    may also end inside a multi-byte character."""
+    events = [{"choices": [{"text": f"a\u2028b\x85c{i}"}]} for i in range(3)]
+    events.append({"choices": [], "usage": {"completion_tokens": 3}})
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events) + "data: [DONE]\n\n"
+    raw = body.encode()
+    chunks = [raw[i : i + 7] for i in range(0, len(raw), 7)]  # 7 bytes: splits the 3-byte U+2028
+
+    async def stream() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=stream()))
+
+    async def go() -> Result:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send_one(client, "http://bench", "m", TraceRequest(0.0, [5, 6, 7], 3))
+
+    result = asyncio.run(go())
+    assert result.error == "" and result.output_tokens == 3 and result.ttft_s > 0 and result.tpot_s >= 0

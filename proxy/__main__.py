@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 from proxy.app import HOT_ROUTES_KEY, SHUTDOWN_TIMEOUT_S, create_app
@@ -16,6 +17,25 @@ from proxy.tls import server_context
 from proxy.workers import fork_workers
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class LineFormatter(logging.Formatter):
+    """``LOG_FORMAT``, with the date and time formatted once per second instead of once per line
+    (two lines per request); a record with an exception or a stack goes through logging's own path."""
+
+    def __init__(self) -> None:
+        super().__init__(LOG_FORMAT)
+        self._second = -1
+        self._stamp = ""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info or record.exc_text or record.stack_info:
+            return super().format(record)
+        second = int(record.created)
+        if second != self._second:
+            self._second, self._stamp = second, time.strftime(self.default_time_format, self.converter(second))
+        record.message = record.getMessage()
+        return f"{self._stamp},{int(record.msecs):03d} {record.levelname} {record.name}: {record.message}"
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -30,7 +50,9 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the flags, log the backends and serve until interrupted (SIGINT/SIGTERM)."""
     config = parse_config(argv)
-    logging.basicConfig(level=config.log_level, format=LOG_FORMAT, handlers=[LoopFlushingHandler(sys.stderr)])
+    handler = LoopFlushingHandler(sys.stderr)
+    handler.setFormatter(LineFormatter())
+    logging.basicConfig(level=config.log_level, handlers=[handler])
     # One INFO line per request: skip what LOG_FORMAT never shows (caller lookup, thread/process names).
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False

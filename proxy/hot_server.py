@@ -111,7 +111,10 @@ class HotConnection(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[str, str]] = []
         self._handler: HotHandler | None = None
+        self._path = ""
+        self._header_map: CIMultiDict[str] = CIMultiDict()
         self._body: bytearray | None = None
+        self._over_limit = False
         self._in_message = False
         # The bytes of the request being parsed, while it may still go to aiohttp (its start is known).
         self._chunk = b""

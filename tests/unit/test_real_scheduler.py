@@ -85,9 +85,9 @@ def make_scheduler(
     return sched
 
 
-def request(rid: str, params: dict[str, Any], max_tokens: int = 4) -> Request:
+def request(rid: str, params: dict[str, Any], max_tokens: int = 4, prompt: list[int] | None = None) -> Request:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args={"kv_transfer_params": params})
-    req = Request(rid, list(PROMPT), sampling, None)
+    req = Request(rid, list(PROMPT if prompt is None else prompt), sampling, None)
     if getattr(req, "kv_transfer_params", None) is None:
         req.kv_transfer_params = params
     return req
@@ -142,6 +142,23 @@ def test_decode_waits_for_remote_kv_then_schedules(model: Path) -> None:
     out, _, _ = step(sched)
     assert out.num_scheduled_tokens.get("d-1") == 1  # only the last prompt token is computed locally
     assert sched.requests["d-1"].status == RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("prompt_len", [len(PROMPT), 3 * BLOCK], ids=["partial-block", "block-aligned"])
+def test_decode_continuation_loads_p_prompt_and_computes_the_first_token(model: Path, prompt_len: int) -> None:
+    """The Router's first-token path: D's prompt is P's plus P's first token (``prefilled_tokens``)."""
+    sched = make_scheduler(model, "kv_consumer")
+    params = DecodeParams(99, "127.0.0.1", 18800, 0, prefilled_tokens=prompt_len).to_json()
+    req = request("d-c", params, prompt=[*PROMPT[:prompt_len], 4242])  # P's prompt + P's first token
+    sched.add_request(req)
+    out, meta, _ = step(sched)
+    assert "d-c" not in out.num_scheduled_tokens
+    (job,) = meta.recvs
+    assert job.num_tokens == prompt_len and len(job.dst_block_ids) == -(-prompt_len // BLOCK)
+    step(sched, KVConnectorOutput(finished_recving={"d-c"}))
+    out, _, _ = step(sched)
+    assert out.num_scheduled_tokens.get("d-c") == 1  # P's first token, computed here; then token 2
+    assert sched.requests["d-c"].num_computed_tokens == prompt_len + 1
 
 
 def test_failed_load_with_policy_fail_ends_the_request(model: Path) -> None:

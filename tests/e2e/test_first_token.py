@@ -1,0 +1,81 @@
+"""The Router's first-token path on the session stack (real vLLM P and D, PDConnector, Mooncake TCP).
+
+Streamed ``/v1/completions`` get P's own first token, then D's continuation (P's prompt ids plus
+that token, ``prefilled_tokens``). Token identity with colocated vLLM is checked for every test
+prompt by ``test_pd_equivalence.py`` (its streamed half takes this path); here: who answered
+(the Router's ``first=`` log field), the usage figures, and a one-token request, answered by P
+alone, whose KV P frees at once through the Router's release request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import P_ROOM_TIMEOUT_S
+from tests.e2e.helpers import kv_usage, prompt_of_length, wait_kv_free
+
+pytestmark = pytest.mark.e2e
+
+
+def _post(url: str, body: dict[str, Any], rid: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """(the stream's events, or [], the JSON answer, or None)."""
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        response = client.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid})
+    assert response.status_code == 200, response.text[:500]
+    if not body.get("stream"):
+        return [], response.json()
+    events = [line[len("data: ") :] for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]], None
+
+
+def _router_line(pd_stack: Any, rid: str) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for line in pd_stack.router.log_path.read_text(errors="replace").splitlines():
+            if f"rid={rid} " in line and " status=" in line:
+                return line
+        time.sleep(0.1)
+    raise AssertionError(f"no Router log line for {rid}")
+
+
+def test_streamed_answer_starts_with_p_token_and_counts_usage_like_one_instance(pd_stack: Any) -> None:
+    model, url = pd_stack.model, pd_stack.router_url
+    prompt = prompt_of_length(70, salt=11)
+    base = {"model": model, "prompt": prompt, "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    rid = f"first-{uuid.uuid4().hex[:8]}"
+    events, _ = _post(url, {**base, "stream": True, "stream_options": {"include_usage": True}}, rid)
+    assert re.search(r"first=P\b", _router_line(pd_stack, rid)), "the first token did not come from P"
+    rid_plain = f"plain-{uuid.uuid4().hex[:8]}"
+    _, answer = _post(url, base, rid_plain)
+    assert answer is not None
+    assert re.search(r"first=D\b", _router_line(pd_stack, rid_plain))  # unstreamed: the two-instance path
+    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+    assert text == answer["choices"][0]["text"]
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    usage = {k: events[-1]["usage"][k] for k in keys}
+    assert usage == {k: answer["usage"][k] for k in keys}, (usage, answer["usage"])  # token 1: generated
+    assert usage["completion_tokens"] == 9
+
+
+def test_one_token_request_is_p_alone_and_frees_p_kv(pd_stack: Any) -> None:
+    model, url = pd_stack.model, pd_stack.router_url
+    assert wait_kv_free(pd_stack.prefill_url) == 0.0
+    body = {"model": model, "prompt": prompt_of_length(90, salt=12), "max_tokens": 1, "temperature": 0, "stream": True}
+    rid = f"one-{uuid.uuid4().hex[:8]}"
+    events, _ = _post(url, body, rid)
+    assert [c["finish_reason"] for e in events for c in e["choices"]] == ["length"]
+    assert re.search(r"first=P\b", _router_line(pd_stack, rid))
+    t0 = time.monotonic()
+    usage = wait_kv_free(pd_stack.prefill_url, timeout=P_ROOM_TIMEOUT_S / 2)
+    freed = time.monotonic() - t0
+    assert usage == 0.0, f"P still holds KV {freed:.1f} s after the answer: {kv_usage(pd_stack.prefill_url)}"
+    assert freed < P_ROOM_TIMEOUT_S / 2  # released by the Router's one-token D request, not expired
+    assert wait_kv_free(pd_stack.decode_url) == 0.0

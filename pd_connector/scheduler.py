@@ -110,6 +110,17 @@ class PDScheduler:
         covered = _prefilled_tokens(request, params)
         missing = covered - num_computed_tokens
         if missing <= 0:
+            # D's own prefix cache holds all P prefilled (a continuation of the first-token path can
+            # end on a block boundary): no load, vLLM must not see finished_recving; P frees the room.
+            logger.info(
+                "room=%d req=%s: all %d prefilled tokens are in D's prefix cache; prefill told to free the room",
+                params.room,
+                request.request_id,
+                covered,
+            )
+            self._recv_planned.add(request.request_id)
+            self._local_hits.pop(request.request_id, None)
+            self._abandoned.append(self._room_release(request.request_id, params))
             return 0, False
         # Only a load of the whole prompt makes vLLM recompute its last token (which a window may
         # not reach); with P's first token appended, D computes that token itself.

@@ -41,6 +41,7 @@ from proxy.first_token_body import (
     is_whole_answer,
     parse_first_token,
     prefill_first_body,
+    text_may_be_partial,
     wants_token_ids,
 )
 from proxy.http1 import encode_json
@@ -78,6 +79,17 @@ class FirstTokenPath:
                 ex.rid,
                 ex.room,
                 p.backend.name,
+            )
+            return await self._plain_decode(p)
+        if not is_whole_answer(first, self.call.body) and text_may_be_partial(first.text):
+            # Token 1 may be the first bytes of a character (byte-level tokenizers): P's text then
+            # lacks them and D, seeing them as its prompt, would not print them either. D answers from
+            # the first token, from P's KV, as on the two-instance path.
+            logger.info(
+                "rid=%s room=%s token 1's text %r may be a partial character; D answers from the first token",
+                ex.rid,
+                ex.room,
+                first.text,
             )
             return await self._plain_decode(p)
         return await self._stream(p, first)

@@ -166,6 +166,12 @@ def is_whole_answer(first: FirstToken, body: dict[str, Any]) -> bool:
     return first.finish_reason != "length" or body.get("max_tokens") == 1
 
 
+def text_may_be_partial(text: str) -> bool:
+    """P's text of token 1 may be an incomplete UTF-8 sequence: vLLM holds such bytes back (empty
+    text) or shows them as U+FFFD."""
+    return not text or "\ufffd" in text
+
+
 def continuation_body(body: dict[str, Any], first: FirstToken) -> dict[str, Any]:
     """D's request (without ``kv_transfer_params``): P's prompt ids plus token 1, one token fewer."""
     out = dict(body)

@@ -134,3 +134,10 @@ def test_first_chunk_with_token_ids() -> None:
     choice = json.loads(first_chunk(first, final=False, token_ids=True)[len(b"data: ") :])["choices"][0]
     assert choice["prompt_token_ids"] == [1, 2, 3] and choice["token_ids"] == [7]
     assert "token_ids" not in json.loads(first_chunk(first, final=False)[len(b"data: ") :])["choices"][0]
+
+
+def test_partial_character_text() -> None:
+    from proxy.first_token_body import text_may_be_partial
+
+    assert text_may_be_partial("") and text_may_be_partial("a\ufffd")
+    assert not text_may_be_partial("é") and not text_may_be_partial(" the")

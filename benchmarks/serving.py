@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="model directory (default: build the reference-shape tiny Llama)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument(
-        "--rates", type=float, nargs="+", help="request rates (req/s); default 0.2 0.4 0.6 (quick: 0.25 0.5)"
+        "--rates", type=float, nargs="+", help="request rates (req/s); default 0.1 0.3 0.6: the lowest is the low-load point, where one P core queues little (quick: 0.25 0.5)"
     )
     p.add_argument("--duration", type=float, help="seconds of arrivals per rate (default 20; quick 10)")
     p.add_argument("--bucket-edges", type=int, nargs="+", default=DEFAULT_EDGES, help="prompt-length bucket edges")
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", type=Path, help="process logs (default: a temporary folder)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
-    args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.2, 0.4, 0.6])
+    args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.1, 0.3, 0.6])
     args.duration = args.duration or (10.0 if args.quick else 20.0)
     args.min_per_bucket = args.min_per_bucket or (1 if args.quick else 3)
     try:

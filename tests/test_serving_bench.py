@@ -67,7 +67,7 @@ def test_request_count_gives_every_bucket_its_minimum_in_whole_rounds() -> None:
     args = serving.parse_args(["--quick"])
     assert args.rates == [0.25, 0.5] and args.min_per_bucket == 1 and args.bucket_edges == EDGES
     args = serving.parse_args([])
-    assert args.rates == [0.2, 0.4, 0.6] and (args.slo_ttft_ms, args.slo_tpot_ms) == (3000.0, 50.0)
+    assert args.rates == [0.1, 0.3, 0.6] and (args.slo_ttft_ms, args.slo_tpot_ms) == (3000.0, 50.0)
     assert [len(t) for t in serving.traces(args).values()] == [12, 12, 12] and args.min_per_bucket == 3
     with pytest.raises(SystemExit):
         serving.parse_args(["--bucket-edges", "500", "64"])

@@ -43,7 +43,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.serving_report import LATENCY_KEYS, acceptance, ratios  # noqa: E402
-from benchmarks.serving_systems import STARTERS, SYSTEMS, mooncake_patches  # noqa: E402
+from benchmarks.serving_systems import PD_TRANSFER_MODE, STARTERS, SYSTEMS, mooncake_patches  # noqa: E402
 from benchmarks.serving_trace import RunStats, TraceRequest, bucket_labels, check_edges, make_trace, run_trace  # noqa: E402
 from launch.processes import ProcessFailed, ProcessGroup  # noqa: E402
 
@@ -80,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png", type=Path, help="where the plot goes (default: <log dir>/serving.png)")
     p.add_argument("--log-dir", type=Path, help="process logs (default: a temporary folder)")
     p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--pd-transfer-mode",
+        choices=("layer", "request"),
+        default="layer",
+        help="PDConnector's transfer_mode for pd (default: layer: P's KV is ready for D as its prefill's forward "
+        "ends; request mode hands it over with P's next engine step, which a long prefill of the next request delays)",
+    )
     args = p.parse_args(argv)
     args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.1, 0.3, 0.6])
     args.duration = args.duration or (10.0 if args.quick else 20.0)
@@ -221,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     say(f"logs in {log_dir}")
     model = build_model(args.model)
     all_traces = traces(args)
+    PD_TRANSFER_MODE["mode"] = args.pd_transfer_mode
     started = time.monotonic()
     systems = {name: bench_system(name, model, args, all_traces, log_dir) for name in args.systems}
     report: dict[str, Any] = {
         "model": model,
         "model_shape": REFERENCE_SHAPE if not args.model else None,
         "serve_args": SERVE_ARGS,
+        "pd": {"transfer_mode": args.pd_transfer_mode, "router": "first-token path (default flags)"},
         "cpus": {"prefill_or_a": args.p_cpus, "decode_or_b": args.d_cpus},
         "trace": {
             "rates_rps": args.rates,

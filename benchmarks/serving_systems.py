@@ -62,10 +62,16 @@ def _front_end(
     return _url(port)
 
 
+#: PDConnector's ``transfer_mode`` for the ``pd`` system (``serving.py --pd-transfer-mode``).
+PD_TRANSFER_MODE = {"mode": "layer"}
+
+
 def start_pd(group: ProcessGroup, model: str, serve_args: Sequence[str], cpus: tuple[str, str], timeout: float) -> str:
+    mode = {"transfer_mode": PD_TRANSFER_MODE["mode"]}
     stack = start_pd_stack(
-        group, model, p_args=serve_args, d_args=serve_args, p_cpus=cpus[0], d_cpus=cpus[1], timeout=timeout
-    )
+        group, model, p_args=serve_args, d_args=serve_args, p_cpus=cpus[0], d_cpus=cpus[1], timeout=timeout,
+        extra_p_config=mode, extra_d_config=mode,
+    )  # fmt: skip
     return stack.router_url
 
 

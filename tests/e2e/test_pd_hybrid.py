@@ -60,9 +60,14 @@ def test_hybrid_model_pd_matches_colocated(hybrid_model: Path, tmp_path_factory:
         p_log, d_log = stack.prefill.log_path, stack.decode.log_path
         # The hybrid manager stayed on for both; every other prompt was pushed and D loaded both groups.
         assert count_in_log(p_log, HMA_OFF) == 0 and count_in_log(d_log, HMA_OFF) == 0
-        # Streamed requests take the Router's first-token path: D's prompt is P's plus P's token, so
-        # D computes that token itself and no edge length makes it replay one from a freed block.
-        pushed = [(p, s) for p, s in cases if len(p) not in EDGE or s]
-        assert count_in_log(p_log, r"pushed \d+ blocks") >= len(pushed)
-        assert count_in_log(d_log, r"from block \d+, 2 KV cache groups\)") >= len(pushed)
-        assert count_in_log(d_log, r"window opens a block.*prefilled here") == len(cases) - len(pushed)
+        # Unstreamed edge prompts are prefilled on D. Streamed ones take the Router's first-token path:
+        # D's prompt is P's plus P's token, D computes that token itself and no edge length makes it
+        # replay one from a freed block, unless token 1 may be a partial character (the tiny model's
+        # byte tokens), which sends the client's own request to D (then an edge prompt is prefilled
+        # on D too). A continuation whose prefilled tokens D's prefix cache held only frees P's room.
+        edges = [(p, s) for p, s in cases if len(p) in EDGE]
+        here = count_in_log(d_log, r"window opens a block.*prefilled here")
+        assert len([e for e in edges if not e[1]]) <= here <= len(edges), (here, edges)
+        cached = count_in_log(d_log, r"prefilled tokens are in D's prefix cache")
+        assert count_in_log(p_log, r"pushed \d+ blocks") + cached + here >= len(cases)
+        assert count_in_log(d_log, r"from block \d+, 2 KV cache groups\)") + cached + here >= len(cases)

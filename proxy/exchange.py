@@ -3,11 +3,13 @@
 An exchange validates the body, then makes up to ``--max-retries`` :class:`proxy.attempt.Attempt`
 objects, one at a time, each on a P/D pair the routing policy picks (avoiding instances that
 already failed this request) with a fresh bootstrap room after the first. The first attempt that
-does not fail gives the answer: D's JSON, or D's stream relayed byte for byte. Its
+does not fail gives the answer: D's JSON, or D's stream relayed byte for byte. Eligible streamed
+completions take :class:`proxy.first_token.FirstTokenPath` instead (P's own first token first). Its
 ``finally`` closes the current attempt and writes the request's one INFO log line.
 
-The handler task is cancelled only by aiohttp, when the client goes away (handler
-cancellation): the exchange then closes both backend requests (vLLM aborts them).
+The handler task is cancelled only by the Router's server (:mod:`proxy.hot_server`, or aiohttp
+for what it hands over), when the client goes away: the exchange then closes both backend
+requests (vLLM aborts them).
 """
 
 from __future__ import annotations

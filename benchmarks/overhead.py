@@ -7,6 +7,10 @@ requests, alternating, each with a prompt never seen before (no prefix-cache hit
 - `p_alone`: straight to P, streamed, max_tokens 1: P's own time to its first token;
 - `pd`: through the Router, streamed, max_tokens 2: the client's time to the first token.
 
+The Router's first-token path streams P's own token 1; where P's token may be a partial
+character it falls back to D answering from token 1: the JSON splits the PD requests by who sent
+the first token (the Router's ``first=`` log field) and gives the overhead of each path.
+
 `overhead_ms` = median PD TTFT - median P-alone TTFT. The PD requests carry an X-Request-Id, so
 their phase-trace lines (pd_connector.trace: Router, P and D) are found in the logs and give the
 breakdown (`phases_ms`, medians): where between the Router receiving the request and D's first
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import string
 import sys
@@ -105,6 +110,17 @@ def stream_ttft(url: str, body: dict, headers: dict[str, str] | None = None) -> 
     return ttft
 
 
+def first_token_senders(router_log: Path, req_ids: list[str]) -> dict[str, str]:
+    """Who sent each request's first token, from the Router's request lines (``first=P`` / ``first=D``)."""
+    wanted = set(req_ids)
+    out: dict[str, str] = {}
+    for line in router_log.read_text(errors="replace").splitlines():
+        match = re.search(r"rid=(\S+) .* first=([PD])\b", line)
+        if match and match.group(1) in wanted:
+            out[match.group(1)] = match.group(2)
+    return out
+
+
 def traces(paths: dict[str, Path]) -> dict[str, list[TraceRecord]]:
     return {
         side: [r for r in map(parse_trace_line, path.read_text(errors="replace").splitlines()) if r]
@@ -157,7 +173,15 @@ def measure(stack: Any, tokens: int, args: argparse.Namespace, rng: random.Rando
     time.sleep(1.5)  # trace lines are written as each side finishes
     phases = breakdown(traces(stack.log_paths), req_ids)
     p_ms, pd_ms = statistics.median(p_alone), statistics.median(pd)
+    sender = first_token_senders(stack.router.log_path, req_ids)
+    by_path = {who: [t for t, rid in zip(pd, req_ids, strict=True) if sender.get(rid) == who] for who in ("P", "D")}
     return {
+        # The Router's first-token path (first=P) vs D answering from token 1 (first=D: the path's
+        # fallback when P's token may be a partial character, as the tiny model's byte tokens often are).
+        "first_token_from_p": len(by_path["P"]),
+        "first_token_from_d": len(by_path["D"]),
+        "overhead_ms_first_from_p": round(statistics.median(by_path["P"]) - p_ms, 2) if by_path["P"] else None,
+        "overhead_ms_first_from_d": round(statistics.median(by_path["D"]) - p_ms, 2) if by_path["D"] else None,
         "prompt_tokens": tokens,
         "requests": args.requests,
         "p_alone_ttft_ms_median": round(p_ms, 2),

@@ -73,7 +73,9 @@ def targets(
     listen = ["--host", HOST]
     ours = [sys.executable, "-m", "proxy", *listen, "--port", str(ports["router"]), *instances]
     out = [
-        Target("router", [*ours, "--workers", str(router_workers)], "/health"),
+        # The fake backend's P answer names no token ids (the first-token path would fall back to
+        # P, then D, one after the other): the Router's own relay is measured, P and D at once.
+        Target("router", [*ours, "--workers", str(router_workers), "--no-first-token-from-prefill"], "/health"),
         Target(
             "ascend_proxy",
             [sys.executable, str(ascend_proxy), *listen, "--port", str(ports["ascend_proxy"]), *instances],

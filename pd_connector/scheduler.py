@@ -118,10 +118,7 @@ class PDScheduler:
                 request.request_id,
                 covered,
             )
-            self._recv_planned.add(request.request_id)
-            self._local_hits.pop(request.request_id, None)
-            self._abandoned.append(self._room_release(request.request_id, params))
-            return 0, False
+            return self._free_without_load(request.request_id, params)
         # Only a load of the whole prompt makes vLLM recompute its last token (which a window may
         # not reach); with P's first token appended, D computes that token itself.
         window = None
@@ -136,10 +133,7 @@ class PDScheduler:
                 request.num_prompt_tokens,
                 window,
             )
-            self._recv_planned.add(request.request_id)
-            self._local_hits.pop(request.request_id, None)
-            self._abandoned.append(self._room_release(request.request_id, params))
-            return 0, False
+            return self._free_without_load(request.request_id, params)
         return missing, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -194,6 +188,13 @@ class PDScheduler:
         """D: the request ended before its load was asked for; its worker tells P to free the room."""
         logger.info("room=%d req=%s: finished before its KV was asked for; prefill will be told", params.room, rid)
         self._abandoned.append(self._room_release(rid, params))
+
+    def _free_without_load(self, rid: str, params: DecodeParams) -> tuple[int, bool]:
+        """D loads nothing for ``rid`` (vLLM must not see a finished_recving): P is told to free the room."""
+        self._recv_planned.add(rid)
+        self._local_hits.pop(rid, None)
+        self._abandoned.append(self._room_release(rid, params))
+        return 0, False
 
     @staticmethod
     def _room_release(rid: str, params: DecodeParams) -> RecvJob:

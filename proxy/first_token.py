@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -32,6 +33,7 @@ from proxy.backends import BackendState
 from proxy.errors import PREFILL_FAILED, UPSTREAM_UNAVAILABLE, RouterError
 from proxy.first_token_body import (
     ContinuationFix,
+    DropRepeatedFirst,
     FirstToken,
     FirstTokenFrom,
     continuation_body,
@@ -84,7 +86,9 @@ class FirstTokenPath:
         if not is_whole_answer(first, self.call.body) and text_may_be_partial(first.text):
             # Token 1 may be the first bytes of a character (byte-level tokenizers): P's text then
             # lacks them and D, seeing them as its prompt, would not print them either. D answers from
-            # the first token, from P's KV, as on the two-instance path.
+            # the first token, from P's KV, as on the two-instance path; P's empty chunk goes first.
+            if first.text == "" and not wants_token_ids(self.call.body):
+                return await self._empty_first_then_decode(p, first)
             logger.info(
                 "rid=%s room=%s token 1's text %r may be a partial character; D answers from the first token",
                 ex.rid,
@@ -231,7 +235,7 @@ class FirstTokenPath:
         return await self._continue(attempt, response, fix)
 
     async def _continue(
-        self, attempt: Attempt, response: web.StreamResponse, fix: ContinuationFix
+        self, attempt: Attempt, response: web.StreamResponse, fix: Callable[[bytes], bytes]
     ) -> web.StreamResponse:
         """D's continuation: relayed on success; retried as a P+D attempt while D sent nothing."""
         ex, router = self.ex, self.router
@@ -277,6 +281,33 @@ class FirstTokenPath:
         await response.write(failure.error.to_sse())
         await response.write_eof()
         return response
+
+    async def _empty_first_then_decode(self, p: BackendState, first: FirstToken) -> web.StreamResponse:
+        """Token 1 has no text yet: its empty chunk goes to the client at once (as one instance
+        sends it), then D answers the client's own request from P's KV; D's own first token, the
+        same empty chunk again, is dropped (:class:`proxy.first_token_body.DropRepeatedFirst`)."""
+        ex, call = self.ex, self.call
+        route = RouteRequest(ex.room, call.tokens, call.body)
+        d = self.router.pool.pick("decode", ex.room, self.tried_d, route)
+        if d is None:
+            return ex._error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+        logger.debug("rid=%s room=%s token 1 has no text yet; D answers from the first token", ex.rid, ex.room)
+        response = ex.stream_response(200, "text/event-stream")
+        try:
+            await response.prepare(ex.request)
+            await response.write(first_chunk(first, final=False))
+        except BaseException:
+            prompt_len = len(first.prompt_token_ids)  # the client left before D was asked
+            cont = Call(
+                call.endpoint, call.rid, continuation_body(call.body, first), True, prompt_len + 1, call.headers
+            )
+            self._release_room(p, cont, prompt_len)
+            raise
+        ex.ttfb = time.monotonic() - ex.t0
+        ex.first_token_from = FirstTokenFrom.PREFILL
+        remaining = ex.deadline - time.monotonic()
+        attempt = Attempt(self.router, call, p, d, ex.room, remaining, p_answered=True)
+        return await self._continue(attempt, response, DropRepeatedFirst())
 
     async def _plain_decode(self, p: BackendState) -> web.StreamResponse:
         """P answered without token ids: D serves the client's own request from P's KV."""

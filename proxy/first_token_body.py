@@ -273,3 +273,49 @@ class ContinuationFix:
             if changed:
                 events[i] = b"data: " + _ENCODER.encode(payload)
         return b"\n\n".join(events)
+
+
+class DropRepeatedFirst:
+    """Drops D's first event when it repeats the empty token 1 the client already has from P.
+
+    Used where P's token 1 had no text yet (the first bytes of a character): the client gets P's
+    empty chunk at once and D answers the client's own request from P's KV, so D's own first token
+    (P's token 1 again under greedy sampling) comes a second time. Dropped only while it is empty
+    and unfinished; anything else (a different sample with text, a finish reason) goes through.
+    """
+
+    __slots__ = ("pending", "done")
+
+    #: A first event longer than this is passed on without looking at it.
+    LIMIT = 1 << 16
+
+    def __init__(self) -> None:
+        self.pending = b""
+        self.done = False
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if self.done:
+            return chunk
+        self.pending += chunk
+        head, sep, rest = self.pending.partition(b"\n\n")
+        if not sep:
+            if len(self.pending) <= self.LIMIT:
+                return b""  # the first event is not whole yet
+            self.done = True
+            return self.pending
+        self.done = True
+        self.pending = b""
+        return rest if _is_empty_token(head) else head + sep + rest
+
+
+def _is_empty_token(event: bytes) -> bool:
+    if not event.startswith(b"data: {"):
+        return False
+    try:
+        choices = _DECODER.decode(event[6:]).get("choices")
+    except (msgspec.DecodeError, AttributeError):
+        return False
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return False
+    choice = choices[0]
+    return choice.get("text") == "" and choice.get("finish_reason") is None

@@ -44,6 +44,9 @@ POLL_S = 0.02
 
 #: The token id a ``return_token_ids`` answer names for its one generated token.
 FIRST_TOKEN_ID = 101
+#: A text prompt holding this gets a token 1 without text (the first bytes of a character): P's
+#: ``return_token_ids`` answer has text "", and a stream for that prompt starts with an empty chunk.
+PARTIAL_MARK = "[partial]"
 
 
 def prompt_ids(prompt: Any) -> list[int]:
@@ -62,7 +65,7 @@ def _completion(path: str, rid: str, text: str, kv: Any, port: int, body: dict[s
         usage = {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
         choice = {
             "index": 0,
-            "text": TOKENS[0],
+            "text": "" if PARTIAL_MARK in str(body.get("prompt")) else TOKENS[0],
             "logprobs": None,
             "finish_reason": "length",
             "stop_reason": None,
@@ -171,6 +174,8 @@ def build_app(
             interval = chunk_interval
         else:
             tokens = list(TOKENS)
+            if isinstance(body.get("prompt"), str) and PARTIAL_MARK in body["prompt"]:
+                tokens.insert(0, "")
             interval = 0.005
         usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage") is True
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_backend import FIRST_TOKEN_ID, TOKENS
+from fake_backend import FIRST_TOKEN_ID, PARTIAL_MARK, TOKENS
 from proxy_testlib import (
     FAKE_BACKEND,
     Backends,
@@ -160,6 +160,33 @@ def test_client_token_ids_come_with_p_token(router_first: Router, backends: Back
     assert status == 200
     choice = json.loads(events[0])["choices"][0]
     assert choice["prompt_token_ids"] == PROMPT_IDS and choice["token_ids"] == [FIRST_TOKEN_ID]
+    assert record(backends.ok_d, rid)["body"]["return_token_ids"] is True
+
+
+def test_token_one_without_text_goes_first_and_d_answers_the_request(router_first: Router, backends: Backends) -> None:
+    """P's token 1 has no text yet: its empty chunk first, then D serves the client's own request
+    from P's KV; D's repeat of that empty chunk is not sent twice."""
+    rid = new_rid("first-partial")
+    prompt = f"Hi {PARTIAL_MARK}"
+    status, events = _stream(router_first, rid, prompt=prompt, stream_options={"include_usage": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    assert _texts(events) == ["", *TOKENS, ""]
+    # D generated the empty token and the four others: its own count goes through unchanged.
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == len(TOKENS) + 1
+    p_kv = record(backends.ok_p, rid)["body"]["kv_transfer_params"]
+    d_body = record(backends.ok_d, rid)["body"]
+    assert d_body["prompt"] == prompt and d_body["max_tokens"] == 8
+    assert "prefilled_tokens" not in d_body["kv_transfer_params"]
+    assert d_body["kv_transfer_params"]["bootstrap_room"] == p_kv["bootstrap_room"]
+    line = next(line for line in router_first.proc.log_text().splitlines() if rid in line and "first=" in line)
+    assert "first=P" in line
+
+
+def test_token_one_without_text_and_client_token_ids_waits_for_d(router_first: Router, backends: Backends) -> None:
+    rid = new_rid("first-partial-ids")
+    status, events = _stream(router_first, rid, prompt=f"Hi {PARTIAL_MARK}", return_token_ids=True)
+    assert status == 200
+    assert _texts(events) == ["", *TOKENS, ""]  # D's own stream, its empty first chunk included
     assert record(backends.ok_d, rid)["body"]["return_token_ids"] is True
 
 

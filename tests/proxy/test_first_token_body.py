@@ -8,6 +8,7 @@ import pytest
 
 from proxy.first_token_body import (
     ContinuationFix,
+    DropRepeatedFirst,
     continuation_body,
     final_events,
     first_chunk,
@@ -141,3 +142,23 @@ def test_partial_character_text() -> None:
 
     assert text_may_be_partial("") and text_may_be_partial("a\ufffd")
     assert not text_may_be_partial("é") and not text_may_be_partial(" the")
+
+
+def _text_event(text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return b"data: " + json.dumps({"id": "cmpl-x", "choices": [choice]}).encode() + b"\n\n"
+
+
+def test_drop_repeated_first_drops_only_an_empty_unfinished_first_event() -> None:
+    drop = DropRepeatedFirst()
+    first, second = _text_event(""), _text_event("Hi")
+    # The first event split over reads: held back until whole, then dropped; the rest unchanged.
+    assert drop(first[:10]) == b""
+    assert drop(first[10:] + second[:5]) == second[:5]
+    assert drop(second[5:]) == second[5:]
+    assert drop(_text_event("")) == _text_event("")  # only the first event is looked at
+
+
+@pytest.mark.parametrize("event", [_text_event("x"), _text_event("", "stop"), b": comment\n\n", b"data: {bad\n\n"])
+def test_drop_repeated_first_passes_any_other_first_event(event: bytes) -> None:
+    assert DropRepeatedFirst()(event + b"data: [DONE]\n\n") == event + b"data: [DONE]\n\n"

@@ -291,7 +291,6 @@ class FirstTokenPath:
         d = self.router.pool.pick("decode", ex.room, self.tried_d, route)
         if d is None:
             return ex._error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
-        logger.debug("rid=%s room=%s token 1 has no text yet; D answers from the first token", ex.rid, ex.room)
         response = ex.stream_response(200, "text/event-stream")
         try:
             await response.prepare(ex.request)
@@ -304,7 +303,7 @@ class FirstTokenPath:
             self._release_room(p, cont, prompt_len)
             raise
         ex.ttfb = time.monotonic() - ex.t0
-        ex.first_token_from = FirstTokenFrom.PREFILL
+        ex.first_token_from = FirstTokenFrom.PREFILL_EMPTY
         remaining = ex.deadline - time.monotonic()
         attempt = Attempt(self.router, call, p, d, ex.room, remaining, p_answered=True)
         return await self._continue(attempt, response, DropRepeatedFirst())

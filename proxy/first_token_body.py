@@ -53,6 +53,9 @@ class FirstTokenFrom(enum.Enum):
 
     DECODE = "D"
     PREFILL = "P"  # the first-token path: P's own token, D's from the second on
+    #: P's token 1 had no text yet (the first bytes of a character): P's empty chunk, then D's
+    #: answer to the client's own request, its repeat of that chunk dropped.
+    PREFILL_EMPTY = "P-empty"
 
 
 _ENCODER = msgspec.json.Encoder()

@@ -65,6 +65,28 @@ def test_streamed_answer_starts_with_p_token_and_counts_usage_like_one_instance(
     assert usage["completion_tokens"] == 9
 
 
+def test_token_one_without_text_streams_the_same_text_as_the_two_instance_path(pd_stack: Any) -> None:
+    """A token 1 that is the first bytes of a character (frequent with the tiny byte-level model):
+    P's empty chunk first, then D's answer to the client's request (``first=P-empty``); the text
+    matches the unstreamed two-instance answer (itself checked against colocated vLLM)."""
+    model, url = pd_stack.model, pd_stack.router_url
+    paths = []
+    for salt in range(21, 29):
+        base = {"model": model, "prompt": prompt_of_length(80, salt=salt), "max_tokens": 6, "temperature": 0}
+        rid = f"empty-{uuid.uuid4().hex[:8]}"
+        events, _ = _post(url, {**base, "stream": True, "stream_options": {"include_usage": True}}, rid)
+        line = _router_line(pd_stack, rid)
+        paths.append(re.search(r"first=(\S+)", line).group(1))  # type: ignore[union-attr]
+        _, answer = _post(url, base, f"plain-{uuid.uuid4().hex[:8]}")
+        assert answer is not None
+        text = "".join(c["text"] for e in events for c in e.get("choices", []))
+        assert text == answer["choices"][0]["text"], (salt, paths[-1])
+        assert events[-1]["usage"]["completion_tokens"] == answer["usage"]["completion_tokens"]
+        choices = [c for e in events for c in e.get("choices", [])]
+        assert len(choices) == answer["usage"]["completion_tokens"], choices  # one chunk a token: none twice
+    assert "P-empty" in paths, paths
+
+
 def test_one_token_request_is_p_alone_and_frees_p_kv(pd_stack: Any) -> None:
     model, url = pd_stack.model, pd_stack.router_url
     assert wait_kv_free(pd_stack.prefill_url) == 0.0

@@ -179,7 +179,7 @@ def test_token_one_without_text_goes_first_and_d_answers_the_request(router_firs
     assert "prefilled_tokens" not in d_body["kv_transfer_params"]
     assert d_body["kv_transfer_params"]["bootstrap_room"] == p_kv["bootstrap_room"]
     line = next(line for line in router_first.proc.log_text().splitlines() if rid in line and "first=" in line)
-    assert "first=P" in line
+    assert "first=P-empty" in line
 
 
 def test_token_one_without_text_and_client_token_ids_waits_for_d(router_first: Router, backends: Backends) -> None:

@@ -109,4 +109,3 @@ def test_bad_room_is_400(body: dict[str, Any]) -> None:
         resolve_room(body)
     assert info.value.status == 400
     assert info.value.error_type == "invalid_request_error"
-

@@ -7,9 +7,10 @@ requests, alternating, each with a prompt never seen before (no prefix-cache hit
 - `p_alone`: straight to P, streamed, max_tokens 1: P's own time to its first token;
 - `pd`: through the Router, streamed, max_tokens 2: the client's time to the first token.
 
-The Router's first-token path streams P's own token 1; where P's token may be a partial
-character it falls back to D answering from token 1: the JSON splits the PD requests by who sent
-the first token (the Router's ``first=`` log field) and gives the overhead of each path.
+The Router's first-token path streams P's own token 1; where that token has no text yet (the
+first bytes of a character) P's empty chunk goes first and D answers from token 1 (``P-empty``);
+the JSON splits the PD requests by who sent the first token (the Router's ``first=`` log field:
+P, P-empty or D) and gives the overhead of each path.
 
 `overhead_ms` = median PD TTFT - median P-alone TTFT. The PD requests carry an X-Request-Id, so
 their phase-trace lines (pd_connector.trace: Router, P and D) are found in the logs and give the
@@ -111,11 +112,11 @@ def stream_ttft(url: str, body: dict, headers: dict[str, str] | None = None) -> 
 
 
 def first_token_senders(router_log: Path, req_ids: list[str]) -> dict[str, str]:
-    """Who sent each request's first token, from the Router's request lines (``first=P`` / ``first=D``)."""
+    """Who sent each request's first token, from the Router's request lines (``first=P`` / ``P-empty`` / ``D``)."""
     wanted = set(req_ids)
     out: dict[str, str] = {}
     for line in router_log.read_text(errors="replace").splitlines():
-        match = re.search(r"rid=(\S+) .* first=([PD])\b", line)
+        match = re.search(r"rid=(\S+) .* first=(P-empty|P|D)\b", line)
         if match and match.group(1) in wanted:
             out[match.group(1)] = match.group(2)
     return out
@@ -174,14 +175,22 @@ def measure(stack: Any, tokens: int, args: argparse.Namespace, rng: random.Rando
     phases = breakdown(traces(stack.log_paths), req_ids)
     p_ms, pd_ms = statistics.median(p_alone), statistics.median(pd)
     sender = first_token_senders(stack.router.log_path, req_ids)
-    by_path = {who: [t for t, rid in zip(pd, req_ids, strict=True) if sender.get(rid) == who] for who in ("P", "D")}
+    paths = ("P", "P-empty", "D")
+    by_path = {who: [t for t, rid in zip(pd, req_ids, strict=True) if sender.get(rid) == who] for who in paths}
+
+    def overhead(who: str) -> float | None:
+        return round(statistics.median(by_path[who]) - p_ms, 2) if by_path[who] else None
+
     return {
-        # The Router's first-token path (first=P) vs D answering from token 1 (first=D: the path's
-        # fallback when P's token may be a partial character, as the tiny model's byte tokens often are).
+        # The Router's first-token path: P's token 1 (first=P), or P's empty chunk where token 1 is
+        # the first bytes of a character (first=P-empty: the tiny model's byte tokens often are),
+        # vs D answering from token 1 (first=D: P's answer without token ids).
         "first_token_from_p": len(by_path["P"]),
+        "first_token_from_p_empty": len(by_path["P-empty"]),
         "first_token_from_d": len(by_path["D"]),
-        "overhead_ms_first_from_p": round(statistics.median(by_path["P"]) - p_ms, 2) if by_path["P"] else None,
-        "overhead_ms_first_from_d": round(statistics.median(by_path["D"]) - p_ms, 2) if by_path["D"] else None,
+        "overhead_ms_first_from_p": overhead("P"),
+        "overhead_ms_first_from_p_empty": overhead("P-empty"),
+        "overhead_ms_first_from_d": overhead("D"),
         "prompt_tokens": tokens,
         "requests": args.requests,
         "p_alone_ttft_ms_median": round(p_ms, 2),

@@ -170,9 +170,14 @@ def is_whole_answer(first: FirstToken, body: dict[str, Any]) -> bool:
 
 
 def text_may_be_partial(text: str) -> bool:
-    """P's text of token 1 may be an incomplete UTF-8 sequence: vLLM holds such bytes back (empty
-    text) or shows them as U+FFFD."""
-    return not text or "\ufffd" in text
+    """P's text of token 1 may end in an incomplete UTF-8 sequence: vLLM's detokenizers hold such
+    bytes back (empty text) and never return text ending in U+FFFD while more bytes may complete it.
+
+    U+FFFD *inside* the text is final (bytes no later byte can complete, e.g. a random prompt's own
+    bytes that vLLM re-emits with token 1 when the prompt ends inside a character); D's decode stream,
+    primed with the prompt and token 1, then continues exactly as one instance's would (checked
+    against ``tokenizers.decoders.DecodeStream`` over random byte prompts)."""
+    return not text or text.endswith("\ufffd")
 
 
 def continuation_body(body: dict[str, Any], first: FirstToken) -> dict[str, Any]:

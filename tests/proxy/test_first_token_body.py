@@ -142,6 +142,7 @@ def test_partial_character_text() -> None:
 
     assert text_may_be_partial("") and text_may_be_partial("a\ufffd")
     assert not text_may_be_partial("é") and not text_may_be_partial(" the")
+    assert not text_may_be_partial("\ufffdab\ufffdc")  # U+FFFD inside: final bytes, D can continue
 
 
 def _text_event(text: str, finish: str | None = None) -> bytes:

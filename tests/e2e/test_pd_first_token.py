@@ -10,13 +10,16 @@ alone, whose KV P frees at once through the Router's release request.
 from __future__ import annotations
 
 import json
+import random
 import re
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from tokenizers import Tokenizer
 
 from tests.e2e.conftest import P_ROOM_TIMEOUT_S
 from tests.e2e.helpers import kv_usage, prompt_of_length, wait_kv_free
@@ -85,6 +88,33 @@ def test_token_one_without_text_streams_the_same_text_as_the_two_instance_path(p
         choices = [c for e in events for c in e.get("choices", [])]
         assert len(choices) == answer["usage"]["completion_tokens"], choices  # one chunk a token: none twice
     assert "P-empty" in paths, paths
+
+
+def test_random_byte_prompts_stream_the_same_text_as_the_two_instance_path(pd_stack: Any) -> None:
+    """Prompts of random byte tokens that end inside a character (as the serving benchmark's are):
+    vLLM may then re-emit the prompt's bytes with token 1 (U+FFFD inside its text, continued on D)
+    or hold token 1 back (``P-empty``); either way the streamed text is the two-instance answer's."""
+    model, url = pd_stack.model, pd_stack.router_url
+    tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    rng = random.Random(5)
+    prompts: list[list[int]] = []
+    while len(prompts) < 8:
+        prompt = [rng.randrange(3, 259) for _ in range(60)]
+        if tokenizer.decode(prompt).endswith("\ufffd"):
+            prompts.append(prompt)
+    seen = []
+    for prompt in prompts:
+        base = {"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+        rid = f"bytes-{uuid.uuid4().hex[:8]}"
+        events, _ = _post(url, {**base, "stream": True}, rid)
+        _, answer = _post(url, base, f"plain-{uuid.uuid4().hex[:8]}")
+        assert answer is not None
+        chunks = [c["text"] for e in events for c in e.get("choices", [])]
+        first = re.search(r"first=(\S+)", _router_line(pd_stack, rid)).group(1)  # type: ignore[union-attr]
+        seen.append((first, "\ufffd" in chunks[0]))
+        assert "".join(chunks) == answer["choices"][0]["text"], seen[-1]
+        assert len(chunks) == answer["usage"]["completion_tokens"], (seen[-1], chunks)
+    assert all(path in ("P", "P-empty") for path, _ in seen), seen
 
 
 def test_one_token_request_is_p_alone_and_frees_p_kv(pd_stack: Any) -> None:

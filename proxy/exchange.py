@@ -201,7 +201,7 @@ class Exchange:
             d = pool.pick("decode", self.room, tried_d, route)
             if p is None or d is None:
                 missing = "prefill" if p is None else "decode"
-                return self._error(RouterError(503, f"no {missing} instance is available", UPSTREAM_UNAVAILABLE))
+                return self.error(RouterError(503, f"no {missing} instance is available", UPSTREAM_UNAVAILABLE))
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -209,7 +209,7 @@ class Exchange:
             self.attempt = attempt = Attempt(router, self.call, p, d, self.room, remaining)
             outcome = await attempt.run()
             if not isinstance(outcome, Failure):
-                return await self._answer(attempt, outcome)
+                return await self.answer(attempt, outcome)
             failure = outcome
             attempt.close()
             router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)
@@ -231,18 +231,21 @@ class Exchange:
                 failure.error.message,
             )
         if failure is None:
-            return self._error(RouterError(504, "the request timed out before a backend answered", DECODE_FAILED))
-        return self._final_failure(failure)
+            return self.error(RouterError(504, "the request timed out before a backend answered", DECODE_FAILED))
+        return self.final_failure(failure)
 
     # -- answers -------------------------------------------------------------------------------
 
-    def _error(self, error: RouterError) -> web.Response:
+    def error(self, error: RouterError) -> web.Response:
+        """The client's answer for a Router-side error (counted and logged)."""
         self.status = error.status
         self.router.metrics.error(self.endpoint, error.error_type)
         logger.error("rid=%s room=%s answering HTTP %d: %s", self.rid, self.room, error.status, error.message)
         return error.to_response(self.out_headers)
 
-    def _final_failure(self, failure: Failure) -> web.Response:
+    def final_failure(self, failure: Failure) -> web.Response:
+        """The client's answer once no attempt is left: the last failure (a backend's own HTTP
+        error passed through where it has one)."""
         self.status = failure.passthrough[0] if failure.passthrough else failure.error.status
         self.router.metrics.error(self.endpoint, failure.error.error_type)
         logger.error(
@@ -255,13 +258,14 @@ class Exchange:
         )
         return failure.response(self.out_headers)
 
-    async def _answer(self, attempt: Attempt, outcome: Opened | Answered) -> web.StreamResponse:
+    async def answer(self, attempt: Attempt, outcome: Opened | Answered) -> web.StreamResponse:
+        """D's answer to the client: a whole JSON answer as it is, a stream through :meth:`relay`."""
         if isinstance(outcome, Answered):
             self.status = outcome.status
             self.ttfb = time.monotonic() - self.t0
             return passthrough_response(outcome.status, outcome.body, outcome.content_type, self.out_headers)
         try:
-            return await self._relay(attempt, outcome)
+            return await self.relay(attempt, outcome)
         except ConnectionResetError:
             raise asyncio.CancelledError from None  # the client went away
 
@@ -275,7 +279,7 @@ class Exchange:
         }
         return web.StreamResponse(status=status, headers=headers)
 
-    async def _relay(
+    async def relay(
         self,
         attempt: Attempt,
         opened: Opened,

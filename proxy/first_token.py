@@ -113,7 +113,7 @@ class FirstTokenPath:
                     await asyncio.sleep(delay)
             p = pool.pick("prefill", ex.room, self.tried_p, RouteRequest(ex.room, call.tokens, call.body))
             if p is None:
-                return ex._error(RouterError(503, "no prefill instance is available", UPSTREAM_UNAVAILABLE))
+                return ex.error(RouterError(503, "no prefill instance is available", UPSTREAM_UNAVAILABLE))
             remaining = ex.deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -134,10 +134,8 @@ class FirstTokenPath:
                 failure.error.message,
             )
         if failure is None:
-            return ex._error(
-                RouterError(504, "the request timed out before a prefiller answered", UPSTREAM_UNAVAILABLE)
-            )
-        return ex._final_failure(failure)
+            return ex.error(RouterError(504, "the request timed out before a prefiller answered", UPSTREAM_UNAVAILABLE))
+        return ex.final_failure(failure)
 
     async def _prefill(self, p: BackendState, timeout: float) -> Reply | Failure:
         router, call = self.router, self.call
@@ -220,7 +218,7 @@ class FirstTokenPath:
         d = self.router.pool.pick("decode", ex.room, self.tried_d, RouteRequest(ex.room, cont.tokens, cont_body))
         if d is None:
             self._release_room(p, cont, prompt_len)  # a decoder may be back by then; else room_timeout_s frees
-            return ex._error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+            return ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
         try:
             await response.prepare(ex.request)
             await response.write(first_chunk(first, final=False, token_ids=wants_token_ids(call.body)))
@@ -245,7 +243,7 @@ class FirstTokenPath:
             outcome = await attempt.run()
             if isinstance(outcome, Opened):
                 try:
-                    return await ex._relay(attempt, outcome, response, fix)
+                    return await ex.relay(attempt, outcome, response, fix)
                 except ConnectionResetError:
                     raise asyncio.CancelledError from None  # the client went away
             if not isinstance(outcome, Failure):  # a streamed request is always Opened
@@ -290,7 +288,7 @@ class FirstTokenPath:
         route = RouteRequest(ex.room, call.tokens, call.body)
         d = self.router.pool.pick("decode", ex.room, self.tried_d, route)
         if d is None:
-            return ex._error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+            return ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
         response = ex.stream_response(200, "text/event-stream")
         try:
             await response.prepare(ex.request)
@@ -315,18 +313,18 @@ class FirstTokenPath:
             "decode", ex.room, self.tried_d, RouteRequest(ex.room, self.call.tokens, self.call.body)
         )
         if d is None:
-            return ex._error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+            return ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
         attempt = Attempt(self.router, self.call, p, d, ex.room, ex.deadline - time.monotonic(), p_answered=True)
         ex.attempt = attempt
         outcome = await attempt.run()
         if not isinstance(outcome, Failure):
-            return await ex._answer(attempt, outcome)
+            return await ex.answer(attempt, outcome)
         attempt.close()
         self._count_failure(outcome)
         if outcome.state is d and outcome.kind in ("http_5xx", "error_event"):
             self.tried_p.add(p)
         if not outcome.retryable or ex.attempts >= self.router.config.max_retries:
-            return ex._final_failure(outcome)
+            return ex.final_failure(outcome)
         return await ex.pair_attempts(ex.attempts + 1, self.tried_p, self.tried_d)
 
     def _release_room(self, p: BackendState, cont: Call, prompt_len: int) -> None:

@@ -248,6 +248,8 @@ class Exchange:
         error passed through where it has one)."""
         self.status = failure.passthrough[0] if failure.passthrough else failure.error.status
         self.router.metrics.error(self.endpoint, failure.error.error_type)
+        if self.attempt is not None:
+            self.router.pair_refusals.note(self.attempt.p, failure)
         logger.error(
             "rid=%s room=%s answering HTTP %d after %d attempt(s): %s",
             self.rid,
@@ -322,6 +324,7 @@ class Exchange:
             failure = attempt.late_p_failure
         if failure is None:
             attempt.finish()
+            self.router.pair_refusals.clear(attempt.p, attempt.d)
         else:
             self._stream_cut(attempt, failure)
             await response.write(failure.error.to_sse())
@@ -334,6 +337,7 @@ class Exchange:
         self._stream_cut(attempt, failure)
 
     def _stream_cut(self, attempt: Attempt, failure: Failure) -> None:
+        self.router.pair_refusals.note(attempt.p, failure)
         self.router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)
         self.router.metrics.error(self.endpoint, failure.error.error_type)
         logger.error(

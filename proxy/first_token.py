@@ -219,6 +219,8 @@ class FirstTokenPath:
         if d is None:
             self._release_room(p, cont, prompt_len)  # a decoder may be back by then; else room_timeout_s frees
             return ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+        if self.router.pair_refusals.refused(p, d):
+            return await self._plain_decode(p)  # D refuses P's KV: its answer goes to the client as it is
         try:
             await response.prepare(ex.request)
             await response.write(first_chunk(first, final=False, token_ids=wants_token_ids(call.body)))
@@ -289,6 +291,8 @@ class FirstTokenPath:
         d = self.router.pool.pick("decode", ex.room, self.tried_d, route)
         if d is None:
             return ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+        if self.router.pair_refusals.refused(p, d):
+            return await self._plain_decode(p)  # D refuses P's KV: its answer goes to the client as it is
         response = ex.stream_response(200, "text/event-stream")
         try:
             await response.prepare(ex.request)

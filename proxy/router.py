@@ -14,6 +14,7 @@ from proxy.backends import BackendPool
 from proxy.config import RouterConfig
 from proxy.http1 import Http1Pool
 from proxy.metrics import RouterMetrics
+from proxy.pair_refusals import PairRefusals
 from proxy.prefill_watch import PrefillWatch
 from proxy.rooms import RoomsInUse
 from proxy.tls import client_context
@@ -35,6 +36,7 @@ class Router:
         self.http = Http1Pool(config.connect_timeout, ssl_context=tls)
         #: Liveness of the prefillers first-token requests wait on (``first_token``).
         self.prefill_watch = PrefillWatch(self.http, config.health_timeout)
+        self.pair_refusals = PairRefusals()
         #: Tasks the Router keeps references to until they end (detached prefills, aborts, ...).
         self.tasks: set[asyncio.Task[Any]] = set()
         #: Instances added and removed at run time (``/instances/...``).

@@ -9,6 +9,8 @@ long options below, with underscores). Modes:
   with a usage chunk when ``stream_options.include_usage`` is true), echoing the
   ``kv_transfer_params`` it received and its own port (``served_by``);
 - ``fail500`` / ``fail400``: answers HTTP 500 / 400 with an OpenAI-style error body (after ``--delay`` seconds);
+- ``incompatible``: a PD request (``kv_transfer_params``, no ``return_token_ids``) gets HTTP 409
+  ``kv_transfer_incompatible``, as PDConnector's D middleware answers a block-size mismatch;
 - ``hang``: never answers; notices when the caller closes the connection;
 - ``slow_stream``: streams ``--chunks`` chunks, one every ``--chunk-interval`` seconds;
 - ``die_mid_stream``: streams ``--chunks`` chunks, then drops the connection (no end of stream);
@@ -37,7 +39,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-MODES = ("ok", "fail500", "fail400", "hang", "slow_stream", "die_mid_stream", "error_event")
+MODES = ("ok", "fail500", "fail400", "incompatible", "hang", "slow_stream", "die_mid_stream", "error_event")
 TOKENS = ("Hello", ",", " world", "!")
 POLL_S = 0.02
 
@@ -147,6 +149,13 @@ def build_app(
             await sleep_or_disconnect(request, None)
             record["state"] = "disconnected"
             return Response(status_code=499)
+
+        if mode == "incompatible" and "kv_transfer_params" in body and not body.get("return_token_ids"):
+            # Like PDConnector's D middleware for a pair that can never transfer (a block-size mismatch).
+            record["state"] = "completed"
+            message = f"block size mismatch: the prefill deployment uses --block-size 32, fake {port} 64"
+            error = {"message": message, "type": "kv_transfer_incompatible", "param": "kv_transfer_params", "code": 409}
+            return JSONResponse({"error": error}, status_code=409)
 
         if mode in ("fail500", "fail400"):
             if await sleep_or_disconnect(request, delay):

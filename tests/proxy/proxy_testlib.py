@@ -122,6 +122,7 @@ class Backends:
     fail500: int
     fail500_late: int
     fail400: int
+    incompatible: int
     hang: int
     hang2: int
     slow_stream: int
@@ -142,6 +143,8 @@ BACKEND_SPECS: dict[str, dict[str, Any]] = {
     "ok_d2": {"mode": "ok"},
     # Answers after 0.5 s (like a decoder waiting for its KV), so a failing P is noticed first.
     "ok_d_slow": {"mode": "ok", "delay": 0.5},
+    # A decoder refusing every PD request with HTTP 409 kv_transfer_incompatible.
+    "incompatible": {"mode": "incompatible"},
     "fail500": {"mode": "fail500"},
     # Fails only after D's stream has started sending (D is slow_stream in those tests).
     "fail500_late": {"mode": "fail500", "delay": 1.0},

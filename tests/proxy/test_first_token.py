@@ -190,6 +190,22 @@ def test_token_one_without_text_and_client_token_ids_waits_for_d(router_first: R
     assert record(backends.ok_d, rid)["body"]["return_token_ids"] is True
 
 
+def test_decoder_refusing_the_pair_is_answered_as_http_409_once_known(
+    router_factory: RouterFactory, backends: Backends
+) -> None:
+    """D's 409 kv_transfer_incompatible after P's token 1 went out can only end the stream with an
+    error event; the Router remembers the pair, and its next requests get D's 409 as HTTP."""
+    router = router_factory(backends.ok_p, backends.incompatible, ON)
+    status, events = _stream(router, new_rid("refused-1"))
+    assert status == 200 and "kv_transfer_incompatible" in events[-1], events
+    for stream in (True, False):
+        body = request_body("/v1/completions", stream=stream)
+        with http_client() as client:
+            response = client.post(f"{router.url}/v1/completions", json=body)
+        assert response.status_code == 409, response.text
+        assert response.json()["error"]["type"] == "kv_transfer_incompatible"
+
+
 def test_frozen_prefiller_is_given_up_for_another(
     backends: Backends, fresh_router: RouterFactory, proc_dir: Path
 ) -> None:

@@ -311,7 +311,8 @@ class FirstTokenPath:
         return await self._continue(attempt, response, DropRepeatedFirst())
 
     async def _plain_decode(self, p: BackendState) -> web.StreamResponse:
-        """P answered without token ids: D serves the client's own request from P's KV."""
+        """D serves the client's own request from P's KV, its answer or error going to the client as
+        it is: P's answer had no token ids, token 1 may be a partial character, or D refused this pair."""
         ex = self.ex
         d = self.router.pool.pick(
             "decode", ex.room, self.tried_d, RouteRequest(ex.room, self.call.tokens, self.call.body)

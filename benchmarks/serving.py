@@ -42,6 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.serving_interleaved import PAUSE_S, run_interleaved, summarize  # noqa: E402
 from benchmarks.serving_report import LATENCY_KEYS, acceptance, ratios  # noqa: E402
 from benchmarks.serving_systems import PD_TRANSFER_MODE, STARTERS, SYSTEMS, mooncake_patches  # noqa: E402
 from benchmarks.serving_trace import RunStats, TraceRequest, bucket_labels, check_edges, make_trace, run_trace  # noqa: E402
@@ -81,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", type=Path, help="process logs (default: a temporary folder)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument(
+        "--interleaved",
+        type=int,
+        help="prompts per bucket for the interleaved low-load pairs of pd and vllm_mooncake (serving_interleaved.py), "
+        "both systems up at once, each prompt sent to both, one request at a time (default 5; quick 1; 0: skip)",
+    )
+    p.add_argument(
         "--pd-transfer-mode",
         choices=("layer", "request"),
         default="layer",
@@ -91,10 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.1, 0.3, 0.6])
     args.duration = args.duration or (10.0 if args.quick else 20.0)
     args.min_per_bucket = args.min_per_bucket or (1 if args.quick else 3)
+    if args.interleaved is None:
+        args.interleaved = 1 if args.quick else 5
     try:
         args.bucket_edges = check_edges(args.bucket_edges)
     except ValueError as exc:
         p.error(str(exc))
+    if args.interleaved < 0:
+        p.error(f"--interleaved {args.interleaved} must be >= 0")
     if args.min_per_bucket < 1 or args.duration <= 0 or any(r <= 0 for r in args.rates):
         p.error(
             f"--min-per-bucket {args.min_per_bucket}, --duration {args.duration} and --rates {args.rates} must be > 0"
@@ -169,6 +180,39 @@ def bench_system(
                 traceback.print_exc(file=sys.stderr)
     summary["logs"] = str(log_dir / name)
     return summary
+
+
+def bench_interleaved(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """pd and vllm_mooncake up at once, `--interleaved` prompts per bucket sent to both in turn."""
+    buckets = len(args.bucket_edges) - 1
+    prompts = make_trace(min(args.rates), args.interleaved * buckets, args.seed + 2, args.bucket_edges, args.output_tokens)
+    out: dict[str, Any] = {"systems": ["pd", "vllm_mooncake"], "pause_s": PAUSE_S}
+    t0 = time.monotonic()
+    with ProcessGroup(log_dir / "interleaved", report=say) as group:
+        try:
+            say(f"interleaved: starting pd and vllm_mooncake together ({len(prompts)} prompts, each to both)")
+            urls = {
+                name: STARTERS[name](group, model, SERVE_ARGS, (args.p_cpus, args.d_cpus), args.start_timeout)
+                for name in ("pd", "vllm_mooncake")
+            }
+            out["startup_s"] = round(time.monotonic() - t0, 1)
+            for url in urls.values():
+                asyncio.run(warm_up(url, model, args))
+            results = asyncio.run(
+                run_interleaved(urls, model, prompts, on_done=lambda n: say(f"interleaved: {n}/{len(prompts)} prompts"))
+            )
+            out.update(summarize(results["pd"], results["vllm_mooncake"], args.bucket_edges))
+            say(
+                f"interleaved: ours/vLLM-Mooncake TTFT median {out['ttft_ratio_median']}, per bucket "
+                f"{out['ttft_ratio_per_bucket']}, ours faster on {out['ours_faster_share']} of the prompts"
+            )
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON, the rest of the report stands
+            out["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+            say(f"interleaved: failed: {out['error'][:600]}")
+            if not isinstance(exc, ProcessFailed):
+                traceback.print_exc(file=sys.stderr)
+    out["logs"] = str(log_dir / "interleaved")
+    return out
 
 
 def plot(systems: dict[str, dict[str, Any]], path: Path, slo: tuple[float, float]) -> str | None:
@@ -256,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         for other, key in (("colocated", "ours_vs_colocated"), ("vllm_mooncake", "ours_vs_vllm_mooncake")):
             if other in systems:
                 report[key] = ratios(systems["pd"], systems[other])
-    report["acceptance"] = acceptance(systems)
+    if args.interleaved and {"pd", "vllm_mooncake"} <= set(args.systems):
+        report["interleaved_low_load"] = bench_interleaved(model, args, log_dir)
+    report["acceptance"] = acceptance(systems, report.get("interleaved_low_load"))
     if "vllm_mooncake" in systems and "error" in systems["vllm_mooncake"]:
         report["vllm_mooncake"] = {"error": systems["vllm_mooncake"]["error"]}
     report["plot"] = plot(systems, args.png or log_dir / "serving.png", (args.slo_ttft_ms, args.slo_tpot_ms))

@@ -77,6 +77,9 @@ class RunStats:
             "slo_attained": round(len(good) / len(self.results), 3) if self.results else None,
             "duration_s": round(self.duration_s, 2),
             "buckets": bucket_stats(self.results, edges) if edges else {},
+            # Per request, in trace order (the same prompts in every system: paired ratios).
+            "requests_ttft_ms": [None if r.error else ms(r.ttft_s) for r in self.results],
+            "requests_bucket": [_label_of(r.prompt_tokens, edges) for r in self.results] if edges else [],
         }
 
 
@@ -98,6 +101,11 @@ def bucket_of(prompt_tokens: int, edges: Sequence[int]) -> int | None:
     if prompt_tokens == edges[-1]:
         return len(edges) - 2
     return next((i for i in range(len(edges) - 1) if edges[i] <= prompt_tokens < edges[i + 1]), None)
+
+
+def _label_of(prompt_tokens: int, edges: Sequence[int]) -> str | None:
+    index = bucket_of(prompt_tokens, edges)
+    return None if index is None else bucket_labels(edges)[index]
 
 
 def bucket_stats(results: Sequence[Result], edges: Sequence[int]) -> dict[str, dict[str, Any]]:

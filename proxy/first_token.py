@@ -215,12 +215,9 @@ class FirstTokenPath:
             ex.first_token_from = FirstTokenFrom.PREFILL
             await response.write_eof(final_events(first, include_usage(call.body)))
             return response
-        d = self.router.pool.pick("decode", ex.room, self.tried_d, RouteRequest(ex.room, cont.tokens, cont_body))
-        if d is None:
-            self._release_room(p, cont, prompt_len)  # a decoder may be back by then; else room_timeout_s frees
-            return ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
-        if self.router.pair_refusals.refused(p, d):
-            return await self._plain_decode(p)  # D refuses P's KV: its answer goes to the client as it is
+        d = await self._pick_d(p, RouteRequest(ex.room, cont.tokens, cont_body), cont, prompt_len)
+        if isinstance(d, web.StreamResponse):
+            return d
         try:
             await response.prepare(ex.request)
             await response.write(first_chunk(first, final=False, token_ids=wants_token_ids(call.body)))
@@ -287,28 +284,38 @@ class FirstTokenPath:
         sends it), then D answers the client's own request from P's KV; D's own first token, the
         same empty chunk again, is dropped (:class:`proxy.first_token_body.DropRepeatedFirst`)."""
         ex, call = self.ex, self.call
-        route = RouteRequest(ex.room, call.tokens, call.body)
-        d = self.router.pool.pick("decode", ex.room, self.tried_d, route)
-        if d is None:
-            return ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
-        if self.router.pair_refusals.refused(p, d):
-            return await self._plain_decode(p)  # D refuses P's KV: its answer goes to the client as it is
+        prompt_len = len(first.prompt_token_ids)
+        cont = Call(call.endpoint, call.rid, continuation_body(call.body, first), True, prompt_len + 1, call.headers)
+        d = await self._pick_d(p, RouteRequest(ex.room, call.tokens, call.body), cont, prompt_len)
+        if isinstance(d, web.StreamResponse):
+            return d
         response = ex.stream_response(200, "text/event-stream")
         try:
             await response.prepare(ex.request)
             await response.write(first_chunk(first, final=False))
         except BaseException:
-            prompt_len = len(first.prompt_token_ids)  # the client left before D was asked
-            cont = Call(
-                call.endpoint, call.rid, continuation_body(call.body, first), True, prompt_len + 1, call.headers
-            )
-            self._release_room(p, cont, prompt_len)
+            self._release_room(p, cont, prompt_len)  # the client left before D was asked
             raise
         ex.ttfb = time.monotonic() - ex.t0
         ex.first_token_from = FirstTokenFrom.PREFILL_EMPTY
         remaining = ex.deadline - time.monotonic()
         attempt = Attempt(self.router, call, p, d, ex.room, remaining, p_answered=True)
         return await self._continue(attempt, response, DropRepeatedFirst())
+
+    async def _pick_d(
+        self, p: BackendState, route: RouteRequest, cont: Call, prompt_len: int
+    ) -> BackendState | web.StreamResponse:
+        """D for the rest of the answer, or the client's answer when there is none to stream from:
+        503 when no decoder is available (P's KV for the room is released through ``cont`` should a
+        decoder be back; else room_timeout_s frees it), or D's own answer, passed on as it is, when D
+        refused P's KV lately (:mod:`proxy.pair_refusals`)."""
+        d = self.router.pool.pick("decode", self.ex.room, self.tried_d, route)
+        if d is None:
+            self._release_room(p, cont, prompt_len)
+            return self.ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+        if self.router.pair_refusals.refused(p, d):
+            return await self._plain_decode(p)
+        return d
 
     async def _plain_decode(self, p: BackendState) -> web.StreamResponse:
         """D serves the client's own request from P's KV, its answer or error going to the client as

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from benchmarks import serving
+from benchmarks.serving_interleaved import run_interleaved, summarize
 from benchmarks.serving_proxy import mooncake_bodies
 from benchmarks.serving_report import acceptance, ratios
 from benchmarks.serving_systems import mooncake_patches
@@ -87,6 +88,9 @@ def test_bucket_statistics_in_the_summary() -> None:
     assert buckets["500-1000"]["requests"] == 0 and buckets["500-1000"]["ttft_ms"]["p50"] is None
     assert buckets["1500-2000"]["requests"] == 2 and buckets["1500-2000"]["failed"] == 1
     assert buckets["1500-2000"]["ttft_ms"]["p50"] == 2000.0
+    summary = RunStats(rate=1.0, duration_s=4.0, results=results).summary(3.0, 0.05, EDGES)
+    assert summary["requests_ttft_ms"] == [100.0, 300.0, 2000.0, None]  # trace order; a failure is None
+    assert summary["requests_bucket"] == ["64-500", "64-500", "1500-2000", "1500-2000"]
 
 
 def test_summary_percentiles_goodput_and_failures() -> None:
@@ -168,6 +172,9 @@ def _run(rate: float, ttft_per_bucket: list[float], tpot_p99: float) -> dict:
         "ttft_ms": {"p50": ttft, "p99": 2 * ttft},
         "tpot_ms": {"p50": 10.0, "p99": tpot_p99},
         "buckets": buckets,
+        # one request per bucket, in trace order
+        "requests_ttft_ms": list(ttft_per_bucket),
+        "requests_bucket": bucket_labels(EDGES),
     }
 
 
@@ -185,7 +192,10 @@ def test_acceptance_uses_the_lowest_rate_for_ttft_and_the_highest_for_tpot() -> 
     tpot = result["tpot_p99_ours_vs_colocated_at_highest_rate"]
     assert (tpot["value"], tpot["ours_ms"], tpot["colocated_ms"], tpot["pass"]) == (0.75, 30.0, 40.0, True)
     mc = result["ttft_p50_ratio_vs_vllm_mooncake"]
-    assert mc["overall"] == round(830 / 825, 3) and mc["pass"] is False  # 830 vs 825 ms overall
+    assert mc["trace"]["overall"] == round(830 / 825, 3) and mc["source"] == "trace"  # the ratio of the p50s: 830 vs 825 ms, reported
+    # paired, per request: 120/200, 600/700, 1100/1000, 1500/1400 -> median of 0.857 and 1.071
+    assert mc["paired_per_bucket"] == {"64-500": 0.6, "500-1000": 0.857, "1000-1500": 1.1, "1500-2000": 1.071}
+    assert mc["value"] == round((600 / 700 + 1500 / 1400) / 2, 3) and mc["pass"] is True
     assert mc["max_over_buckets"] == 1.1 and mc["pass_every_bucket"] is False
     assert result["all_pass"] is False
     # 1.3 passes (<=), a TPOT ratio of exactly 1.0 does not (<).
@@ -195,8 +205,18 @@ def test_acceptance_uses_the_lowest_rate_for_ttft_and_the_highest_for_tpot() -> 
     assert result["ttft_p50_ratio_vs_colocated_max_low_rate"]["value"] == 1.3
     assert result["ttft_p50_ratio_vs_colocated_max_low_rate"]["pass"] is True
     assert result["tpot_p99_ours_vs_colocated_at_highest_rate"]["pass"] is False
-    assert result["ttft_p50_ratio_vs_vllm_mooncake"]["pass"] is True  # 757.5 vs 825 ms
+    assert result["ttft_p50_ratio_vs_vllm_mooncake"]["pass"] is True  # pairs 0.65, 0.71, 1.0, 1.0
     assert result["ttft_p50_ratio_vs_vllm_mooncake"]["pass_every_bucket"] is True  # 1.0 at most (1000 vs 1000)
+    # The paired median fails even where the p50s' ratio passes: ours slower on 3 of 4 requests.
+    systems["pd"]["runs"][1] = _run(0.2, [100, 710, 1010, 1410], 99.0)
+    systems["vllm_mooncake"]["runs"][0] = _run(0.2, [1000, 700, 1000, 1400], 1.0)
+    mc = acceptance(systems)["ttft_p50_ratio_vs_vllm_mooncake"]
+    assert mc["trace"]["overall"] < 1.0 and mc["pass"] is False and mc["value"] == round((1410 / 1400 + 1010 / 1000) / 2, 3)
+    # A failed request on either side is left out of the pairs; a bucket without a pair is named.
+    systems["pd"]["runs"][1]["requests_ttft_ms"][0] = None
+    mc = acceptance(systems)["ttft_p50_ratio_vs_vllm_mooncake"]
+    assert mc["paired_per_bucket"]["64-500"] is None and mc["pass_every_bucket"] is None
+    assert "64-500" in mc["bucket_reason"]
 
 
 def test_acceptance_all_pass_and_missing_numbers() -> None:
@@ -239,3 +259,46 @@ def test_client_splits_events_at_newlines_only() -> None:
 
     result = asyncio.run(go())
     assert result.error == "" and result.output_tokens == 3 and result.ttft_s > 0 and result.tpot_s >= 0
+
+
+def test_interleaved_pairs_alternate_the_order_and_judge_the_mooncake_criterion() -> None:
+    """Each prompt goes to both systems, one request at a time, the first one alternating; the
+    per-prompt ratios' median then decides ours/vLLM-Mooncake (source: interleaved)."""
+    seen: list[tuple[str, int]] = []
+    delay = {"ours.test": 0.02, "theirs.test": 0.04}  # ours answers faster
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, len(json.loads(request.content)["prompt"])))
+        await asyncio.sleep(delay[request.url.host])
+        event = {"choices": [{"text": "x"}]}
+        return httpx.Response(200, content=f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+
+    prompts = [TraceRequest(0.0, [5] * n, 2) for n in (100, 600, 1200, 1600)]
+    urls = {"pd": "http://ours.test", "vllm_mooncake": "http://theirs.test"}
+    results = asyncio.run(run_interleaved(urls, "m", prompts, 0.0, transport=httpx.MockTransport(answer)))
+    hosts = [host for host, _ in seen]
+    assert hosts == ["ours.test", "theirs.test", "theirs.test", "ours.test"] * 2
+    assert [n for _, n in seen] == [100, 100, 600, 600, 1200, 1200, 1600, 1600]
+    summary = summarize(results["pd"], results["vllm_mooncake"], EDGES)
+    assert summary["pairs"] == 4 and summary["ours_faster_share"] == 1.0
+    assert summary["ttft_ratio_median"] < 1.0 and all(v < 1.0 for v in summary["ttft_ratio_per_bucket"].values())
+    assert summary["prompt_tokens"] == [100, 600, 1200, 1600] and len(summary["ttft_ms"]["theirs"]) == 4
+
+    systems = {
+        "pd": {"runs": [_run(0.2, [100, 500, 900, 1600], 10.0), _run(0.6, [1, 1, 1, 1], 30.0)]},
+        "colocated": {"runs": [_run(0.2, [100, 500, 1000, 1500], 1.0), _run(0.6, [1, 1, 1, 1], 40.0)]},
+        "vllm_mooncake": {"runs": [_run(0.2, [200, 700, 1000, 1400], 1.0), _run(0.6, [1, 1, 1, 1], 1.0)]},
+    }
+    assert acceptance(systems)["ttft_p50_ratio_vs_vllm_mooncake"]["pass_every_bucket"] is False  # trace: 1600/1400
+    mc = acceptance(systems, summary)["ttft_p50_ratio_vs_vllm_mooncake"]
+    assert mc["source"] == "interleaved" and mc["pass"] is True and mc["pass_every_bucket"] is True
+    assert mc["value"] == summary["ttft_ratio_median"] and mc["pairs"] == 4
+    assert mc["trace"]["paired_per_bucket"]["1500-2000"] == round(1600 / 1400, 3)  # still reported
+    # A failed interleaved run leaves the trace's pairs to judge, and a failed prompt drops its pair.
+    assert acceptance(systems, {"error": "boom"})["ttft_p50_ratio_vs_vllm_mooncake"]["source"] == "trace"
+    results["pd"][0].error = "HTTP 500: x"
+    summary = summarize(results["pd"], results["vllm_mooncake"], EDGES)
+    assert summary["pairs"] == 3 and summary["ttft_ratio_per_bucket"]["64-500"] is None
+    assert summary["failed"] == {"ours": 1, "theirs": 0} and summary["errors"] == ["HTTP 500: x"]
+    mc = acceptance(systems, summary)["ttft_p50_ratio_vs_vllm_mooncake"]
+    assert mc["pass_every_bucket"] is None and "64-500" in mc["bucket_reason"]

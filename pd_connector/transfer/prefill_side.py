@@ -2,7 +2,7 @@
 
 A room becomes sendable when both halves are here, in either order: the scheduler's `SendJob`
 (prefill done, KV in these blocks) and D's `TransferRequest` (write into those blocks). The
-write runs on the task pool, then `TransferDone` goes to D and the request goes to the outbox
+write (``room_push``) runs on the task pool, then `TransferDone` goes to D and the request goes to the outbox
 so vLLM frees P's blocks. A room nobody asks for is freed after room_timeout_s.
 
 Room states (``states.RoomState``): AWAITING_PREFILL (D asked first) -> READY (prefill done)
@@ -23,18 +23,17 @@ from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import register_dp_rank
 from pd_connector.config import token_of
 from pd_connector.kv_params import host_port
-from pd_connector.layout import LayoutError
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
-from pd_connector.transfer.backend import TransferBackend, TransferError, describe
+from pd_connector.transfer.backend import TransferBackend, describe
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
-from pd_connector.transfer.peers import BlockRangeError, expected_requests_from, peer_problem, write_room
+from pd_connector.transfer.peers import expected_requests_from, peer_problem
+from pd_connector.transfer.room_push import log_push, push_room
 from pd_connector.transfer.rooms import Room, WaitingRequest, claim
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
 from pd_connector.transfer.stream_claims import StreamClaims
-from pd_connector.transfer.write_guard import guard_push
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +42,6 @@ CLOSED_ROOMS_KEPT = 100_000
 #: prefill of the same room before it is refused with the reason the room was closed.
 CLOSED_ROOM_GRACE_S = 5.0
 _CANCELLED = "decode cancelled the transfer"
-
-
-class _Refused(Exception):
-    def __init__(self, status: DoneStatus, error: str) -> None:
-        super().__init__(error)
-        self.status = status
 
 
 class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mode "layer" (layerwise)
@@ -285,50 +278,20 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
     def _push(self, room: Room, req: proto.TransferRequest) -> None:
         job = room.job
         assert job is not None
-        t0 = time.perf_counter()
         trace = self._ctx.traces.get(job.room, job.room, job.req_id)
         trace.mark_first("push_started")
-        status, error = DoneStatus.OK, ""
-        nbytes = entries = 0
-        summed = None
-        try:
-            with self._lock:
-                peer = self._peers.get(req.peer_id)
-                peer_error = self._peer_errors.get(req.peer_id)
-            if peer is None:
-                raise _Refused(DoneStatus.UNKNOWN_PEER, f"unknown decode peer {req.peer_id} (no PeerHello received)")
-            if peer_error:
-                raise _Refused(DoneStatus.INCOMPATIBLE, peer_error)
-            key = claim(req.request_id, req.peer_id)
-            still_wanted = lambda: room.state is RoomState.READY and key not in room.cancelled  # noqa: E731
-            guard, summed = guard_push(peer, req, self._spec)  # transfer.write_guard, transfer.checksum
-
-            def write(src: list[int], dst: list[int], lengths: list[int]) -> None:
-                guard.check(dst, lengths)  # inside D's registered KV blocks, else nothing is written
-                descriptor, most = peer.transfer_descriptor, self._cfg.max_batch_entries
-                self._backend.write(descriptor, src, dst, lengths, most, still_wanted)
-                if summed is not None:
-                    summed.add(src, dst, lengths)
-
-            nbytes, entries = write_room(self._spec, self._ctx, peer, job, req, write)
-        except _Refused as exc:
-            status, error = exc.status, str(exc)
-        except BlockRangeError as exc:
-            status, error = DoneStatus.BAD_REQUEST, str(exc)
-        except LayoutError as exc:
-            status, error = DoneStatus.INCOMPATIBLE, str(exc)
-        except TransferError as exc:
-            status, error = DoneStatus.TRANSFER_FAILED, str(exc)
-        except Exception as exc:  # noqa: BLE001 - report, never leak the room
-            logger.exception("room=%d req=%s: unexpected send error", job.room, job.req_id)
-            status, error = DoneStatus.INTERNAL_ERROR, f"internal error: {exc!r}"
-        seconds, ok = time.perf_counter() - t0, status is DoneStatus.OK
-        if ok:  # D first (its first token waits for this), then the log line; a failure is logged first
+        with self._lock:
+            peer = self._peers.get(req.peer_id)
+            peer_error = self._peer_errors.get(req.peer_id)
+        key = claim(req.request_id, req.peer_id)
+        still_wanted = lambda: room.state is RoomState.READY and key not in room.cancelled  # noqa: E731
+        done = push_room(self._ctx, self._backend, job, req, peer, peer_error, still_wanted)
+        if done.ok:  # D first (its first token waits for this), then the log line; a failure is logged first
             trace.mark("push_done")
-            self._reply(req, status, error, nbytes, summed.value if summed is not None else None)
-        self._log_push(job, req, status, error, nbytes, entries, seconds)
-        if not ok:
-            self._reply(req, status, error, -1, None)
+            self._reply(req, done.status, done.error, done.nbytes, done.checksum)
+        self._log_push(job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)
+        if not done.ok:
+            self._reply(req, done.status, done.error, -1, None)
         with self._lock:
             room.finished += 1
             self._finish_if_served(room)
@@ -343,24 +306,7 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         entries: int,
         seconds: float,
     ) -> None:
-        stats = self._ctx.stats
-        if status is not DoneStatus.OK:
-            stats.inc("transfers_failed")  # its reason is counted when D is told (_reply)
-            logger.error(
-                "room=%d req=%s: KV push to %s failed (%s): %s", job.room, job.req_id, req.peer_id, status.name, error
-            )
-            return
-        stats.observe_push(nbytes, entries, seconds)
-        logger.info(
-            "room=%d req=%s: pushed %d blocks (%d bytes, %d entries) to %s in %.2f ms",
-            job.room,
-            job.req_id,
-            len(req.dst_block_ids),
-            nbytes,
-            entries,
-            req.peer_id,
-            seconds * 1e3,
-        )
+        log_push(self._ctx.stats, job, req, status, error, nbytes, entries, seconds)
 
     def _finish_if_served(self, room: Room) -> None:
         """Close a room and let vLLM free its blocks once every write for it ended. Caller holds the lock."""

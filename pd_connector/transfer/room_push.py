@@ -1,0 +1,124 @@
+"""One push of a ready room's KV into one D request's blocks (request mode), and its log line.
+
+`push_room` runs on the task pool (``PrefillSide._push``): it checks the peer, guards every write
+against D's registered KV blocks (``write_guard``), writes the room's blocks through the transfer
+backend and maps every failure to the ``DoneStatus`` D is told. It never raises: a room's end is
+always reported, so its KV is never held forever. `log_push` writes the push's log line and counts
+it; the layer-wise stream's end (``stream_claims``) logs through it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pd_connector import protocol as proto
+from pd_connector.layout import LayoutError
+from pd_connector.metadata import SendJob
+from pd_connector.protocol import DoneStatus
+from pd_connector.transfer.backend import TransferBackend, TransferError
+from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.peers import BlockRangeError, write_room
+from pd_connector.transfer.stats import TransferStats
+from pd_connector.transfer.write_guard import guard_push
+
+logger = logging.getLogger("pd_connector.transfer.prefill_side")
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    """What one push did: D is told ``status`` (and ``error``); ``nbytes``/``entries`` were written."""
+
+    status: DoneStatus
+    error: str
+    nbytes: int
+    entries: int
+    seconds: float
+    checksum: int | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is DoneStatus.OK
+
+
+def push_room(
+    ctx: RankContext,
+    backend: TransferBackend,
+    job: SendJob,
+    req: proto.TransferRequest,
+    peer: proto.PeerHello | None,
+    peer_error: str | None,
+    still_wanted: Callable[[], bool],
+) -> PushOutcome:
+    """Write ``job``'s KV into the blocks ``req`` names, on the D rank ``peer``; stop between
+    batches once ``still_wanted()`` is False (room expired, D cancelled)."""
+    t0 = time.perf_counter()
+    status, error = DoneStatus.OK, ""
+    nbytes = entries = 0
+    summed = None
+    try:
+        if peer is None:
+            raise _Refused(DoneStatus.UNKNOWN_PEER, f"unknown decode peer {req.peer_id} (no PeerHello received)")
+        if peer_error:
+            raise _Refused(DoneStatus.INCOMPATIBLE, peer_error)
+        guard, summed = guard_push(peer, req, ctx.spec)  # transfer.write_guard, transfer.checksum
+        known: proto.PeerHello = peer
+
+        def write(src: list[int], dst: list[int], lengths: list[int]) -> None:
+            guard.check(dst, lengths)  # inside D's registered KV blocks, else nothing is written
+            backend.write(known.transfer_descriptor, src, dst, lengths, ctx.cfg.max_batch_entries, still_wanted)
+            if summed is not None:
+                summed.add(src, dst, lengths)
+
+        nbytes, entries = write_room(ctx.spec, ctx, peer, job, req, write)
+    except _Refused as exc:
+        status, error = exc.status, str(exc)
+    except BlockRangeError as exc:
+        status, error = DoneStatus.BAD_REQUEST, str(exc)
+    except LayoutError as exc:
+        status, error = DoneStatus.INCOMPATIBLE, str(exc)
+    except TransferError as exc:
+        status, error = DoneStatus.TRANSFER_FAILED, str(exc)
+    except Exception as exc:  # noqa: BLE001 - report, never leak the room
+        logger.exception("room=%d req=%s: unexpected send error", job.room, job.req_id)
+        status, error = DoneStatus.INTERNAL_ERROR, f"internal error: {exc!r}"
+    checksum = summed.value if summed is not None and status is DoneStatus.OK else None
+    return PushOutcome(status, error, nbytes, entries, time.perf_counter() - t0, checksum)
+
+
+def log_push(
+    stats: TransferStats,
+    job: SendJob,
+    req: proto.TransferRequest,
+    status: DoneStatus,
+    error: str,
+    nbytes: int,
+    entries: int,
+    seconds: float,
+) -> None:
+    """The push's log line; an OK push is observed in ``stats``, a failed one counted."""
+    if status is not DoneStatus.OK:
+        stats.inc("transfers_failed")  # its reason is counted when D is told (PrefillSide._reply)
+        logger.error(
+            "room=%d req=%s: KV push to %s failed (%s): %s", job.room, job.req_id, req.peer_id, status.name, error
+        )
+        return
+    stats.observe_push(nbytes, entries, seconds)
+    logger.info(
+        "room=%d req=%s: pushed %d blocks (%d bytes, %d entries) to %s in %.2f ms",
+        job.room,
+        job.req_id,
+        len(req.dst_block_ids),
+        nbytes,
+        entries,
+        req.peer_id,
+        seconds * 1e3,
+    )
+
+
+class _Refused(Exception):
+    def __init__(self, status: DoneStatus, error: str) -> None:
+        super().__init__(error)
+        self.status = status

@@ -41,6 +41,7 @@ async def run_interleaved(
     out: dict[str, list[Result]] = {name: [] for name in names}
     timeout = httpx.Timeout(600.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, trust_env=False, transport=transport) as client:
+        await asyncio.sleep(pause_s)  # the last warm-up's workers stop spinning first
         for index, req in enumerate(prompts):
             shift = index % len(names)
             for name in names[shift:] + names[:shift]:

@@ -289,24 +289,12 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         if done.ok:  # D first (its first token waits for this), then the log line; a failure is logged first
             trace.mark("push_done")
             self._reply(req, done.status, done.error, done.nbytes, done.checksum)
-        self._log_push(job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)
+        log_push(self._ctx.stats, job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)
         if not done.ok:
             self._reply(req, done.status, done.error, -1, None)
         with self._lock:
             room.finished += 1
             self._finish_if_served(room)
-
-    def _log_push(
-        self,
-        job: SendJob,
-        req: proto.TransferRequest,
-        status: DoneStatus,
-        error: str,
-        nbytes: int,
-        entries: int,
-        seconds: float,
-    ) -> None:
-        log_push(self._ctx.stats, job, req, status, error, nbytes, entries, seconds)
 
     def _finish_if_served(self, room: Room) -> None:
         """Close a room and let vLLM free its blocks once every write for it ended. Caller holds the lock."""

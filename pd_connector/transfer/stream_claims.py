@@ -19,6 +19,7 @@ from pd_connector import protocol as proto
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.layerwise import LayerStreams, StreamResult
+from pd_connector.transfer.room_push import log_push
 from pd_connector.transfer.states import RoomState
 from pd_connector.transfer.write_guard import guard_push
 
@@ -77,7 +78,7 @@ class StreamClaims:
         if ok:  # D first (its first token waits for this), then the log line
             self._ctx.traces.get(req.room, req.room, p_req_id).mark("push_done")  # type: ignore[attr-defined]
             self._reply(req, done.status, done.error, done.nbytes, done.checksum)  # type: ignore[attr-defined]
-        self._log_push(job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)  # type: ignore[attr-defined]
+        log_push(self._ctx.stats, job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)  # type: ignore[attr-defined]
         if not ok:  # a failure is logged before D can see it
             self._reply(req, done.status, done.error, done.nbytes, done.checksum)  # type: ignore[attr-defined]
         with self._lock:

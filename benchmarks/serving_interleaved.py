@@ -15,12 +15,12 @@ engine message). Drift then hits both alike, and each prompt gives one ratio our
 from __future__ import annotations
 
 import asyncio
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
+from benchmarks.serving_report import median_of
 from benchmarks.serving_trace import Result, TraceRequest, bucket_labels, bucket_of, ms, send_one
 
 #: Seconds between two requests (vLLM's CPU workers spin about 1 s after their last message).
@@ -52,10 +52,6 @@ async def run_interleaved(
     return out
 
 
-def _median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 3) if values else None
-
-
 def summarize(ours: Sequence[Result], theirs: Sequence[Result], edges: Sequence[int]) -> dict[str, Any]:
     """Per prompt ours/theirs TTFT; medians overall and per bucket; how often ours was faster."""
     labels = bucket_labels(edges)
@@ -71,8 +67,8 @@ def summarize(ours: Sequence[Result], theirs: Sequence[Result], edges: Sequence[
         "pairs": len(pairs),
         "failed": {"ours": sum(1 for r in ours if r.error), "theirs": sum(1 for r in theirs if r.error)},
         "errors": sorted({r.error for r in [*ours, *theirs] if r.error})[:3],
-        "ttft_ratio_median": _median(ratios),
-        "ttft_ratio_per_bucket": {label: _median([r for lab, r in pairs if lab == label]) for label in labels},
+        "ttft_ratio_median": median_of(ratios),
+        "ttft_ratio_per_bucket": {label: median_of([r for lab, r in pairs if lab == label]) for label in labels},
         "ours_faster_share": round(sum(1 for r in ratios if r < 1.0) / len(ratios), 3) if ratios else None,
         "ttft_ms": {
             "ours": [None if r.error else ms(r.ttft_s) for r in ours],

@@ -25,6 +25,7 @@ A criterion whose numbers are missing (a system failed or was not run, an empty 
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 RATIO_KEYS = ("throughput_rps", "goodput_rps", "throughput_output_tok_s")
@@ -111,15 +112,13 @@ def paired_ttft_ratios(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[fl
         if a is not None and b is not None and b > 0
     ]
 
-    def median(values: list[float]) -> float | None:
-        if not values:
-            return None
-        ordered, half = sorted(values), len(values) // 2
-        middle = ordered[half] if len(values) % 2 else (ordered[half - 1] + ordered[half]) / 2
-        return round(middle, 3)
+    per_bucket = {label: median_of([r for lab, r in pairs if lab == label]) for label in mine.get("buckets") or {}}
+    return median_of([r for _, r in pairs]), per_bucket
 
-    per_bucket = {label: median([r for lab, r in pairs if lab == label]) for label in mine.get("buckets") or {}}
-    return median([r for _, r in pairs]), per_bucket
+
+def median_of(values: list[float]) -> float | None:
+    """The median rounded to 3 places; None for no values."""
+    return round(statistics.median(values), 3) if values else None
 
 
 def _judge_pairs(row: dict[str, Any], median: float | None, per_bucket: dict[str, float | None]) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.serving_report import median_of
-from benchmarks.serving_trace import Result, TraceRequest, bucket_labels, bucket_of, ms, send_one
+from benchmarks.serving_report import pair_medians, ttft_pairs
+from benchmarks.serving_trace import Result, TraceRequest, bucket_labels, label_of, ms, send_one
 
 #: Seconds between two requests (vLLM's CPU workers spin about 1 s after their last message).
 PAUSE_S = 1.5
@@ -54,25 +54,19 @@ async def run_interleaved(
 
 def summarize(ours: Sequence[Result], theirs: Sequence[Result], edges: Sequence[int]) -> dict[str, Any]:
     """Per prompt ours/theirs TTFT; medians overall and per bucket; how often ours was faster."""
-    labels = bucket_labels(edges)
-    pairs: list[tuple[str | None, float]] = []
-    for mine, other in zip(ours, theirs, strict=True):
-        if mine.error or other.error or not other.ttft_s > 0:
-            continue
-        index = bucket_of(mine.prompt_tokens, edges)
-        pairs.append((None if index is None else labels[index], mine.ttft_s / other.ttft_s))
+    ours_ms = [None if r.error else ms(r.ttft_s) for r in ours]
+    theirs_ms = [None if r.error else ms(r.ttft_s) for r in theirs]
+    pairs = ttft_pairs(ours_ms, theirs_ms, [label_of(r.prompt_tokens, edges) for r in ours])
+    median, per_bucket = pair_medians(pairs, bucket_labels(edges))
     ratios = [r for _, r in pairs]
     return {
         "prompts": len(ours),
         "pairs": len(pairs),
         "failed": {"ours": sum(1 for r in ours if r.error), "theirs": sum(1 for r in theirs if r.error)},
         "errors": sorted({r.error for r in [*ours, *theirs] if r.error})[:3],
-        "ttft_ratio_median": median_of(ratios),
-        "ttft_ratio_per_bucket": {label: median_of([r for lab, r in pairs if lab == label]) for label in labels},
+        "ttft_ratio_median": median,
+        "ttft_ratio_per_bucket": per_bucket,
         "ours_faster_share": round(sum(1 for r in ratios if r < 1.0) / len(ratios), 3) if ratios else None,
-        "ttft_ms": {
-            "ours": [None if r.error else ms(r.ttft_s) for r in ours],
-            "theirs": [None if r.error else ms(r.ttft_s) for r in theirs],
-        },
+        "ttft_ms": {"ours": ours_ms, "theirs": theirs_ms},
         "prompt_tokens": [r.prompt_tokens for r in ours],
     }

@@ -101,19 +101,31 @@ def _max_bucket_ttft_p50(per_bucket: dict[str, dict[str, float | None]]) -> tupl
     return max(v for v in values.values() if v is not None), ""
 
 
+def ttft_pairs(
+    ours_ms: list[float | None], theirs_ms: list[float | None], labels: list[str | None]
+) -> list[tuple[str | None, float]]:
+    """(bucket label, ours/theirs) per request answered on both sides, in request order."""
+    return [
+        (label, a / b)
+        for label, a, b in zip(labels, ours_ms, theirs_ms, strict=False)
+        if a is not None and b is not None and b > 0
+    ]
+
+
+def pair_medians(
+    pairs: list[tuple[str | None, float]], labels: list[str]
+) -> tuple[float | None, dict[str, float | None]]:
+    """The median of the pairs' ratios, overall and per bucket label (None where no pair is left)."""
+    per_bucket = {label: median_of([r for lab, r in pairs if lab == label]) for label in labels}
+    return median_of([r for _, r in pairs]), per_bucket
+
+
 def paired_ttft_ratios(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[float | None, dict[str, float | None]]:
     """Median over requests of ours/theirs TTFT for the same request, overall and per bucket label
     (requests either side failed are left out; None where no pair is left)."""
     ours_ms, their_ms = mine.get("requests_ttft_ms") or [], theirs.get("requests_ttft_ms") or []
     labels = mine.get("requests_bucket") or [None] * len(ours_ms)
-    pairs = [
-        (label, a / b)
-        for label, a, b in zip(labels, ours_ms, their_ms, strict=False)
-        if a is not None and b is not None and b > 0
-    ]
-
-    per_bucket = {label: median_of([r for lab, r in pairs if lab == label]) for label in mine.get("buckets") or {}}
-    return median_of([r for _, r in pairs]), per_bucket
+    return pair_medians(ttft_pairs(ours_ms, their_ms, labels), list(mine.get("buckets") or {}))
 
 
 def median_of(values: list[float]) -> float | None:

@@ -79,7 +79,7 @@ class RunStats:
             "buckets": bucket_stats(self.results, edges) if edges else {},
             # Per request, in trace order (the same prompts in every system: paired ratios).
             "requests_ttft_ms": [None if r.error else ms(r.ttft_s) for r in self.results],
-            "requests_bucket": [_label_of(r.prompt_tokens, edges) for r in self.results] if edges else [],
+            "requests_bucket": [label_of(r.prompt_tokens, edges) for r in self.results] if edges else [],
         }
 
 
@@ -103,7 +103,8 @@ def bucket_of(prompt_tokens: int, edges: Sequence[int]) -> int | None:
     return next((i for i in range(len(edges) - 1) if edges[i] <= prompt_tokens < edges[i + 1]), None)
 
 
-def _label_of(prompt_tokens: int, edges: Sequence[int]) -> str | None:
+def label_of(prompt_tokens: int, edges: Sequence[int]) -> str | None:
+    """The label of the bucket holding `prompt_tokens`; None outside every bucket."""
     index = bucket_of(prompt_tokens, edges)
     return None if index is None else bucket_labels(edges)[index]
 

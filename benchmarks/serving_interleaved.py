@@ -1,15 +1,17 @@
-"""Low-load TTFT, interleaved: two systems up at once, each prompt sent to both, one request at a time.
+"""Low-load TTFT, interleaved: every system up at once, each prompt sent to each, one request at a time.
 
 At the serving trace's lowest rate the requests rarely overlap, so TTFT there is each system's
 own service time; but the systems run there minutes apart, and this machine's speed drifts
 by about 10% over minutes (single 2,000-token prefills of one prompt took 3.0 to 3.6 s). Here
-`pd` and `vllm_mooncake` are up together (each one's P on the P cores, its D on the D cores),
-and each prompt goes to one system, then to the other, the order alternating from prompt to
-prompt, with a pause after each answer (vLLM's workers spin for about a second after their last
-engine message). Drift then hits both alike, and each prompt gives one ratio ours/theirs.
+`pd`, `colocated` and `vllm_mooncake` are up together (each one's P, or instance a, on the P
+cores, its D, or instance b, on the D cores), and each prompt goes to every system in turn, the
+order rotating from prompt to prompt, with a pause after each answer (vLLM's workers spin for
+about a second after their last engine message). Drift then hits every system alike, and each
+prompt gives one ratio ours/theirs per other system.
 
-`serving.py --interleaved N` runs it with N prompts per bucket (the JSON's `interleaved_low_load`);
-`acceptance` (serving_report) judges ours/vLLM-Mooncake TTFT on it when it ran.
+`serving.py --interleaved N` runs it with N prompts per bucket (the JSON's `interleaved_low_load`,
+one `summarize` per other system under `vs`); `acceptance` (serving_report) judges the low-load
+TTFT criteria on it when it ran.
 """
 
 from __future__ import annotations

@@ -290,7 +290,7 @@ def test_interleaved_pairs_alternate_the_order_and_judge_the_mooncake_criterion(
         "vllm_mooncake": {"runs": [_run(0.2, [200, 700, 1000, 1400], 1.0), _run(0.6, [1, 1, 1, 1], 1.0)]},
     }
     assert acceptance(systems)["ttft_p50_ratio_vs_vllm_mooncake"]["pass_every_bucket"] is False  # trace: 1600/1400
-    mc = acceptance(systems, summary)["ttft_p50_ratio_vs_vllm_mooncake"]
+    mc = acceptance(systems, {"vs": {"vllm_mooncake": summary}})["ttft_p50_ratio_vs_vllm_mooncake"]
     assert mc["source"] == "interleaved" and mc["pass"] is True and mc["pass_every_bucket"] is True
     assert mc["value"] == summary["ttft_ratio_median"] and mc["pairs"] == 4
     assert mc["trace"]["paired_per_bucket"]["1500-2000"] == round(1600 / 1400, 3)  # still reported
@@ -300,5 +300,40 @@ def test_interleaved_pairs_alternate_the_order_and_judge_the_mooncake_criterion(
     summary = summarize(results["pd"], results["vllm_mooncake"], EDGES)
     assert summary["pairs"] == 3 and summary["ttft_ratio_per_bucket"]["64-500"] is None
     assert summary["failed"] == {"ours": 1, "theirs": 0} and summary["errors"] == ["HTTP 500: x"]
-    mc = acceptance(systems, summary)["ttft_p50_ratio_vs_vllm_mooncake"]
+    mc = acceptance(systems, {"vs": {"vllm_mooncake": summary}})["ttft_p50_ratio_vs_vllm_mooncake"]
     assert mc["pass_every_bucket"] is None and "64-500" in mc["bucket_reason"]
+
+
+def test_interleaved_pairs_judge_the_colocated_criterion_and_the_trace_stays_beside_it() -> None:
+    """Three systems: the rotation gives each one the first place in turn; the colocated criterion
+    is each bucket's median of per-prompt ratios from the interleaved run, its trace value kept."""
+    seen: list[str] = []
+    delay = {"ours.test": 0.03, "coloc.test": 0.02, "mc.test": 0.04}  # ours 1.5x colocated: fails <= 1.3
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        await asyncio.sleep(delay[request.url.host])
+        event = {"choices": [{"text": "x"}]}
+        return httpx.Response(200, content=f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+
+    prompts = [TraceRequest(0.0, [5] * n, 2) for n in (100, 600, 1200, 1600)]
+    urls = {"pd": "http://ours.test", "colocated": "http://coloc.test", "vllm_mooncake": "http://mc.test"}
+    results = asyncio.run(run_interleaved(urls, "m", prompts, 0.0, transport=httpx.MockTransport(answer)))
+    assert seen[:6] == ["ours.test", "coloc.test", "mc.test", "coloc.test", "mc.test", "ours.test"]
+    run = {"vs": {o: summarize(results["pd"], results[o], EDGES) for o in ("colocated", "vllm_mooncake")}}
+    systems = {
+        "pd": {"runs": [_run(0.2, [100, 500, 1000, 1500], 10.0), _run(0.6, [1, 1, 1, 1], 30.0)]},
+        "colocated": {"runs": [_run(0.2, [100, 500, 1000, 1500], 1.0), _run(0.6, [1, 1, 1, 1], 40.0)]},
+        "vllm_mooncake": {"runs": [_run(0.2, [200, 700, 1000, 1400], 1.0), _run(0.6, [1, 1, 1, 1], 1.0)]},
+    }
+    trace_only = acceptance(systems)["ttft_p50_ratio_vs_colocated_max_low_rate"]
+    assert trace_only["source"] == "trace" and trace_only["pass"] is True and trace_only["value"] == 1.0
+    coloc = acceptance(systems, run)["ttft_p50_ratio_vs_colocated_max_low_rate"]
+    assert coloc["source"] == "interleaved" and coloc["pass"] is False and coloc["pairs"] == 4
+    assert coloc["value"] == max(coloc["per_bucket"].values()) and coloc["value"] > 1.3
+    assert coloc["trace"]["max_over_buckets"] == 1.0 and coloc["trace"]["per_bucket"]["64-500"] == 1.0
+    # A bucket without a pair leaves the criterion undecided, saying which bucket.
+    run["vs"]["colocated"]["ttft_ratio_per_bucket"]["64-500"] = None
+    coloc = acceptance(systems, run)["ttft_p50_ratio_vs_colocated_max_low_rate"]
+    assert coloc["pass"] is None and "64-500" in coloc["reason"]
+    assert acceptance(systems, run)["ttft_p50_ratio_vs_vllm_mooncake"]["source"] == "interleaved"

@@ -21,8 +21,8 @@ output tokens/s) and goodput (requests/s that met both SLOs: TTFT <= --slo-ttft-
 stdout, progress on stderr, a PNG of TTFT and TPOT against rate and of TTFT p50 per bucket at
 the lowest rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
 
-    python benchmarks/serving.py            # ~12 minutes on 2 cores (start-up 1.5-3 min per system)
-    python benchmarks/serving.py --quick    # ~9 minutes: 2 rates, 1-2 requests per bucket
+    python benchmarks/serving.py            # 18-20 minutes on 2 cores (start-up 1-3 min per system)
+    python benchmarks/serving.py --quick    # ~9 minutes: 2 rates, 1 request per bucket (a smoke run)
 """
 
 from __future__ import annotations

@@ -232,3 +232,26 @@ def test_frozen_prefiller_is_given_up_for_another(
         if frozen.popen is not None and frozen.popen.poll() is None:
             os.kill(frozen.popen.pid, signal.SIGCONT)
         frozen.stop()
+
+
+def test_no_decoder_after_p_answered_is_http_503_on_both_first_token_paths(
+    backends: Backends, fresh_router: RouterFactory
+) -> None:
+    """P answered, but the decoders were all removed: the client gets HTTP 503 naming it, on the
+    token path and on the empty-first path alike, and nothing is streamed; the release of P's
+    room has no decoder to go through either, which the log says (room_timeout_s frees it)."""
+    router = fresh_router(backends.ok_p, backends.ok_d, ON)
+    decoder = {"role": "decode", "host": "127.0.0.1", "port": backends.ok_d}
+    with http_client() as client:
+        assert client.post(f"{router.url}/instances/remove", json=decoder).status_code == 200
+    for tag, prompt in (("token", "Hi"), ("empty", f"Hi {PARTIAL_MARK}")):
+        rid = new_rid(f"first-no-d-{tag}")
+        body = request_body("/v1/completions", stream=True, prompt=prompt)
+        with http_client() as client:
+            response = client.post(f"{router.url}/v1/completions", json=body, headers={"X-Request-Id": rid})
+        assert response.status_code == 503, (tag, response.text)
+        assert response.json()["error"]["message"] == "no decode instance is available"
+        assert record(backends.ok_p, rid)["body"]["return_token_ids"] is True  # P was asked, and answered
+        assert records(backends.ok_d, rid) == []
+        lines = router.proc.log_text().splitlines()
+        assert any(f"rid={rid} room=" in line and "no decoder to release P's KV" in line for line in lines), tag

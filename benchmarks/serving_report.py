@@ -98,12 +98,11 @@ def _criterion(value: float | None, limit: float, strict: bool, reason: str = ""
     return out
 
 
-def _max_bucket_ttft_p50(per_bucket: dict[str, dict[str, float | None]]) -> tuple[float | None, str]:
-    """The largest TTFT p50 ratio over the buckets; None (and why) when any bucket lacks one."""
-    values = {label: b["ttft_ms_p50"] for label, b in per_bucket.items()}
+def _worst_bucket(values: dict[str, float | None], what: str) -> tuple[float | None, str]:
+    """The largest of the buckets' ratios; None (and why, naming ``what``) when any bucket lacks one."""
     missing = [label for label, v in values.items() if v is None]
     if not values or missing:
-        return None, f"no TTFT p50 ratio for bucket(s) {missing or 'any'}"
+        return None, f"no {what} for bucket(s) {missing or 'any'}"
     return max(v for v in values.values() if v is not None), ""
 
 
@@ -142,13 +141,12 @@ def median_of(values: list[float]) -> float | None:
 def _judge_pairs(row: dict[str, Any], median: float | None, per_bucket: dict[str, float | None]) -> None:
     """Fill ``row`` (the vLLM-Mooncake criterion) from a paired median and its per-bucket medians."""
     row.pop("bucket_reason", None)
-    missing = [label for label, v in per_bucket.items() if v is None]
-    worst = None if missing or not per_bucket else max(v for v in per_bucket.values() if v is not None)
+    worst, why = _worst_bucket(per_bucket, "paired TTFT ratio")
     row.update(_criterion(median, TTFT_VS_MOONCAKE_MAX, False, "no prompt answered on both systems"))
     row.update(statistic="median of per-prompt ratios", paired_per_bucket=per_bucket, max_over_buckets=worst)
     row["pass_every_bucket"] = None if worst is None else worst <= TTFT_VS_MOONCAKE_MAX
     if worst is None:
-        row["bucket_reason"] = f"no paired TTFT ratio for bucket(s) {missing or 'any'}"
+        row["bucket_reason"] = why
 
 
 def _interleaved_vs(interleaved: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
@@ -161,22 +159,17 @@ def _interleaved_vs(interleaved: dict[str, Any] | None, name: str) -> dict[str, 
 
 def _colocated_ttft(low_ours: dict[str, Any], low_coloc: dict[str, Any], pairs: dict[str, Any] | None) -> dict[str, Any]:
     """The colocated TTFT criterion: from the interleaved pairs' bucket medians, else the trace's p50s."""
-    per_bucket = bucket_ratios(low_ours, low_coloc)
-    trace_value, trace_why = _max_bucket_ttft_p50(per_bucket)
-    trace = {
-        "rate_rps": low_ours["rate_rps"],
-        "max_over_buckets": trace_value,
-        "per_bucket": {label: b["ttft_ms_p50"] for label, b in per_bucket.items()},
-    }
+    trace_buckets = {label: b["ttft_ms_p50"] for label, b in bucket_ratios(low_ours, low_coloc).items()}
+    trace_value, trace_why = _worst_bucket(trace_buckets, "TTFT p50 ratio")
+    trace = {"rate_rps": low_ours["rate_rps"], "max_over_buckets": trace_value, "per_bucket": trace_buckets}
     if pairs is None:
         row = _criterion(trace_value, TTFT_VS_COLOCATED_MAX, False, trace_why)
         row.update(source="trace", statistic="ratio of TTFT p50s per bucket", rate_rps=trace["rate_rps"])
         row.update(per_bucket=trace["per_bucket"], trace=trace)
         return row
     medians: dict[str, float | None] = pairs.get("ttft_ratio_per_bucket") or {}
-    missing = [label for label, v in medians.items() if v is None]
-    value = None if missing or not medians else max(v for v in medians.values() if v is not None)
-    row = _criterion(value, TTFT_VS_COLOCATED_MAX, False, f"no paired TTFT ratio for bucket(s) {missing or 'any'}")
+    value, why = _worst_bucket(medians, "paired TTFT ratio")
+    row = _criterion(value, TTFT_VS_COLOCATED_MAX, False, why)
     row.update(source="interleaved", statistic="median of per-prompt ratios per bucket", per_bucket=medians)
     row.update(pairs=pairs.get("pairs"), ours_faster_share=pairs.get("ours_faster_share"), trace=trace)
     return row

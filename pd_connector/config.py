@@ -62,8 +62,8 @@ class DisaggConfig:
     transfer_threads: int = 4
     # Largest batch of (src, dst, len) entries handed to the backend in one call.
     max_batch_entries: int = 1024
-    # Bytes of the buffer that reshuffles heads for mixed TP on token-major (NHD) KV, allocated beside
-    # the KV on first use (transfer.nhd_reshuffle); 0: no reshuffling, mixed TP on NHD is refused.
+    # Bytes of the buffer that reshuffles heads for mixed TP on token-major (NHD) KV: P allocates it on the
+    # KV's device, 2 MiB-aligned, and registers it with the KV (transfer.staging); 0: mixed TP on NHD is refused.
     staging_bytes: int = 64 << 20
     # Start the bootstrap server in this instance's leader (P only).
     start_bootstrap_server: bool = True

@@ -65,12 +65,14 @@ def transport_problem(protocol: str, device_types: Iterable[str]) -> str | None:
     )
 
 
-def region_limit_problem(protocol: str, count: int) -> str | None:
-    """Why ``count`` registered regions exceed what ``protocol`` takes; None if they fit."""
+def region_limit_problem(protocol: str, count: int, staging: int = 0) -> str | None:
+    """Why ``count`` registered regions (``staging`` of them NHD staging buffers) exceed what ``protocol`` takes."""
     limit = REGION_LIMITS.get(protocol)
     if limit is None or count <= limit:
         return None
-    return (
-        f"the KV cache needs {count} memory regions registered, but the {protocol!r} transport takes at most "
-        f"{limit}; fewer layers per worker (a larger TP/PP size) or KV tensors allocated next to each other fit"
-    )
+    what = f"the KV cache needs {count} memory regions registered"
+    fix = "fewer layers per worker (a larger TP/PP size) or KV tensors allocated next to each other fit"
+    if staging:
+        what += f" ({count - staging} of KV and {staging} NHD staging buffer)"
+        fix += "; so does kv_connector_extra_config.staging_bytes 0 (no mixed TP on NHD) or decode.tp_size equal to prefill's"
+    return f"{what}, but the {protocol!r} transport takes at most {limit} (REGION_LIMITS); {fix}"

@@ -2,7 +2,7 @@
 
 - vLLM-Ascend's ``prefill`` / ``decode`` sizes against what this rank runs as;
 - the transport against the memory the KV lives in (``tcp`` cannot read NPU memory);
-- the registered region count against the transport's limit (256 on ``ascend``).
+- the registered region count (KV plus P's NHD staging buffer) against the transport's limit (256 on ``ascend``).
 
 Each failure is a ``RankSetupError`` whose message names both values.
 """
@@ -55,23 +55,34 @@ def local_rank() -> int:
         return 0
 
 
-def check_kv_memory(cfg: DisaggConfig, kv_caches: Mapping[str, Any], ranges: Sequence[tuple[int, int]]) -> None:
-    """The transport must reach the KV's memory and take this many regions (P: plus its staging buffer)."""
-    staging = 1 if cfg.is_prefill and cfg.staging_bytes else 0
+def check_kv_memory(
+    cfg: DisaggConfig,
+    kv_caches: Mapping[str, Any],
+    ranges: Sequence[tuple[int, int]],
+    staging: Sequence[tuple[int, int]] = (),
+) -> None:
+    """The transport must reach the KV's memory and take this many regions: the KV's plus the staging buffer's."""
     problem = transport_problem(cfg.protocol, kv_device_types(kv_caches)) or region_limit_problem(
-        cfg.protocol, len(ranges) + staging
+        cfg.protocol, len(ranges) + len(staging), staging=len(staging)
     )
     if problem is not None:
         raise RankSetupError(problem)
 
 
 def prepare_rank(
-    cfg: DisaggConfig, kv_caches: Mapping[str, Any], tp_size: int, vllm_dp_size: int
+    cfg: DisaggConfig,
+    kv_caches: Mapping[str, Any],
+    tp_size: int,
+    vllm_dp_size: int,
+    staging: Sequence[tuple[int, int]] = (),
 ) -> list[tuple[int, int]]:
-    """Run every start-up check and set the ascend transport's environment; the ranges to register."""
+    """Run every start-up check and set the ascend transport's environment; the ranges to register.
+
+    ``staging``: the NHD staging buffer's range (``transfer.staging``), registered with the KV's.
+    """
     check_sizes(cfg, tp_size, vllm_dp_size)
     ranges = memory_ranges(kv_caches)
-    check_kv_memory(cfg, kv_caches, ranges)
+    check_kv_memory(cfg, kv_caches, ranges, staging)
     if cfg.ascend_local_comm_res_path:
         setup_local_comm_res(cfg.ascend_local_comm_res_path, local_rank())
-    return ranges
+    return ranges + list(staging)

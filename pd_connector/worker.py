@@ -27,8 +27,8 @@ from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.layerwise import LayerStreams, enable_layer_push
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
-from pd_connector.transfer.nhd_reshuffle import NhdReshuffle, token_major_views
 from pd_connector.transfer.registry import create_backend
+from pd_connector.transfer.staging import nhd_reshuffle
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -128,10 +128,16 @@ class PDWorker:
         use_mla = bool(getattr(model, "use_mla", False))
         total_heads = 1 if use_mla else model.get_total_num_kv_heads()
         local = len(local_heads(total_heads, tp_size, tp_rank))
-        ranges = prepare_rank(self.cfg, kv_caches, tp_size, self.vllm_config.parallel_config.data_parallel_size)
+        heads_outermost = _heads_outermost(kv_caches, num_blocks, local)
+        reshuffle = nhd_reshuffle(  # P: allocates the staging buffer registered below (transfer.staging)
+            self.cfg, kv_caches, num_blocks, self.block_size, local,
+            use_mla=use_mla, heads_outermost=heads_outermost, tp_size=tp_size,
+        )  # fmt: skip
+        staging = reshuffle.registered_ranges if reshuffle is not None else []
+        dp_size = self.vllm_config.parallel_config.data_parallel_size
+        ranges = prepare_rank(self.cfg, kv_caches, tp_size, dp_size, staging)  # KV's ranges + staging's
         self.backend = create_backend(self.cfg)
         self.backend.register(ranges)
-        reshuffle = self._nhd_reshuffle(kv_caches, num_blocks, local, use_mla)
         spec = RankSpec(
             tp_rank=tp_rank,
             tp_size=tp_size,
@@ -143,7 +149,7 @@ class PDWorker:
             total_kv_heads=total_heads,
             local_kv_heads=local,
             use_mla=use_mla,
-            heads_outermost=_heads_outermost(kv_caches, num_blocks, local),
+            heads_outermost=heads_outermost,
             token_major=reshuffle is not None,
             model=model_fingerprint(self.vllm_config),
             num_blocks=num_blocks,  # peers write only inside these blocks (transfer.write_guard)
@@ -158,19 +164,6 @@ class PDWorker:
             self.layers = enable_layer_push(self.manager, kv_caches, num_blocks)
         if self.cfg.is_prefill:
             self._join_prefill_deployment(spec)
-
-    def _nhd_reshuffle(
-        self, kv_caches: dict[str, Any], num_blocks: int, local: int, use_mla: bool
-    ) -> NhdReshuffle | None:
-        """Head reshuffling for mixed TP when the KV is token major (vLLM-Ascend NHD), else None."""
-        if use_mla or not self.cfg.staging_bytes or (local > 1 and _heads_outermost(kv_caches, num_blocks, local)):
-            return None  # head-major KV moves head slices as byte ranges already
-        views = token_major_views(kv_caches, num_blocks, self.block_size, local)
-        if not views:
-            return None
-        backend = self.backend
-        assert backend is not None
-        return NhdReshuffle(views, self.cfg.staging_bytes, lambda addr, n: backend.register([(addr, n)]))
 
     def _num_blocks(self, kv_caches: dict[str, Any]) -> int:
         if self.kv_cache_config is not None and getattr(self.kv_cache_config, "num_blocks", 0):

@@ -7,8 +7,8 @@ moves as one byte range (as on head-major layouts):
 
 - **P before the write** (P holds more heads than the slice, e.g. P1 -> D2): P gathers the
   slice's heads of a batch of blocks into its staging buffer (``[blocks, block_size, n, dim]``,
-  at most ``staging_bytes``, registered with the backend once), writes each block's part as one
-  range, and reuses the buffer for the next batch.
+  at most ``staging_bytes``; allocated and registered with the KV, see ``transfer.staging``),
+  writes each block's part as one range, and reuses the buffer for the next batch.
 - **D after the read** (D takes its heads from several P ranks, e.g. P2 -> D1, P4 -> D2): each
   P rank writes its part of a block, ``[block_size, n, dim]``, as one range at offset
   ``dst_head * block_size * dim`` of D's block, so D's block holds the parts one after the other;
@@ -101,22 +101,25 @@ def staged_work(
 class NhdReshuffle:
     """One rank's token-major KV views and its bounded staging buffer (P: gather; D: permute)."""
 
-    def __init__(self, views: Sequence[torch.Tensor], staging_bytes: int, register: Callable[[int, int], None]) -> None:
+    def __init__(self, views: Sequence[torch.Tensor], staging_bytes: int, staging: torch.Tensor | None = None) -> None:
+        """``staging``: P's registered buffer (``transfer.staging.aligned_buffer``), None on D (it stages nothing)."""
         self.views = list(views)
         self.staging_bytes = staging_bytes
-        self._register = register
-        self._staging: torch.Tensor | None = None
+        self._staging = staging
         self._lock = threading.Lock()
+
+    @property
+    def registered_ranges(self) -> list[tuple[int, int]]:
+        """(addr, length) of the staging buffer, registered with the KV's ranges; [] without one."""
+        buf = self._staging
+        return [] if buf is None else [(buf.data_ptr(), buf.numel())]
 
     # ------------------------------------------------------------------ P side
 
     def _buffer(self) -> torch.Tensor:
-        """The staging buffer, allocated beside the KV and registered on first use. Caller holds the lock."""
+        """The staging buffer registered at KV registration time. Caller holds the lock."""
         if self._staging is None:
-            device = self.views[0].device if self.views else torch.device("cpu")
-            self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, device=device)
-            self._register(self._staging.data_ptr(), self.staging_bytes)
-            logger.info("NHD staging buffer of %d bytes registered", self.staging_bytes)
+            raise LayoutError("this rank has no NHD staging buffer (a decode rank stages nothing)")
         return self._staging
 
     def push(

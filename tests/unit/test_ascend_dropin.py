@@ -237,10 +237,11 @@ def test_region_count_is_checked_against_the_ascend_limit() -> None:
     with pytest.raises(RankSetupError, match=r"257 memory regions.*'ascend' transport takes at most 256"):
         check_kv_memory(parse_config("kv_consumer", {"protocol": "ascend"}), {}, fake)
     check_kv_memory(parse_config("kv_consumer", {"protocol": "ascend"}), {}, fake[:256])
-    check_kv_memory(parse_config("kv_producer", {"protocol": "ascend"}), {}, fake[:255])  # + P's staging buffer
-    with pytest.raises(RankSetupError, match="257 memory regions"):
-        check_kv_memory(parse_config("kv_producer", {"protocol": "ascend"}), {}, fake[:256])
-    check_kv_memory(parse_config("kv_producer", {"protocol": "ascend", "staging_bytes": 0}), {}, fake[:256])
+    staging = [(1 << 30, 2 << 20)]  # P's NHD staging buffer counts as one more region (transfer.staging)
+    check_kv_memory(parse_config("kv_producer", {"protocol": "ascend"}), {}, fake[:255], staging)
+    with pytest.raises(RankSetupError, match=r"257 memory regions registered \(256 of KV and 1 NHD staging"):
+        check_kv_memory(parse_config("kv_producer", {"protocol": "ascend"}), {}, fake[:256], staging)
+    check_kv_memory(parse_config("kv_producer", {"protocol": "ascend"}), {}, fake[:256])  # no staging buffer
     check_kv_memory(parse_config("kv_producer", {"protocol": "tcp"}), {}, fake)  # no limit on tcp
 
 

@@ -27,8 +27,8 @@ from pd_connector.protocol import RegisterRank
 from pd_connector.tp_mapping import local_heads, plan_decode_rank, slices_from
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
-from pd_connector.transfer.nhd_reshuffle import NhdReshuffle, token_major_views
 from pd_connector.transfer.registry import create_backend
+from pd_connector.transfer.staging import nhd_reshuffle
 
 from .conftest import HOST, free_port, wait_for
 from .test_ascend_dropin import ascend_tensor
@@ -113,11 +113,11 @@ def manager(
     extra["verify_kv"] = True  # D checks the checksums its P ranks report (transfer.checksum): they add up
     cfg = parse_config(role, {**extra, "kv_wait_timeout_s": 30.0, "room_timeout_s": 30.0})
     local = len(local_heads(total, tp, rank))
-    backend.register(memory_ranges(kv))
     engines.keep.append(kv)
-    views = token_major_views(kv, NB, BS, local)
-    assert views is not None
-    reshuffle = NhdReshuffle(views, STAGING, lambda addr, n: backend.register([(addr, n)]))
+    # As the worker does at KV registration: P's staging buffer is registered with the KV, in one call.
+    reshuffle = nhd_reshuffle(cfg, kv, NB, BS, local, use_mla=False, heads_outermost=local == 1, tp_size=tp)
+    assert reshuffle is not None and bool(reshuffle.registered_ranges) == (side == "p")
+    backend.register(memory_ranges(kv) + reshuffle.registered_ranges)
     spec = RankSpec(
         tp_rank=rank, tp_size=tp, dp_rank=0, dp_size=1, block_size=BS, kv_dtype="float16", num_layers=LAYERS,
         total_kv_heads=total, local_kv_heads=local, heads_outermost=local == 1, token_major=True,

@@ -149,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/completions whose sampling allows it; D gets P's prompt plus that token and computes it): TTFT "
         "is P's; --no-first-token-from-prefill: D answers from the first token on (default: on)",
     )
+    add(
+        "--max-recomputes",
+        type=int,
+        default=3,
+        help="an answer a decoder cuts with stop_reason 'recomputed' (vLLM-Ascend's recompute_scheduler_enable) is "
+        "continued on a fresh P/D pair, prompt plus the text so far, at most this many times per request; 0 passes "
+        "it on as is (default: %(default)s)",
+    )
     add_security_flags(parser)
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: %(default)s)")
     return parser
@@ -290,6 +298,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"--max-waiting-retries must be at least 1 (got {args.max_waiting_retries})")
     if args.max_body_size < 1:
         parser.error(f"--max-body-size must be at least 1 byte (got {args.max_body_size})")
+    if args.max_recomputes < 0:
+        parser.error(f"--max-recomputes must be at least 0 (got {args.max_recomputes})")
     if not 1 <= args.workers <= 256:
         parser.error(f"--workers must be between 1 and 256 (got {args.workers})")
 
@@ -321,6 +331,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         trust_client_room=args.trust_client_room,
         first_token_from_prefill=args.first_token_from_prefill,
         workers=args.workers,
+        max_recomputes=args.max_recomputes,
         backend_authorization=security.backend_authorization,
         access=security.access,
         tls=security.tls,

@@ -160,6 +160,9 @@ class RouterConfig:
     first_token_from_prefill: bool = True
     #: Router processes sharing the port (``--workers``, :mod:`proxy.workers`).
     workers: int = 1
+    #: Continuations of an answer a decoder cut with ``stop_reason: "recomputed"`` (vLLM-Ascend's
+    #: ``recompute_scheduler_enable``; :mod:`proxy.recompute`), per request; 0 passes it on as is.
+    max_recomputes: int = 3
 
     def describe(self) -> str:
         """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800); D: h:8002``."""

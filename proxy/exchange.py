@@ -37,6 +37,7 @@ from proxy.first_token_body import FirstTokenFrom, ineligible_reason
 from proxy.http1 import UpstreamError
 from proxy.incoming import backend_headers, read_json, request_id
 from proxy.payloads import estimate_prompt_tokens, new_room, resolve_room, validate_body
+from proxy.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
 from proxy.router import Router
 from proxy.routing import RouteRequest
 from proxy.upstream import Failure, exception_failure, passthrough_response
@@ -263,11 +264,14 @@ class Exchange:
     async def answer(self, attempt: Attempt, outcome: Opened | Answered) -> web.StreamResponse:
         """D's answer to the client: a whole JSON answer as it is, a stream through :meth:`relay`."""
         if isinstance(outcome, Answered):
+            if self.router.config.max_recomputes and (cut := recomputed_answer(outcome.body)) is not None:
+                return await continue_answer(self, attempt, outcome, cut)
             self.status = outcome.status
             self.ttfb = time.monotonic() - self.t0
             return passthrough_response(outcome.status, outcome.body, outcome.content_type, self.out_headers)
         try:
-            return await self.relay(attempt, outcome)
+            watch = stream_watch(self, None)
+            return await after_relay(self, await self.relay(attempt, outcome, transform=watch), watch)
         except ConnectionResetError:
             raise asyncio.CancelledError from None  # the client went away
 
@@ -289,7 +293,9 @@ class Exchange:
         transform: Callable[[bytes], bytes] | None = None,
     ) -> web.StreamResponse:
         """Send D's stream to the client (unchanged, or through ``transform``) on ``response``
-        (prepared already, or a new one); end it with an error event if P or D fails."""
+        (prepared already, or a new one); end it with an error event if P or D fails. A
+        :class:`proxy.recompute.StreamWatch` transform that saw ``recomputed`` leaves it open."""
+        watch = transform if isinstance(transform, StreamWatch) else None
         upstream = opened.response
         failure: Failure | None = None
         eof_sent = False
@@ -300,7 +306,7 @@ class Exchange:
         while True:
             if transform is not None:
                 chunk = transform(chunk)
-            if upstream.at_eof() and attempt.late_p_failure is None:
+            if upstream.at_eof() and attempt.late_p_failure is None and not (watch and watch.recomputed):
                 # The end of D's stream came with this chunk: send both in one write.
                 await response.write_eof(chunk)
                 eof_sent = True
@@ -325,6 +331,9 @@ class Exchange:
         if failure is None:
             attempt.finish()
             self.router.pair_refusals.clear(attempt.p, attempt.d)
+            if watch is not None and watch.recomputed:
+                watch.held_open = True
+                return response  # proxy.recompute continues it
         else:
             self._stream_cut(attempt, failure)
             await response.write(failure.error.to_sse())

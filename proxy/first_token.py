@@ -49,6 +49,7 @@ from proxy.first_token_body import (
 from proxy.http1 import encode_json
 from proxy.payloads import decode_body, new_room
 from proxy.prefill_watch import WATCH_AFTER_S
+from proxy.recompute import after_relay, stream_watch
 from proxy.routing import RouteRequest
 from proxy.upstream import Failure, Reply, fetch, http_failure, refused_failure
 
@@ -228,11 +229,11 @@ class FirstTokenPath:
         ex.first_token_from = FirstTokenFrom.PREFILL
         remaining = ex.deadline - time.monotonic()
         attempt = Attempt(self.router, cont, p, d, ex.room, remaining, p_answered=True, prefilled_tokens=prompt_len)
-        fix = ContinuationFix(include_usage(call.body), wants_token_ids(call.body))
+        fix = stream_watch(ex, ContinuationFix(include_usage(call.body), wants_token_ids(call.body)), first.text, 1)
         return await self._continue(attempt, response, fix)
 
     async def _continue(
-        self, attempt: Attempt, response: web.StreamResponse, fix: Callable[[bytes], bytes]
+        self, attempt: Attempt, response: web.StreamResponse, fix: Callable[[bytes], bytes] | None
     ) -> web.StreamResponse:
         """D's continuation: relayed on success; retried as a P+D attempt while D sent nothing."""
         ex, router = self.ex, self.router
@@ -242,7 +243,7 @@ class FirstTokenPath:
             outcome = await attempt.run()
             if isinstance(outcome, Opened):
                 try:
-                    return await ex.relay(attempt, outcome, response, fix)
+                    return await after_relay(ex, await ex.relay(attempt, outcome, response, fix), fix)
                 except ConnectionResetError:
                     raise asyncio.CancelledError from None  # the client went away
             if not isinstance(outcome, Failure):  # a streamed request is always Opened
@@ -300,7 +301,7 @@ class FirstTokenPath:
         ex.first_token_from = FirstTokenFrom.PREFILL_EMPTY
         remaining = ex.deadline - time.monotonic()
         attempt = Attempt(self.router, call, p, d, ex.room, remaining, p_answered=True)
-        return await self._continue(attempt, response, DropRepeatedFirst())
+        return await self._continue(attempt, response, stream_watch(ex, DropRepeatedFirst(), first.text, 1))
 
     async def _pick_d(
         self, p: BackendState, route: RouteRequest, cont: Call, prompt_len: int

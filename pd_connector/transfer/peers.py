@@ -64,7 +64,8 @@ def peer_problem(spec: RankSpec, regions: Sequence[Region], hello: proto.PeerHel
             raise MappingError(
                 f"prefill TP {spec.tp_size} / decode TP {hello.tp_size} split KV heads inside a block, "
                 "but the KV layout keeps heads inside tokens (NHD) and is not reshuffled on both sides "
-                "(staging_bytes 0, or a layout other than [blocks, block_size, heads, dim]); use equal TP sizes"
+                "(staging_bytes 0, decode.tp_size set to prefill's TP size, or a layout other than "
+                "[blocks, block_size, heads, dim]); use equal TP sizes"
             )
     except LayoutError as exc:
         return f"incompatible decode instance {hello.peer_id}: {exc}"

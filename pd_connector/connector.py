@@ -91,8 +91,9 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         """Called every engine step, around the forward pass, with this step's metadata bound.
 
         Hands the step's work to the transfer manager: P rooms whose prefill
-        finished (push when D asks), dropped rooms, and D requests whose KV
-        should be fetched. Never blocks: the transfers run on background threads.
+        finished (push when D asks, once a device event recorded now on the forward's
+        stream completed), dropped rooms, and D requests whose KV should be fetched.
+        Never blocks: the transfers run on background threads bound to the rank's device.
         """
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -103,10 +104,13 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         """Called before each attention layer; loads are async between steps, so nothing to wait for."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Called after each attention layer of a forward pass (the layer's KV is in the cache).
+        """Called on the forward's thread after each attention layer of a forward pass.
 
-        P with transfer_mode "layer": queues the write of the layer's newly completed blocks to D
-        (transfer.layerwise); otherwise nothing (P pushes whole requests after the prefill).
+        By then the layer's KV-cache write has been *queued* on the device's current stream; on an
+        NPU/GPU it may not have run yet (on CPU it has). P with transfer_mode "layer": records a
+        device event on that stream now and queues the write of the layer's newly completed blocks
+        to D, which the writer thread starts only once that event completed (pd_connector.device_sync,
+        transfer.layerwise); otherwise nothing (P pushes whole requests after the prefill).
         """
         if self._worker is not None and self._worker.layers is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
@@ -116,8 +120,10 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """Called at the end of every forward pass (and of steps without one), metadata still bound.
 
-        Writes stay async (reported via TransferDone / get_finished); in layer mode, layers whose
-        save_kv_layer did not come are queued now.
+        The forward's kernels are queued on the device, not necessarily done. Writes stay async
+        (reported via TransferDone / get_finished); in layer mode, layers whose save_kv_layer did not
+        come are queued now, behind a device event recorded here. Request mode's pushes wait for an
+        event recorded when the finished prefill's SendJob reaches the worker (start_load_kv).
         """
         if self._worker is not None and self._worker.layers is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
@@ -129,7 +135,8 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
 
         Returns (requests whose KV push finished on P, so vLLM may free their
         blocks; requests whose KV arrived on D, or failed to, so vLLM may
-        schedule them).
+        schedule them: their received bytes, and any NHD permutation of them, are
+        in device memory by then).
         """
         assert self._worker is not None
         sending, recving, _failed = self._worker.get_finished(finished_req_ids)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pd_connector.ascend_settings import apply_transport_env
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
@@ -22,6 +23,7 @@ from pd_connector.kv_params import host_port
 from pd_connector.layout import regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.protocol import RegisterRank
+from pd_connector.pp_stages import PipelineError, own_stage_problem, region_layers_of, stage_range
 from pd_connector.rank_checks import prepare_rank
 from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend
@@ -136,6 +138,7 @@ class PDWorker:
         staging = reshuffle.registered_ranges if reshuffle is not None else []
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         ranges = prepare_rank(self.cfg, kv_caches, tp_size, dp_size, staging)  # KV's ranges + staging's
+        apply_transport_env(self.cfg)  # ascend: vLLM-Ascend's QoS and transfer timeout, before the engine starts
         self.backend = create_backend(self.cfg)
         self.backend.register(ranges)
         spec = RankSpec(
@@ -175,8 +178,8 @@ class PDWorker:
 
     def _join_prefill_deployment(self, spec: RankSpec) -> None:
         assert self.manager is not None
-        if spec.dp_rank == 0 and spec.tp_rank == 0 and self.cfg.start_bootstrap_server:
-            state = BootstrapState(attn_tp_size=spec.tp_size, attn_dp_size=spec.dp_size)
+        if spec.dp_rank == 0 and spec.tp_rank == 0 and spec.pp_rank == 0 and self.cfg.start_bootstrap_server:
+            state = BootstrapState(attn_tp_size=spec.tp_size, attn_dp_size=spec.dp_size, pp_size=spec.pp_size)
             self.bootstrap = BootstrapServer(
                 state,
                 self.cfg.local_ip,
@@ -241,6 +244,10 @@ class PDWorker:
     def take_stats(self) -> dict | None:
         """This rank's transfer stats since the previous call (pd_connector.metrics), None if nothing."""
         return self.manager.take_stats() if self.manager is not None else None
+                pp_size=spec.pp_size,
+                pp_rank=spec.pp_rank,
+                first_layer=self.stage_layers[0],
+                end_layer=self.stage_layers[1],
 
     def take_failed_blocks(self) -> set[int]:
         blocks, self._failed_blocks = self._failed_blocks, set()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from pd_connector import protocol as proto
 from pd_connector.config import DisaggConfig
+from pd_connector.device_sync import NO_DEVICE, DeviceSync
 from pd_connector.layout import Region
 from pd_connector.trace import TraceBook
 from pd_connector.transfer.outbox import Outbox
@@ -59,3 +60,4 @@ class RankContext:
     outbox: Outbox
     traces: TraceBook  # this side's phase traces (pd_connector.trace); logged by TP rank 0 only
     reshuffle: NhdReshuffle | None = None  # token-major KV with a staging buffer (mixed TP on NHD)
+    device: DeviceSync = NO_DEVICE  # the KV's device: events, streams, thread binding (pd_connector.device_sync)

@@ -5,6 +5,12 @@ rank and a `TransferRequest` per request, then waits for `TransferDone` from eve
 asked. Errors and kv_wait_timeout_s end the load as failed; vLLM then recomputes or fails the
 request. Load states (``states.LoadState``): RESOLVING (handshake on the task pool) ->
 AWAITING_KV -> RECEIVED or FAILED (the load then leaves the table).
+
+Device ordering (``device_sync``): a P rank sends ``TransferDone`` only after its backend write
+returned, i.e. the bytes are in D's device memory; a load that needs the NHD permutation
+(``nhd_reshuffle``) runs it on a task-pool thread bound to this rank's device and waits for that
+thread's stream on the KV's device before the request goes to the outbox, so vLLM's stream never
+reads half-permuted blocks.
 """
 
 from __future__ import annotations
@@ -332,6 +338,7 @@ class DecodeSide:
     def _publish_received(self, load: Load) -> None:
         done = load.job
         self._ctx.traces.get(done.req_id, done.room).mark("kv_ready")
+        """Task pool (bound to the rank's device): permute, wait for the device, then hand to vLLM."""
         self._ctx.outbox.received(done.req_id)  # vLLM first (its next step schedules the request), then the books
         nbytes = received_bytes(self._ctx.regions, self._spec.region_groups, recv_groups(load.job))
         self._ctx.stats.observe_recv(nbytes, load.handshake_s)

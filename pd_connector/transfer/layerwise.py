@@ -9,8 +9,14 @@ the room (a ``Reader``) has, per layer, how many of them were queued for writing
 done -> every reader gets that layer's new blocks; a reader that comes late (D's request after
 the prefill started, or ended) first gets everything already computed, so nothing is missed and
 nothing is written twice. The writes run in order on one writer thread (a layer's write overlaps
-the next layers' compute). When the final chunk's every layer is written, the reader is done:
-``TransferDone`` goes to D at once, without waiting for P's scheduler to see the request finish.
+the next layers' compute), bound to the rank's device. When the final chunk's every layer is
+written, the reader is done: ``TransferDone`` goes to D at once, without waiting for P's scheduler
+to see the request finish.
+
+Device ordering (``device_sync``): on an NPU/GPU ``save_kv_layer`` comes when the layer's KV
+write is queued on the forward's stream, not done. ``on_layer`` (and ``on_forward_end``) record a
+marker on that stream right then; the stream keeps it per layer and every write of that layer (also
+a late reader's backlog) waits for it on the writer thread before the backend reads a byte.
 
 The claims stay P's rooms' (``prefill_side``, ``stream_claims``): a stream takes D's waiting
 requests from the room (``StreamHost.take_for_stream``), reports each one's end
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pd_connector import protocol as proto
+from pd_connector.device_sync import DONE, Marker
 from pd_connector.layer_chunks import LayerChunk
 from pd_connector.layout import LayoutError, Region, block_runs
 from pd_connector.protocol import DoneStatus
@@ -91,7 +98,8 @@ class StreamResult:
 class Stream:
     room: int
     req_id: str
-    layer_end: list[int]  # per layer: blocks [0, n) hold their final KV
+    layer_end: list[int]  # per layer: blocks [0, n) hold their final KV (once layer_ready[layer] completed)
+    layer_ready: list[Marker] = field(default_factory=list)  # per layer: device marker behind its KV writes
     block_ids: list[int] = field(default_factory=list)
     final_end: int | None = None  # blocks of the whole prompt, once the final chunk ran
     readers: dict[str, Reader] = field(default_factory=dict)
@@ -157,34 +165,43 @@ class LayerStreams:
         self._streams: OrderedDict[int, Stream] = OrderedDict()
         self._readers: dict[tuple[int, str], Reader] = {}
         self._step: object | None = None  # the metadata of the step being run
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-layer-push")
+        self._device = ctx.device
+        self._writer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pd-layer-push", initializer=self._device.bind_thread
+        )
 
     # ------------------------------------------------------------ forward thread
 
     def on_layer(self, chunks: Sequence[LayerChunk], step: object, layer_name: str) -> None:
-        """vLLM's save_kv_layer: ``layer_name``'s KV of this step's chunks is in P's blocks."""
+        """vLLM's save_kv_layer: ``layer_name``'s KV writes of this step's chunks are queued on the
+        device's current stream (a marker recorded now completes once they ran)."""
         layer = self._layer_index.get(layer_name)
         if layer is None or not chunks:
             return
+        ready = self._device.record()
         with self._lock:
             ends = self._begin_step(chunks, step)
             for stream in self._step_streams(chunks):
                 stream.layer_end[layer] = ends[stream.room]
+                stream.layer_ready[layer] = ready
                 for reader in list(stream.readers.values()):
                     self._queue(reader, layer)
             finished = self._take_finished()
         self._report(finished)
 
     def on_forward_end(self, chunks: Sequence[LayerChunk], step: object) -> None:
-        """vLLM's wait_for_save: layers save_kv_layer was not called for are complete now too."""
+        """vLLM's wait_for_save: the whole forward is queued; layers save_kv_layer was not called for
+        follow a marker recorded now."""
         if not chunks:
             return
+        ready = self._device.record()
         with self._lock:
             ends = self._begin_step(chunks, step)
             for stream in self._step_streams(chunks):
                 for layer in range(len(self._layers)):
                     if stream.layer_end[layer] < ends[stream.room]:
                         stream.layer_end[layer] = ends[stream.room]
+                        stream.layer_ready[layer] = ready
                         for reader in list(stream.readers.values()):
                             self._queue(reader, layer)
             finished = self._take_finished()
@@ -237,7 +254,7 @@ class LayerStreams:
             for chunk in chunks:
                 stream = self._streams.get(chunk.room)
                 if stream is None or stream.req_id != chunk.req_id:
-                    stream = Stream(chunk.room, chunk.req_id, [0] * len(self._layers))
+                    stream = Stream(chunk.room, chunk.req_id, [0] * len(self._layers), [DONE] * len(self._layers))
                     self._streams[chunk.room] = stream
                     while len(self._streams) > MAX_STREAMS:
                         self._streams.popitem(last=False)
@@ -334,12 +351,13 @@ class LayerStreams:
             reader.stop(DoneStatus.BAD_REQUEST, str(exc))
             return
         reader.pending += 1
-        self._writer.submit(self._write, reader, src, dst, lengths)
+        self._writer.submit(self._write, reader, stream.layer_ready[layer], src, dst, lengths)
 
-    def _write(self, reader: Reader, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        """Writer thread: one layer's blocks to one reader."""
+    def _write(self, reader: Reader, ready: Marker, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        """Writer thread: one layer's blocks to one reader, once the device wrote them (``ready``)."""
         error = ""
         try:
+            ready.wait()
             wanted: Callable[[], bool] = lambda: reader.state is ReaderState.STREAMING  # noqa: E731
             self._backend.write(
                 reader.peer.transfer_descriptor, src, dst, lengths, self._ctx.cfg.max_batch_entries, wanted

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.exposure import exposure_of
 from pd_connector.config import DisaggConfig, token_of
+from pd_connector.device_sync import NO_DEVICE, DeviceSync
 from pd_connector.layout import Region
 from pd_connector.metadata import RecvJob, SendJob
 from pd_connector.trace import TraceBook, make_tracer
@@ -44,7 +45,10 @@ class KVTransferManager:
         backend: TransferBackend,
         otlp_traces_endpoint: str | None = None,
         reshuffle: NhdReshuffle | None = None,
+        device: DeviceSync = NO_DEVICE,
     ) -> None:
+        """``device``: the KV's device (``device_sync.for_kv_caches``): the transfer threads bind it, pushes
+        wait for its events; the default is CPU (no ordering needed)."""
         exposure = exposure_of(cfg)  # refuses a non-loopback control plane without a token (ConfigError)
         self.cfg = cfg
         self.spec = spec
@@ -53,7 +57,8 @@ class KVTransferManager:
         lead = spec.tp_rank == 0
         self.traces = TraceBook(cfg.mode, make_tracer(otlp_traces_endpoint) if lead else None, enabled=lead)
         self.outbox = Outbox()
-        self.pool = TaskPool(cfg.transfer_threads)
+        self.device = device
+        self.pool = TaskPool(cfg.transfer_threads, initializer=device.bind_thread)  # threads on the rank's device
         watch = PeerWatch(cfg.peer_timeout_s)  # heartbeats with the peers of pending work (transfer.liveness)
         self.channel = Channel(cfg.local_ip, self.stats, self._on_message, self._on_tick, token_of(cfg), watch)
         self.endpoint = self.channel.endpoint
@@ -63,7 +68,8 @@ class KVTransferManager:
             cfg, spec, self.regions, self.channel.send, self.pool.submit, self.stats, self.outbox, self.traces
         )
         if reshuffle is not None:
-            ctx = dataclasses.replace(ctx, reshuffle=reshuffle)
+        ctx = dataclasses.replace(ctx, reshuffle=reshuffle, device=device)
+            reshuffle.device = device
         self.prefill = PrefillSide(ctx, backend) if cfg.is_prefill else None
         self.decode = DecodeSide(ctx, backend.descriptor, self.peer_id, self.endpoint) if cfg.is_decode else None
         self.channel.start()
@@ -74,8 +80,11 @@ class KVTransferManager:
     # ------------------------------------------------------------ public API
 
     def add_sends(self, jobs: Sequence[SendJob]) -> None:
-        """P: these rooms finished prefill; send each as soon as its D ranks ask."""
-        self._prefill("add_sends").add_sends(jobs)
+        """P, on the forward's thread (start_load_kv): these rooms finished prefill; send each as soon as
+        its D ranks ask, once the device ran the forward that wrote their KV (a marker recorded now
+        on the forward's stream follows every forward queued before it, that prefill's included)."""
+        prefill = self._prefill("add_sends")
+        prefill.add_sends(jobs, self.device.record() if jobs else None)
 
     def drop_rooms(self, rooms: Sequence[int]) -> None:
         """P: these rooms will never have KV (request aborted); tell their D if it asks."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pd_connector import protocol as proto
+from pd_connector.device_sync import DeviceSync, synchronize_tensor
 from pd_connector.layout import LayoutError, Region, block_dim
 from pd_connector.metadata import SendJob
 from pd_connector.tp_mapping import HeadSlice, plan_decode_rank, slices_from
@@ -99,7 +100,14 @@ def staged_work(
 
 
 class NhdReshuffle:
-    """One rank's token-major KV views and its bounded staging buffer (P: gather; D: permute)."""
+    """One rank's token-major KV views and its bounded staging buffer (P: gather; D: permute).
+
+    Its torch ops run on the calling transfer thread, bound to the rank's device (``device_sync``),
+    on that thread's current stream, which ``_synchronize`` waits for.
+    """
+
+    #: The rank's device seam (``KVTransferManager`` sets it); None: chosen from each tensor's device.
+    device: DeviceSync | None = None
 
     def __init__(self, views: Sequence[torch.Tensor], staging_bytes: int, staging: torch.Tensor | None = None) -> None:
         """``staging``: P's registered buffer (``transfer.staging.aligned_buffer``), None on D (it stages nothing)."""
@@ -174,7 +182,7 @@ class NhdReshuffle:
                 buf = self._buffer()
                 out = buf[: len(batch) * chunk].view(len(batch), block_size, s.num_heads, dim_bytes)
                 torch.index_select(heads, 0, idx, out=out)
-                _synchronize(out)
+                _synchronize(out, self.device)  # the gather is done before the backend reads it
                 base = buf.data_ptr()
                 src = [base + i * chunk for i in range(len(batch))]
                 dst_addrs = [dst.base + db * dst.block_stride + s.dst_head * block_size * dim_bytes for _, db in batch]
@@ -203,10 +211,12 @@ class NhdReshuffle:
                         len(idx), block_size, s.num_heads, dim_bytes
                     )
                 view.index_copy_(0, idx, out)
-            _synchronize(view)
+            _synchronize(view, self.device)  # permuted before vLLM's stream reads the blocks
 
 
-def _synchronize(t: torch.Tensor) -> None:
-    """Wait for queued device work on ``t`` (a no-op on CPU), before Mooncake or vLLM reads it."""
-    if t.device.type != "cpu":
-        torch.accelerator.synchronize()
+def _synchronize(t: torch.Tensor, device: DeviceSync | None) -> None:
+    """Wait for the work this thread queued on ``t``'s device (its current stream there; a no-op on
+    CPU), before the backend (P's staging buffer) or vLLM (D's permuted blocks) reads ``t``.
+
+    ``device``: the rank's seam (``device_sync``); None: the torch module of ``t``'s device."""
+    synchronize_tensor(t, device)

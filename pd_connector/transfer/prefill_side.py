@@ -1,8 +1,9 @@
 """PrefillSide: a P rank's rooms and the pushes of their KV into D's blocks.
 
 A room becomes sendable when both halves are here, in either order: the scheduler's `SendJob`
-(prefill done, KV in these blocks) and D's `TransferRequest` (write into those blocks). The
-write (``room_push``) runs on the task pool, then `TransferDone` goes to D and the request goes to the outbox
+(prefill done, KV queued into these blocks) and D's `TransferRequest` (write into those blocks). The
+write (``room_push``) runs on the task pool (its threads bound to the rank's device) once the device
+marker recorded with the `SendJob` completed (``device_sync``: the forward's KV is in memory), then `TransferDone` goes to D and the request goes to the outbox
 so vLLM frees P's blocks. A room nobody asks for is freed after room_timeout_s.
 
 Room states (``states.RoomState``): AWAITING_PREFILL (D asked first) -> READY (prefill done)
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import register_dp_rank
 from pd_connector.config import token_of
+from pd_connector.device_sync import Marker
 from pd_connector.kv_params import host_port
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
@@ -58,10 +60,15 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         self._peers: dict[str, proto.PeerHello] = {}
         self._peer_errors: dict[str, str] = {}
 
+        # READY rooms: the device marker their pushes wait for (the forward that wrote the KV ran).
+        self._forward_done: dict[int, Marker] = {}
     # ------------------------------------------------------------ from the worker
 
-    def add_sends(self, jobs: Sequence[SendJob]) -> None:
-        """These rooms finished prefill; send each as soon as its D ranks ask."""
+    def add_sends(self, jobs: Sequence[SendJob], forward_done: Marker | None = None) -> None:
+        """These rooms finished prefill; send each as soon as its D ranks ask.
+
+        ``forward_done``: a device marker behind the forwards that wrote their KV; every push of these
+        rooms waits for it before the first byte moves (None: the KV is in memory already, CPU)."""
         now = time.monotonic()
         for job in jobs:
             ready = Room(job.room, RoomState.READY, job, now + self._cfg.room_timeout_s)
@@ -93,6 +100,8 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
                 else:
                     self._rooms[job.room] = ready
             self._trace_prefill(job)
+                    if forward_done is not None:
+                        self._forward_done[job.room] = forward_done
             if self.layers is not None:
                 self.layers.release(job.room)  # later D requests: request mode
                 if ready.submitted_ids:
@@ -285,9 +294,10 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
             peer_error = self._peer_errors.get(req.peer_id)
         key = claim(req.request_id, req.peer_id)
         still_wanted = lambda: room.state is RoomState.READY and key not in room.cancelled  # noqa: E731
-        done = push_room(self._ctx, self._backend, job, req, peer, peer_error, still_wanted)
+        done = push_room(self._ctx, self._backend, job, req, peer, peer_error, still_wanted, forward_done)
         if done.ok:  # D first (its first token waits for this), then the log line; a failure is logged first
             trace.mark("push_done")
+            forward_done = self._forward_done.get(job.room)
             self._reply(req, done.status, done.error, done.nbytes, done.checksum)
         log_push(self._ctx.stats, job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)
         if not done.ok:
@@ -306,6 +316,7 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
             self._remember_closed(room.room, reason)
             self._ctx.traces.emit(room.room, None if reason is CloseReason.SENT else reason.value)
             self._ctx.outbox.sent(room.job.req_id)
+            self._forward_done.pop(room.room, None)
 
     def _reply(
         self,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pd_connector import protocol as proto
+from pd_connector.device_sync import Marker
 from pd_connector.layout import LayoutError
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
@@ -51,9 +52,13 @@ def push_room(
     peer: proto.PeerHello | None,
     peer_error: str | None,
     still_wanted: Callable[[], bool],
+    forward_done: Marker | None = None,
 ) -> PushOutcome:
     """Write ``job``'s KV into the blocks ``req`` names, on the D rank ``peer``; stop between
-    batches once ``still_wanted()`` is False (room expired, D cancelled)."""
+    batches once ``still_wanted()`` is False (room expired, D cancelled).
+
+    ``forward_done`` (``device_sync``): waited for before the first byte is read, so an asynchronous
+    device has written the KV the prefill's forward queued (the calling thread is bound to the rank's device)."""
     t0 = time.perf_counter()
     status, error = DoneStatus.OK, ""
     nbytes = entries = 0
@@ -65,6 +70,8 @@ def push_room(
             raise _Refused(DoneStatus.INCOMPATIBLE, peer_error)
         guard, summed = guard_push(peer, req, ctx.spec)  # transfer.write_guard, transfer.checksum
         known: proto.PeerHello = peer
+        if forward_done is not None:
+            forward_done.wait()
 
         def write(src: list[int], dst: list[int], lengths: list[int]) -> None:
             guard.check(dst, lengths)  # inside D's registered KV blocks, else nothing is written

@@ -10,8 +10,9 @@ logger = logging.getLogger(__name__)
 
 
 class TaskPool:
-    def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pd-xfer")
+    def __init__(self, threads: int, initializer: Callable[[], object] | None = None) -> None:
+        """``initializer`` runs once at each thread's start (the rank's device binding, ``device_sync``)."""
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pd-xfer", initializer=initializer)
 
     def submit(self, fn: Callable[..., object], *args: object) -> None:
         """Run fn(*args) on the pool; an exception is logged, never silently dropped with its future."""

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pd_connector import ascend_settings
 from pd_connector.auth import AuthError, load_token
 from pd_connector.bootstrap.trust import TrustedHosts, TrustError
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
@@ -77,6 +78,9 @@ class DisaggConfig:
     decode: SideSizes | None = None
     use_ascend_direct: bool = False
     ascend_local_comm_res_path: str = ""
+    # HIXL channel QoS when this side initiates the transfer (0..4), merged into ASCEND_GLOBAL_RESOURCE_CONFIG
+    # on the ascend transport (ascend_settings); also there: tls_config, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT.
+    qos_priority: int = ascend_settings.DEFAULT_QOS
     # Control-plane secret (pd_connector.auth): a file or an environment variable holding it.
     auth_token_file: str = ""
     auth_token_env: str = ""
@@ -128,6 +132,7 @@ _FIELD_TYPES: dict[str, type] = {
     "decode": SideSizes,
     "use_ascend_direct": bool,
     "ascend_local_comm_res_path": str,
+    "qos_priority": int,
     "auth_token_file": str,
     "auth_token_env": str,
     "insecure": bool,
@@ -188,9 +193,11 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
             f"PDConnector needs kv_role 'kv_producer' (prefill) or 'kv_consumer' (decode), got {kv_role!r}"
         )
     extra = dict(extra or {})
+    tls = extra.pop(ascend_settings.TLS_CONFIG, None)  # vLLM-Ascend's form of the bootstrap_ssl_* keys
     unknown = sorted(set(extra) - set(_FIELD_TYPES))
     if unknown:
-        raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {sorted(_FIELD_TYPES)}")
+        known = sorted([*_FIELD_TYPES, *ascend_settings.EXTRA_KEYS])
+        raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {known}")
     values = {key: _coerce(key, val, _FIELD_TYPES[key]) for key, val in extra.items()}
     if values.get("use_ascend_direct"):
         if values.setdefault("protocol", "ascend") != "ascend":
@@ -199,6 +206,10 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
                 f"{values['protocol']!r}; drop one of them"
             )
     values.setdefault("protocol", default_protocol())
+    try:  # tls_config, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, qos_priority
+        ascend_settings.resolve(mode == PREFILL, values, tls)
+    except ascend_settings.SettingError as exc:
+        raise ConfigError(str(exc)) from None
     own = values.get(mode)
     if mode == PREFILL and own is not None and own.dp_size is not None:
         if values.setdefault("dp_size", own.dp_size) != own.dp_size:

@@ -198,15 +198,16 @@ def test_local_comm_res_is_read_for_this_ranks_npu(tmp_path: Path) -> None:
     assert env[ENV_VAR] == '{"eid":"0x6","ports":[1,2]}'
     assert not setup_local_comm_res(str(tmp_path), 1, env)  # already set: left alone
     assert not setup_local_comm_res("", 0, {})
-    assert endpoint_file(str(tmp_path), 3, None) == tmp_path / "ub_endpoint_npu_3.json"
+    # ASCEND_RT_VISIBLE_DEVICES unset: the local_rank-th physical NPU id (test_ascend_settings has more)
+    assert endpoint_file(str(tmp_path), 3, None, lambda: [0, 1, 2, 3]) == tmp_path / "ub_endpoint_npu_3.json"
 
 
 def test_local_comm_res_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="ub_endpoint_npu_0.json.*ascend_local_comm_res_path"):
-        setup_local_comm_res(str(tmp_path), 0, {})
+        setup_local_comm_res(str(tmp_path), 0, {}, lambda: [0])
     (tmp_path / "ub_endpoint_npu_0.json").write_text("{not json")
     with pytest.raises(ValueError, match="ub_endpoint_npu_0.json"):
-        setup_local_comm_res(str(tmp_path), 0, {})
+        setup_local_comm_res(str(tmp_path), 0, {}, lambda: [0])
     with pytest.raises(ValueError, match="local rank 2"):
         setup_local_comm_res(str(tmp_path), 2, {"ASCEND_RT_VISIBLE_DEVICES": "0,1"})
 

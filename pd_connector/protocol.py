@@ -34,6 +34,8 @@ class PeerHello(msgspec.Struct, tag="hello", frozen=True):
     token_major: bool = False  # [blocks, block_size, heads, dim] with a staging buffer (nhd_reshuffle)
     num_blocks: int = 0  # blocks of each region (P writes only inside them, transfer.write_guard); 0: not told
     region_groups: list[int] = []  # KV cache group of each region (kv_groups); empty: all group 0
+    # Global layer index of each region (pp_stages): a pipeline-parallel P stage takes its layers' regions.
+    region_layers: list[int] = []
 
 
 class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
@@ -80,6 +82,7 @@ class TransferDone(msgspec.Struct, tag="done", frozen=True):
     error: str = ""  # for logs; D decides on ``status``
     nbytes: int = -1  # OK: bytes this P rank wrote for the request (-1: not told; D refuses that)
     checksum: int | None = None  # OK, asked for (want_checksum): transfer.checksum of the bytes written
+    pp_rank: int = 0  # the P rank's pipeline stage (pp_stages): D waits for every stage it asked
 
     @property
     def ok(self) -> bool:
@@ -152,6 +155,11 @@ class RegisterRank(msgspec.Struct, frozen=True):
     num_layers: int = 0
     #: What the rank serves, in the terms that decide whether KV fits (see compat.model_fingerprint).
     model: str = ""
+    #: Pipeline parallelism (pp_stages): the rank's stage and its layers [first_layer, end_layer).
+    pp_size: int = 1
+    pp_rank: int = 0
+    first_layer: int = 0
+    end_layer: int = 0  # 0: not told (PP 1)
 
 
 class Route(msgspec.Struct, frozen=True):
@@ -164,13 +172,17 @@ class Route(msgspec.Struct, frozen=True):
     kv_cache_dtype: str
     num_layers: int
     is_ready: bool
-    # key "dp,cp,tp"
+    # key "dp,cp,tp" (stage 0), "dp,cp,tp,pp" (later pipeline stages)
     ranks: dict[str, RankInfo]
     model: str = ""
+    pp_size: int = 1
+    #: [first_layer, end_layer) of each pipeline stage, by pp rank (empty with PP 1)
+    stage_layers: list[tuple[int, int]] = []
 
-    def rank(self, dp: int, cp: int, tp: int) -> RankInfo | None:
-        return self.ranks.get(rank_key(dp, cp, tp))
+    def rank(self, dp: int, cp: int, tp: int, pp: int = 0) -> RankInfo | None:
+        return self.ranks.get(rank_key(dp, cp, tp, pp))
 
 
-def rank_key(dp: int, cp: int, tp: int) -> str:
-    return f"{dp},{cp},{tp}"
+def rank_key(dp: int, cp: int, tp: int, pp: int = 0) -> str:
+    """A rank's key in ``Route.ranks``; stage 0's is the one readers without pipeline stages know."""
+    return f"{dp},{cp},{tp}" if pp == 0 else f"{dp},{cp},{tp},{pp}"

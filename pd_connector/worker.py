@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pd_connector.ascend_settings import apply_transport_env
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host, token_of
+from pd_connector.device_sync import for_kv_caches
 from pd_connector.kv_groups import region_groups
 from pd_connector.kv_params import host_port
 from pd_connector.layout import regions_of_kv_caches
 from pd_connector.metadata import PDConnectorMetadata
-from pd_connector.protocol import RegisterRank
 from pd_connector.pp_stages import PipelineError, own_stage_problem, region_layers_of, stage_range
+from pd_connector.protocol import RegisterRank
 from pd_connector.rank_checks import prepare_rank
 from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend
@@ -68,6 +68,37 @@ def _tp_rank_and_size() -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
+def _pp_rank_and_size() -> tuple[int, int]:
+    """This worker's pipeline stage and the stage count (0, 1 without an initialized PP group)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        group = get_pp_group()
+        return int(group.rank_in_group), int(group.world_size)
+    except (ImportError, AssertionError, AttributeError):
+        return 0, 1
+
+
+def _stage_layers(cfg: DisaggConfig, kv_caches: dict[str, Any], pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """P: this stage's layers [first, end) ((0, 0) with PP 1); D must run one stage (pp_stages)."""
+    if pp_size <= 1:
+        return 0, 0
+    if not cfg.is_prefill:
+        raise ValueError(
+            f"PDConnector: this {cfg.mode} instance runs --pipeline-parallel-size {pp_size}, but decode runs one "
+            "pipeline stage (as vLLM-Ascend's, whose kv_connector_extra_config.decode.pp_size must be 1); only the "
+            "prefill deployment may be pipeline parallel"
+        )
+    try:
+        first, end = stage_range(kv_caches, pp_rank)
+    except PipelineError as exc:
+        raise ValueError(f"PDConnector: {exc}") from None
+    problem = own_stage_problem(cfg.mode, cfg.prefill, pp_rank, pp_size, first)
+    if problem is not None:
+        raise ValueError(f"PDConnector: {problem}")
+    return first, end
+
+
 def _heads_outermost(kv_caches: dict[str, Any], num_blocks: int, local: int) -> bool:
     """Whether a run of KV heads is one byte range per block in every KV tensor (needed for mixed TP)."""
     try:
@@ -104,22 +135,28 @@ class PDWorker:
         self.bootstrap: BootstrapServer | None = None
         self._failed_blocks: set[int] = set()
         self.layers: LayerStreams | None = None  # P, transfer_mode "layer"
+        self.stage_layers = (0, 0)  # P with PP > 1: this stage's layers [first, end) (pp_stages)
         if torch.accelerator.current_accelerator() is None:
             _prepare_cpu_device()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tp_rank, tp_size = _tp_rank_and_size()
+        pp_rank, pp_size = _pp_rank_and_size()
+        self.stage_layers = _stage_layers(self.cfg, kv_caches, pp_rank, pp_size)
         num_blocks = self._num_blocks(kv_caches)
         regions = regions_of_kv_caches(kv_caches, num_blocks)
         first = next(iter(kv_caches.values()))
         first = first[0] if isinstance(first, (list, tuple)) else first
         logger.info(
-            "PDConnector %s rank dp=%d tp=%d/%d: %d layers, KV tensor %s %s, %d blocks, %d regions of %d bytes/block",
+            "PDConnector %s rank dp=%d tp=%d/%d pp=%d/%d: %d layers%s, KV tensor %s %s, %d blocks, %d regions of %d bytes/block",
             self.cfg.mode,
             self.dp_rank,
             tp_rank,
             tp_size,
+            pp_rank,
+            pp_size,
             len(kv_caches),
+            f" [{self.stage_layers[0]}, {self.stage_layers[1]})" if pp_size > 1 else "",
             tuple(first.shape),
             first.dtype,
             num_blocks,
@@ -138,7 +175,6 @@ class PDWorker:
         staging = reshuffle.registered_ranges if reshuffle is not None else []
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         ranges = prepare_rank(self.cfg, kv_caches, tp_size, dp_size, staging)  # KV's ranges + staging's
-        apply_transport_env(self.cfg)  # ascend: vLLM-Ascend's QoS and transfer timeout, before the engine starts
         self.backend = create_backend(self.cfg)
         self.backend.register(ranges)
         spec = RankSpec(
@@ -158,10 +194,14 @@ class PDWorker:
             num_blocks=num_blocks,  # peers write only inside these blocks (transfer.write_guard)
             kv_device=first.device.type,  # transfer.checksum reads host KV only
             region_groups=region_groups(kv_caches, self.kv_cache_config, num_blocks),  # hybrid KV cache manager
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            region_layers=region_layers_of(kv_caches, num_blocks),  # a P stage's regions pair with D's by layer
         )
         otlp = getattr(self.vllm_config.observability_config, "otlp_traces_endpoint", None)
+        device = for_kv_caches(kv_caches)  # transfer threads bind it; pushes wait for its events
         self.manager = KVTransferManager(
-            self.cfg, spec, regions, self.backend, otlp_traces_endpoint=otlp, reshuffle=reshuffle
+            self.cfg, spec, regions, self.backend, otlp_traces_endpoint=otlp, reshuffle=reshuffle, device=device
         )
         if self.cfg.is_prefill and self.cfg.transfer_mode == "layer":
             self.layers = enable_layer_push(self.manager, kv_caches, num_blocks)
@@ -202,6 +242,10 @@ class PDWorker:
                 kv_cache_dtype=spec.kv_dtype,
                 num_layers=spec.num_layers,
                 model=spec.model,
+                pp_size=spec.pp_size,
+                pp_rank=spec.pp_rank,
+                first_layer=self.stage_layers[0],
+                end_layer=self.stage_layers[1],
             ),
             retries=self.cfg.register_retries,
             interval_s=self.cfg.register_interval_s,
@@ -244,22 +288,19 @@ class PDWorker:
     def take_stats(self) -> dict | None:
         """This rank's transfer stats since the previous call (pd_connector.metrics), None if nothing."""
         return self.manager.take_stats() if self.manager is not None else None
-                pp_size=spec.pp_size,
-                pp_rank=spec.pp_rank,
-                first_layer=self.stage_layers[0],
-                end_layer=self.stage_layers[1],
 
     def take_failed_blocks(self) -> set[int]:
         blocks, self._failed_blocks = self._failed_blocks, set()
         return blocks
 
     def save_kv_layer(self, layer_name: str, meta: PDConnectorMetadata) -> None:
-        """P, layer mode: ``layer_name`` was computed for this step's chunks; write its new blocks."""
+        """P, layer mode, forward thread: ``layer_name``'s KV writes are queued on the device; write its new
+        blocks once they ran (LayerStreams records the device marker now, its writer waits for it)."""
         if self.layers is not None and meta.layer_chunks:
             self.layers.on_layer(meta.layer_chunks, meta, layer_name)
 
     def wait_for_save(self, meta: PDConnectorMetadata) -> None:
-        """P, layer mode: the forward is done; layers vLLM did not report are complete too."""
+        """P, layer mode: the forward is queued; layers vLLM did not report follow a marker recorded now."""
         if self.layers is not None and meta.layer_chunks:
             self.layers.on_forward_end(meta.layer_chunks, meta)
 

@@ -87,9 +87,10 @@ def register_rank(
             )
             if resp.status_code == 200:
                 logger.info(
-                    "registered rank dp=%d tp=%d with bootstrap %s",
+                    "registered rank dp=%d tp=%d%s with bootstrap %s",
                     info.attn_dp_rank,
                     info.attn_tp_rank,
+                    f" pp={info.pp_rank} (layers [{info.first_layer}, {info.end_layer}))" if info.pp_size > 1 else "",
                     addr,
                 )
                 return True
@@ -201,7 +202,7 @@ class RouteCache:
         if not route.is_ready:
             raise BootstrapBusy(
                 f"prefill deployment at {addr} is not ready: {len(route.ranks)} of "
-                f"{route.attn_tp_size * route.attn_cp_size * route.dp_size} ranks registered"
+                f"{route.attn_tp_size * route.attn_cp_size * route.dp_size * route.pp_size} ranks registered"
             )
         with self._lock:
             self._routes[addr] = (self._clock() + self._ttl, route)

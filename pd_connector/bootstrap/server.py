@@ -62,7 +62,10 @@ class BootstrapState:
     kv_cache_dtype: str = ""
     num_layers: int = 0
     model: str = ""
-    rank_table: dict[tuple[int, int, int], RankInfo] = field(default_factory=dict)
+    pp_size: int = 1  # pipeline stages (pp_stages); each registers its layers
+    rank_table: dict[tuple[int, int, int, int], RankInfo] = field(default_factory=dict)  # (dp, cp, tp, pp)
+    #: pp rank -> (first_layer, end_layer, KV layers) its ranks registered
+    stages: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     room_to_dp_rank: dict[int, int] = field(default_factory=dict)
     refused: int = 0  # calls refused for a missing or wrong token
     conflicts: int = 0  # registrations refused because they would replace a live entry (409)
@@ -70,28 +73,46 @@ class BootstrapState:
 
     @property
     def expected_count(self) -> int:
-        return self.attn_tp_size * self.attn_cp_size * self.attn_dp_size
+        return self.attn_tp_size * self.attn_cp_size * self.attn_dp_size * self.pp_size
 
     @property
     def is_ready(self) -> bool:
         return len(self.rank_table) >= self.expected_count
 
     def register_rank(self, req: RegisterRank) -> None:
-        if (req.attn_tp_size, req.attn_dp_size, req.attn_cp_size) != (
+        if (req.attn_tp_size, req.attn_dp_size, req.attn_cp_size, req.pp_size) != (
             self.attn_tp_size,
             self.attn_dp_size,
             self.attn_cp_size,
+            self.pp_size,
         ):
             raise ValueError(
-                f"rank reports tp/dp/cp sizes {req.attn_tp_size}/{req.attn_dp_size}/{req.attn_cp_size}, "
-                f"this deployment has {self.attn_tp_size}/{self.attn_dp_size}/{self.attn_cp_size}"
+                f"rank reports tp/dp/cp/pp sizes {req.attn_tp_size}/{req.attn_dp_size}/{req.attn_cp_size}/"
+                f"{req.pp_size}, this deployment has {self.attn_tp_size}/{self.attn_dp_size}/{self.attn_cp_size}/"
+                f"{self.pp_size}"
             )
-        key = (req.attn_dp_rank, req.attn_cp_rank, req.attn_tp_rank)
+        key = (req.attn_dp_rank, req.attn_cp_rank, req.attn_tp_rank, req.pp_rank)
         if not (
-            0 <= key[0] < self.attn_dp_size and 0 <= key[1] < self.attn_cp_size and 0 <= key[2] < self.attn_tp_size
+            0 <= key[0] < self.attn_dp_size
+            and 0 <= key[1] < self.attn_cp_size
+            and 0 <= key[2] < self.attn_tp_size
+            and 0 <= key[3] < self.pp_size
         ):
-            raise ValueError(f"rank (dp, cp, tp) = {key} is outside the deployment's topology")
+            raise ValueError(f"rank (dp, cp, tp, pp) = {key} is outside the deployment's topology")
+        if self.pp_size > 1 and not req.first_layer < req.end_layer:
+            raise ValueError(
+                f"pipeline stage {req.pp_rank} registered layers [{req.first_layer}, {req.end_layer}): "
+                "a stage of a pipeline-parallel prefill must name its layers"
+            )
         with self.lock:
+            stage = self.stages.get(req.pp_rank)
+            layers = (req.first_layer, req.end_layer, req.num_layers)
+            if self.pp_size > 1 and stage is not None and stage != layers:
+                raise ValueError(
+                    f"rank (dp, cp, tp, pp) = {key} holds layers [{req.first_layer}, {req.end_layer}) "
+                    f"({req.num_layers} KV layers), other ranks of stage {req.pp_rank} registered "
+                    f"[{stage[0]}, {stage[1]}) ({stage[2]})"
+                )
             if self.block_size and (req.block_size, req.kv_cache_dtype) != (
                 self.block_size,
                 self.kv_cache_dtype,
@@ -103,13 +124,16 @@ class BootstrapState:
             self.block_size, self.kv_cache_dtype = req.block_size, req.kv_cache_dtype
             if self.model and req.model and req.model != self.model:
                 raise ValueError(f"rank serves model {req.model!r}, others registered {self.model!r}")
-            self.num_layers = req.num_layers or self.num_layers
             self.model = req.model or self.model
             self.rank_table[key] = RankInfo(rank_ip=req.rank_ip, rank_port=req.rank_port)
+            self.stages[req.pp_rank] = layers
+            # the model's KV layers: every stage's (with PP 1 the one stage's)
+            self.num_layers = sum(n for _, _, n in self.stages.values()) or self.num_layers
 
     def route(self) -> Route:
         with self.lock:
             ranks = {rank_key(*k): v for k, v in self.rank_table.items()}
+            stage_layers = [self.stages.get(s, (0, 0, 0))[:2] for s in range(self.pp_size)] if self.pp_size > 1 else []
             return Route(
                 attn_tp_size=self.attn_tp_size,
                 attn_cp_size=self.attn_cp_size,
@@ -120,6 +144,8 @@ class BootstrapState:
                 is_ready=self.is_ready,
                 ranks=ranks,
                 model=self.model,
+                pp_size=self.pp_size,
+                stage_layers=stage_layers,
             )
 
     def register_dp_rank(self, room: int, dp_rank: int, replace: bool = False) -> int | None:
@@ -211,8 +237,10 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
     async def register_rank(request: Request) -> JSONResponse:
         req = await body_as(request, RegisterRank)
         assert isinstance(req, RegisterRank)
-        name = f"dp={req.attn_dp_rank} cp={req.attn_cp_rank} tp={req.attn_tp_rank}"
-        old = state.rank_table.get((req.attn_dp_rank, req.attn_cp_rank, req.attn_tp_rank))
+        name = f"dp={req.attn_dp_rank} cp={req.attn_cp_rank} tp={req.attn_tp_rank}" + (
+            f" pp={req.pp_rank}" if state.pp_size > 1 else ""
+        )
+        old = state.rank_table.get((req.attn_dp_rank, req.attn_cp_rank, req.attn_tp_rank, req.pp_rank))
         new = f"{req.rank_ip}:{req.rank_port}"
         moved = old is not None and (old.rank_ip, old.rank_port) != (req.rank_ip, req.rank_port)
         if moved and token is None and await still_listening(old.rank_ip, old.rank_port):
@@ -239,10 +267,9 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
                 name, old.rank_ip, old.rank_port, new, "token checked" if token else "old endpoint gone",
             )  # fmt: skip
         logger.info(
-            "bootstrap: registered rank dp=%d cp=%d tp=%d at %s:%d (%d/%d)",
-            req.attn_dp_rank,
-            req.attn_cp_rank,
-            req.attn_tp_rank,
+            "bootstrap: registered rank %s%s at %s:%d (%d/%d)",
+            name,
+            f" layers [{req.first_layer}, {req.end_layer})" if state.pp_size > 1 else "",
             req.rank_ip,
             req.rank_port,
             len(state.rank_table),

@@ -31,6 +31,7 @@ from pd_connector.kv_groups import real_blocks, received_bytes, recv_groups
 from pd_connector.layout import LayoutError
 from pd_connector.metadata import RecvJob
 from pd_connector.peer_sizes import sizes_mismatch
+from pd_connector.pp_stages import partition_mismatch, stages_for
 from pd_connector.protocol import DoneStatus
 from pd_connector.tp_mapping import HeadSlice, decode_contacts
 from pd_connector.transfer.channel import zmq_host
@@ -60,13 +61,18 @@ class Load:
     deadline: float
     state: LoadState = LoadState.RESOLVING
     endpoints: list[str] = field(default_factory=list)  # P ranks asked (AWAITING_KV)
-    done: set[int] = field(default_factory=set)  # P tp ranks that reported OK
+    done: set[int] = field(default_factory=set)  # P ranks (pp * P's TP size + tp) that reported OK
+    p_tp: int = 1  # P's TP size: a P rank's number above is pp * p_tp + tp
     started: float = field(default_factory=time.monotonic)
     handshake_s: float | None = None  # from add_recvs to the request sent to every P rank
     cancelled: bool = False  # vLLM aborted the request (RESOLVING: cancel once P's ranks are known)
-    answered: set[int] = field(default_factory=set)  # CANCELLING: P tp ranks that answered
+    answered: set[int] = field(default_factory=set)  # CANCELLING: P ranks that answered
     slices: list[HeadSlice] = field(default_factory=list)  # token-major KV: the plan to reformat by
-    reports: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # P tp rank -> (bytes, checksum)
+    reports: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # P rank -> (bytes, checksum)
+
+    def p_rank(self, done: proto.TransferDone) -> int:
+        """The answering P rank's number: its TP rank, after every earlier pipeline stage's."""
+        return done.pp_rank * self.p_tp + done.tp_rank
 
     @property
     def complete(self) -> bool:
@@ -155,6 +161,7 @@ class DecodeSide:
             return
         with self._lock:
             load.endpoints = endpoints
+            load.p_tp = p_tp
             if self._ctx.reshuffle is not None:  # the parts of D's blocks P's ranks write (nhd_reshuffle)
                 load.slices = plan_slices(self._spec, p_tp, self._spec.tp_size, self._spec.tp_rank, job.room)
             load.state = LoadState.AWAITING_KV
@@ -169,19 +176,24 @@ class DecodeSide:
         logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, endpoints, len(job.dst_block_ids))
 
     def _resolve(self, job: RecvJob) -> tuple[list[str], int]:
-        """ZMQ endpoints of the P ranks that hold this rank's part of the room."""
+        """ZMQ endpoints of the P ranks that hold this rank's part of the room, and P's TP size.
+
+        With a pipeline-parallel P (pp_stages), that part lies in every stage holding one of this
+        rank's layers: the TP ranks picked are asked in each such stage.
+        """
         route = self._route_with_retries(job)
         spec = self._spec
         problem = route_mismatch(route, job.bootstrap_addr, spec.block_size, spec.kv_dtype, spec.num_layers, spec.model)
+        what = f"the prefill deployment at {job.bootstrap_addr}"
         problem = problem or sizes_mismatch(
-            PREFILL,
-            self._cfg.prefill,
-            f"the prefill deployment at {job.bootstrap_addr}",
-            route.dp_size,
-            route.attn_tp_size,
+            PREFILL, self._cfg.prefill, what, route.dp_size, route.attn_tp_size, route.pp_size
         )
+        partition = self._cfg.prefill.pp_layer_partition if self._cfg.prefill is not None else None
+        firsts = [first for first, _ in route.stage_layers] if route.pp_size > 1 else [0]
+        problem = problem or partition_mismatch(PREFILL, partition, what, firsts)
         if problem is not None:
             raise LayoutError(problem)
+        stages = stages_for(route, spec.region_layers or range(spec.num_layers), job.bootstrap_addr)
         dp_rank = self._prefill_dp_rank(job, route)
         tp_ranks = decode_contacts(
             spec.heads,
@@ -192,11 +204,13 @@ class DecodeSide:
             spread=job.room % route.attn_tp_size,
         )
         endpoints = []
-        for tp in tp_ranks:
-            info = route.rank(dp_rank, 0, tp)
-            if info is None:
-                raise BootstrapError(f"prefill rank dp={dp_rank} tp={tp} is not registered at {job.bootstrap_addr}")
-            endpoints.append(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")
+        for pp in stages:
+            for tp in tp_ranks:
+                info = route.rank(dp_rank, 0, tp, pp)
+                if info is None:
+                    name = f"dp={dp_rank} tp={tp}" + (f" pp={pp}" if route.pp_size > 1 else "")
+                    raise BootstrapError(f"prefill rank {name} is not registered at {job.bootstrap_addr}")
+                endpoints.append(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")
         return endpoints, route.attn_tp_size
 
     def _route_with_retries(self, job: RecvJob) -> proto.Route:
@@ -245,6 +259,7 @@ class DecodeSide:
             token_major=spec.token_major,
             region_groups=list(spec.region_groups),
             num_blocks=spec.num_blocks,
+            region_layers=list(spec.region_layers),
         )
 
     # ------------------------------------------------------------- outcomes
@@ -273,7 +288,7 @@ class DecodeSide:
 
     def _on_cancelled_done(self, load: Load, done: proto.TransferDone) -> None:
         """A P rank answered a cancelled load: released once every P rank asked has. Caller holds the lock."""
-        load.answered.add(done.tp_rank)
+        load.answered.add(load.p_rank(done))
         if len(load.answered) >= len(load.endpoints):
             del self._loads[done.request_id]
 
@@ -293,15 +308,18 @@ class DecodeSide:
             if done.status is DoneStatus.UNKNOWN_PEER:
                 with self._hello_lock:
                     self._hello_sent.clear()  # P restarted: introduce ourselves again next time
-            self._fail(done.request_id, f"prefill rank tp={done.tp_rank}: {done.error}", reason_of_status(done.status))
+            stage = f" pp={done.pp_rank}" if done.pp_rank else ""
+            self._fail(
+                done.request_id, f"prefill rank tp={done.tp_rank}{stage}: {done.error}", reason_of_status(done.status)
+            )
             return
         with self._lock:
             load = self._loads.get(done.request_id)
             if load is None or load.job.room != done.room:
                 logger.warning("room=%d req=%s: late or unknown TransferDone ignored", done.room, done.request_id)
                 return
-            load.done.add(done.tp_rank)
-            load.reports[done.tp_rank] = (done.nbytes, done.checksum)
+            load.done.add(load.p_rank(done))
+            load.reports[load.p_rank(done)] = (done.nbytes, done.checksum)
             if not load.complete:
                 return
             del self._loads[done.request_id]
@@ -320,6 +338,7 @@ class DecodeSide:
         return problem is None
 
     def _reformat_then_publish(self, load: Load) -> None:
+        """Task pool (bound to the rank's device): permute, wait for the device, then hand to vLLM."""
         job = load.job
         if not self._landed(load):  # checked before the permutation: P's checksum is of what it wrote
             return
@@ -338,7 +357,6 @@ class DecodeSide:
     def _publish_received(self, load: Load) -> None:
         done = load.job
         self._ctx.traces.get(done.req_id, done.room).mark("kv_ready")
-        """Task pool (bound to the rank's device): permute, wait for the device, then hand to vLLM."""
         self._ctx.outbox.received(done.req_id)  # vLLM first (its next step schedules the request), then the books
         nbytes = received_bytes(self._ctx.regions, self._spec.region_groups, recv_groups(load.job))
         self._ctx.stats.observe_recv(nbytes, load.handshake_s)

@@ -53,8 +53,9 @@ class KVTransferManager:
         self.cfg = cfg
         self.spec = spec
         self.regions = list(regions)
-        self.stats = TransferStats(f"dp{spec.dp_rank}tp{spec.tp_rank}")
-        lead = spec.tp_rank == 0
+        stage = f"pp{spec.pp_rank}" if spec.pp_size > 1 else ""
+        self.stats = TransferStats(f"dp{spec.dp_rank}tp{spec.tp_rank}{stage}")
+        lead = spec.tp_rank == 0 and spec.pp_rank == 0  # one rank of the instance logs its phase traces
         self.traces = TraceBook(cfg.mode, make_tracer(otlp_traces_endpoint) if lead else None, enabled=lead)
         self.outbox = Outbox()
         self.device = device
@@ -67,8 +68,8 @@ class KVTransferManager:
         ctx = RankContext(
             cfg, spec, self.regions, self.channel.send, self.pool.submit, self.stats, self.outbox, self.traces
         )
-        if reshuffle is not None:
         ctx = dataclasses.replace(ctx, reshuffle=reshuffle, device=device)
+        if reshuffle is not None:
             reshuffle.device = device
         self.prefill = PrefillSide(ctx, backend) if cfg.is_prefill else None
         self.decode = DecodeSide(ctx, backend.descriptor, self.peer_id, self.endpoint) if cfg.is_decode else None

@@ -26,6 +26,7 @@ from pd_connector.config import token_of
 from pd_connector.device_sync import Marker
 from pd_connector.kv_params import host_port
 from pd_connector.metadata import SendJob
+from pd_connector.pp_stages import PipelineError, localize_hello
 from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.backend import TransferBackend, describe
 from pd_connector.transfer.context import RankContext
@@ -59,9 +60,9 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         self._early_cancels: OrderedDict[int, set[str]] = OrderedDict()
         self._peers: dict[str, proto.PeerHello] = {}
         self._peer_errors: dict[str, str] = {}
-
         # READY rooms: the device marker their pushes wait for (the forward that wrote the KV ran).
         self._forward_done: dict[int, Marker] = {}
+
     # ------------------------------------------------------------ from the worker
 
     def add_sends(self, jobs: Sequence[SendJob], forward_done: Marker | None = None) -> None:
@@ -99,9 +100,9 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
                     self._ctx.outbox.sent(job.req_id)
                 else:
                     self._rooms[job.room] = ready
-            self._trace_prefill(job)
                     if forward_done is not None:
                         self._forward_done[job.room] = forward_done
+            self._trace_prefill(job)
             if self.layers is not None:
                 self.layers.release(job.room)  # later D requests: request mode
                 if ready.submitted_ids:
@@ -112,7 +113,7 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
                 self._ctx.traces.emit(job.room, "cancelled")
                 continue
             logger.debug("room=%d req=%s: prefill done, %d blocks ready", job.room, job.req_id, len(job.block_ids))
-            if self._spec.dp_size > 1 and self._spec.tp_rank == 0:
+            if self._spec.dp_size > 1 and self._spec.tp_rank == 0 and self._spec.pp_rank == 0:
                 # D ranks told no prefill_dp_rank look the room up on the bootstrap server.
                 addr = host_port(self._cfg.bootstrap_host, self._cfg.bootstrap_port)
                 timeout, token, ca = self._cfg.http_timeout_s, token_of(self._cfg), self._cfg.bootstrap_ssl_ca_certs
@@ -161,7 +162,11 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
     # ------------------------------------------------------------ from D ranks
 
     def on_hello(self, hello: proto.PeerHello) -> None:
-        error = peer_problem(self._spec, self._ctx.regions, hello)
+        try:  # a pipeline stage keeps D's regions of its own layers (pp_stages)
+            hello = localize_hello(self._spec.region_layers, self._spec.pp_size, hello)
+            error = peer_problem(self._spec, self._ctx.regions, hello)
+        except PipelineError as exc:
+            error = f"incompatible decode instance {hello.peer_id}: {exc}"
         if error:
             logger.error("%s", error)
         with self._lock:
@@ -292,12 +297,12 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         with self._lock:
             peer = self._peers.get(req.peer_id)
             peer_error = self._peer_errors.get(req.peer_id)
+            forward_done = self._forward_done.get(job.room)
         key = claim(req.request_id, req.peer_id)
         still_wanted = lambda: room.state is RoomState.READY and key not in room.cancelled  # noqa: E731
         done = push_room(self._ctx, self._backend, job, req, peer, peer_error, still_wanted, forward_done)
         if done.ok:  # D first (its first token waits for this), then the log line; a failure is logged first
             trace.mark("push_done")
-            forward_done = self._forward_done.get(job.room)
             self._reply(req, done.status, done.error, done.nbytes, done.checksum)
         log_push(self._ctx.stats, job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)
         if not done.ok:
@@ -311,12 +316,12 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         if room.served and self._rooms.get(room.room) is room:
             assert room.job is not None
             del self._rooms[room.room]
+            self._forward_done.pop(room.room, None)
             room.state = RoomState.CLOSED
             reason = room.close_reason
             self._remember_closed(room.room, reason)
             self._ctx.traces.emit(room.room, None if reason is CloseReason.SENT else reason.value)
             self._ctx.outbox.sent(room.job.req_id)
-            self._forward_done.pop(room.room, None)
 
     def _reply(
         self,
@@ -337,6 +342,7 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
             room=req.room,
             request_id=req.request_id,
             tp_rank=self._spec.tp_rank,
+            pp_rank=self._spec.pp_rank,
             status=status,
             error=error,
             nbytes=nbytes,

@@ -117,9 +117,9 @@ def test_register_until_ready_and_route(srv: Server) -> None:
 @pytest.mark.parametrize(
     ("bad", "needle"),
     [
-        (_rank(tp_size=4), "tp/dp/cp sizes"),
-        (_rank(dp_size=2), "tp/dp/cp sizes"),
-        (_rank(attn_cp_size=2), "tp/dp/cp sizes"),
+        (_rank(tp_size=4), "tp/dp/cp/pp sizes"),
+        (_rank(dp_size=2), "tp/dp/cp/pp sizes"),
+        (_rank(attn_cp_size=2), "tp/dp/cp/pp sizes"),
         (_rank(tp=2), "outside"),
         (_rank(dp=1), "outside"),
         (_rank(tp=-1), "outside"),

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pd_connector.ascend_settings import apply_transport_env
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
@@ -175,6 +176,7 @@ class PDWorker:
         staging = reshuffle.registered_ranges if reshuffle is not None else []
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         ranges = prepare_rank(self.cfg, kv_caches, tp_size, dp_size, staging)  # KV's ranges + staging's
+        apply_transport_env(self.cfg)  # ascend: vLLM-Ascend's QoS and transfer timeout, before the engine starts
         self.backend = create_backend(self.cfg)
         self.backend.register(ranges)
         spec = RankSpec(

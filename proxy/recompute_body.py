@@ -239,7 +239,7 @@ class StreamWatch:
         "progress",
         "leg",
         "client_usage",
-        "text",
+        "parts",
         "tokens",
         "usage",
         "recomputed",
@@ -264,7 +264,8 @@ class StreamWatch:
         self.progress = progress
         self.leg = leg
         self.client_usage = client_usage
-        self.text = text
+        #: The leg's text, in pieces (joined by :attr:`text`).
+        self.parts = [text] if text else []
         self.tokens = tokens
         #: The leg's own completion tokens from D's usage event (after ``inner``), when it sent one.
         self.usage: int | None = None
@@ -274,6 +275,10 @@ class StreamWatch:
         #: Set by the relay: D's stream ended after ``recomputed`` and the client's is still open.
         self.held_open = False
         self._pending = b""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
     @property
     def leg_tokens(self) -> int:
@@ -326,7 +331,7 @@ class StreamWatch:
             delta = choice.delta
             text = choice.text if delta is None else delta.content
             if text:
-                self.text += text
+                self.parts.append(text)
             if choice.finish_reason is None and not (delta is not None and delta.role and not text):
                 self.tokens += 1
         if self.leg == 0:

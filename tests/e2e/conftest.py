@@ -1,6 +1,7 @@
 """End-to-end fixtures: real `vllm serve` processes of the tiny model on loopback ports.
 
-- `colocated_server`: one plain vLLM server (no connector, CPU 0), the reference answer.
+- `reference`: the answers of one plain vLLM server (no connector, CPU 0), computed once per test
+  run and stopped before anything else starts: greedy completions and chat, seeded samples.
 - `pd_stack`: a prefill instance (CPU 0), a decode instance (CPU 1) and the Router, with
   short connector timeouts (`P_ROOM_TIMEOUT_S`, `D_KV_WAIT_TIMEOUT_S`).
 
@@ -14,13 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from launch.processes import (
-    ManagedProcess,
     PDStack,
     ProcessGroup,
     free_port,
@@ -38,37 +37,11 @@ P_ROOM_TIMEOUT_S = 20.0
 D_KV_WAIT_TIMEOUT_S = 15.0
 
 
-@dataclass
-class Server:
-    """One running vLLM server."""
-
-    url: str
-    port: int
-    model: str
-    process: ManagedProcess
-
-    @property
-    def log_path(self) -> Path:
-        return self.process.log_path
-
-
 def _module_exists(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
     except ImportError:
         return False
-
-
-@pytest.fixture(scope="session")
-def colocated_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A plain `vllm serve` of the tiny model (no KV connector), bound to CPU 0."""
-    log_dir = tmp_path_factory.mktemp("colocated-logs")
-    with ProcessGroup(log_dir) as group:
-        port = free_port()
-        proc = group.start("colocated", vllm_serve_cmd(tiny_model, port), env=vllm_env("0"))
-        url = f"http://127.0.0.1:{port}"
-        wait_http_ok(f"{url}/health", START_TIMEOUT_S, proc)
-        yield Server(url=url, port=port, model=str(tiny_model), process=proc)
 
 
 @pytest.fixture(scope="session")
@@ -90,12 +63,12 @@ def pd_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 @pytest.fixture(scope="session")
 def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Greedy outputs of a colocated `vllm serve` for every test prompt, stream and non-stream.
+    """A colocated `vllm serve`'s greedy outputs for every test prompt (stream and not) and seeded samples.
 
     The server is stopped before this fixture returns, so it never competes with the P/D
     processes for this machine's two cores.
     """
-    from tests.e2e.helpers import BLOCK_SIZE, CHAT_PROMPTS, PROMPT_LENGTHS, chat, complete, prompts
+    from tests.e2e.helpers import BLOCK_SIZE, CHAT_PROMPTS, PROMPT_LENGTHS, SAMPLES, chat, complete, prompts, sampled
 
     assert len(PROMPT_LENGTHS) >= 20 and max(PROMPT_LENGTHS) > 4 * BLOCK_SIZE and min(PROMPT_LENGTHS) == 1
     with ProcessGroup(tmp_path_factory.mktemp("reference-logs")) as group:
@@ -107,4 +80,5 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         return {
             "completions": {s: [complete(url, model, p, stream=s) for p in prompts()] for s in (False, True)},
             "chat": {s: [chat(url, model, c, stream=s) for c in CHAT_PROMPTS] for s in (False, True)},
+            "samples": {n: sampled(url, model, n) for n in SAMPLES},
         }

@@ -167,3 +167,27 @@ def start_router_when_healthy(
     url = f"http://{LOOPBACK}:{router_port}"
     wait_all_healthy([(f"{url}/health", router)], 60)
     return url
+
+
+#: n of the seeded sampled completions compared with colocated vLLM (test_pd_rooms; the session reference).
+SAMPLES = (2, 3)
+SAMPLE_SEED = 1234
+SAMPLE_PROMPT = prompt_of_length(75, salt=3)  # 3 KV blocks, the last one partial
+
+
+def sampled(url: str, model: str, n: int) -> list[list[int]]:
+    body = {
+        "model": model,
+        "prompt": SAMPLE_PROMPT,
+        "max_tokens": 12,
+        "temperature": 0.8,
+        "seed": SAMPLE_SEED,
+        "n": n,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120, trust_env=False)
+    assert resp.status_code == 200, resp.text
+    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == list(range(n))
+    return [c["token_ids"] for c in choices]

@@ -27,7 +27,7 @@ from tests.e2e.helpers import (
     wait_kv_free,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]
 
 HOST = "127.0.0.1"
 PEER = Path(__file__).resolve().parents[2].parent / "shared" / "peers" / "vllm-ascend-0.23.0.post1"

@@ -21,7 +21,7 @@ from tests.e2e.helpers import (
     wait_kv_free,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.both_lines]
 
 
 #: D's log line for a continuation whose prefilled tokens are all in D's prefix cache.

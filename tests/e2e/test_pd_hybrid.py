@@ -18,7 +18,7 @@ import pytest
 from launch.processes import ProcessGroup, free_port, start_pd_stack, vllm_env, vllm_serve_cmd, wait_http_ok
 from tests.e2e.helpers import START_TIMEOUT_S, complete, count_in_log, kv_usage, prompt_of_length, wait_kv_free
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]
 
 WINDOW = 48  # tokens; vLLM serves with --block-size 32
 LENGTHS = [5, 47, 48, 49, 64, 79, 100, 111, 129, 200, 300]

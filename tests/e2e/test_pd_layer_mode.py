@@ -27,7 +27,7 @@ from tests.e2e.helpers import (
     wait_kv_free,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]
 
 #: P's prefill chunk (tokens per step): a block is 32 tokens, so chunks end inside blocks.
 CHUNK_TOKENS = 48

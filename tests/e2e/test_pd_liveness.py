@@ -45,7 +45,7 @@ from tests.e2e.helpers import (
     wait_kv_free,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]
 
 PEER_TIMEOUT_S = 5.0  # the connector's default (the session stack does not set it)
 #: P frees a room D abandoned within this (the acceptance bound).

@@ -11,66 +11,31 @@ from __future__ import annotations
 
 import random
 import threading
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from launch.processes import ProcessGroup, free_port, vllm_env, vllm_serve_cmd, wait_http_ok
+from launch.processes import ProcessGroup, free_port
 from tests.e2e.conftest import P_ROOM_TIMEOUT_S
 from tests.e2e.helpers import (
-    START_TIMEOUT_S,
+    SAMPLES,
     count_in_log,
     kv_usage,
     prompt_of_length,
+    sampled,
     start_router_when_healthy,
     wait_kv_free,
 )
 
 pytestmark = pytest.mark.e2e
 
-SAMPLES = (2, 3)
-SEED = 1234
-PROMPT = prompt_of_length(75, salt=3)  # 3 KV blocks, the last one partial
-
-
-def _sampled(url: str, model: str, n: int) -> list[list[int]]:
-    body = {
-        "model": model,
-        "prompt": PROMPT,
-        "max_tokens": 12,
-        "temperature": 0.8,
-        "seed": SEED,
-        "n": n,
-        "return_token_ids": True,
-        "ignore_eos": True,
-    }
-    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120, trust_env=False)
-    assert resp.status_code == 200, resp.text
-    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
-    assert [c["index"] for c in choices] == list(range(n))
-    return [c["token_ids"] for c in choices]
-
-
-@pytest.fixture(scope="module")
-def colocated_samples(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[list[int]]]:
-    """Seeded samples of a plain vLLM (stopped before the P/D stack needs the cores)."""
-    with ProcessGroup(tmp_path_factory.mktemp("sampling-reference")) as group:
-        port = free_port()
-        proc = group.start("colocated", vllm_serve_cmd(tiny_model, port), env=vllm_env("0"))
-        url = f"http://127.0.0.1:{port}"
-        wait_http_ok(f"{url}/health", START_TIMEOUT_S, proc)
-        return {n: _sampled(url, str(tiny_model), n) for n in SAMPLES}
-
 
 @pytest.mark.parametrize("n", SAMPLES)
-def test_n_seeded_samples_equal_colocated_and_nothing_is_held(
-    colocated_samples: dict[int, list[list[int]]], pd_stack: Any, n: int
-) -> None:
+def test_n_seeded_samples_equal_colocated_and_nothing_is_held(reference: dict, pd_stack: Any, n: int) -> None:
     pushed = count_in_log(pd_stack.prefill.log_path, r"pushed \d+ blocks")
-    got = _sampled(pd_stack.router_url, pd_stack.model, n)
-    want = colocated_samples[n]
+    got = sampled(pd_stack.router_url, pd_stack.model, n)
+    want = reference["samples"][n]
     assert len(set(map(tuple, want))) > 1, "the reference samples should differ (seeded sampling)"
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == w, f"n={n}: sample {i} differs from the colocated vLLM's"

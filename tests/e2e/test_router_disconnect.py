@@ -16,7 +16,7 @@ import pytest
 from tests.e2e.conftest import P_ROOM_TIMEOUT_S
 from tests.e2e.helpers import prompt_of_length, wait_kv_free
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.both_lines]
 
 LONG_GENERATION = 1500  # tokens: many seconds of decoding for the tiny model on this CPU
 

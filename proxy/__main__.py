@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from proxy.app import HOT_ROUTES_KEY, SHUTDOWN_TIMEOUT_S, create_app
 from proxy.auth import startup_notes
 from proxy.cli import parse_config
-from proxy.hot_server import serve
+from proxy.hot_server import ServerLimits, serve
 from proxy.log_lines import LoopFlushingHandler
 from proxy.tls import server_context
 from proxy.workers import fork_workers
@@ -73,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reuse_port=config.workers > 1,
         ssl_context=server_context(config.tls) if config.tls else None,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        limits=ServerLimits(config.header_timeout, config.body_timeout, config.write_timeout),
     )
     loop = _new_loop()
     asyncio.set_event_loop(loop)

@@ -116,6 +116,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body accepted, e.g. 1048576, 512k, 32M (default: 32M)",
     )
     add(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's line and headers, from its first byte; then HTTP 408 "
+        "and the connection closes (default: %(default)s)",
+    )
+    add(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without a byte of a request body before HTTP 408 and close (default: %(default)s)",
+    )
+    add(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may read nothing of its answer (the send buffer full) before the connection "
+        "and its backend requests are closed (default: %(default)s)",
+    )
+    add(
         "--max-waiting-retries",
         type=int,
         default=3,
@@ -293,6 +313,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     _positive(parser, "--connect-timeout", args.connect_timeout)
     _positive(parser, "--health-interval", args.health_interval, allow_zero=True)
     _positive(parser, "--health-timeout", args.health_timeout)
+    for flag in ("--header-timeout", "--body-timeout", "--write-timeout"):
+        _positive(parser, flag, getattr(args, flag[2:].replace("-", "_")))
     _positive(parser, "--waiting-retry-interval", args.waiting_retry_interval, allow_zero=True)
     if args.max_waiting_retries < 1:
         parser.error(f"--max-waiting-retries must be at least 1 (got {args.max_waiting_retries})")
@@ -325,6 +347,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         max_body_size=args.max_body_size,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        write_timeout=args.write_timeout,
         max_waiting_retries=args.max_waiting_retries,
         waiting_retry_interval=args.waiting_retry_interval,
         log_level=args.log_level,

@@ -137,6 +137,12 @@ class RouterConfig:
     health_timeout: float = 2.0
     #: Largest request body accepted, in bytes (larger: HTTP 413).
     max_body_size: int = 32 * 1024 * 1024
+    #: Seconds a client has to send a request's headers, from its first byte (``--header-timeout``);
+    #: seconds without a body byte (``--body-timeout``) and without its reading any of the answer
+    #: (``--write-timeout``) before the connection is closed (:mod:`proxy.hot_connection`).
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    write_timeout: float = 30.0
     #: Instances added at run time that do not answer their health check yet: how many checks
     #: they get, and how many seconds apart (vLLM-Ascend's flags), before they are dropped.
     max_waiting_retries: int = 3

@@ -153,9 +153,17 @@ def test_bad_json_413_and_malformed_http(backends: Backends, router_factory: Rou
         status, _, body = conn.answer()
         assert status == 413, body
         assert "exceeds the limit of 300 bytes" in json.loads(body)["error"]["message"]
-        conn.send(_post("/v1/completions", _body("/v1/completions"), new_rid("hot-after-413")))
+        assert conn.closed_by_peer()  # a body over the limit is not read: the connection closes
+    finally:
+        conn.close()
+    conn = _Conn(router.proc.port)
+    try:
+        conn.send(_post("/v1/completions", b"{not json", new_rid("hot-bad2")))
         status, _, body = conn.answer()
-        assert status == 200, body  # the connection survived both errors
+        assert status == 400, body
+        conn.send(_post("/v1/completions", _body("/v1/completions"), new_rid("hot-after-400")))
+        status, _, body = conn.answer()
+        assert status == 200, body  # the connection survived the JSON error
     finally:
         conn.close()
     conn = _Conn(router.proc.port)

@@ -29,7 +29,8 @@ import ssl
 
 from aiohttp import web
 
-from proxy.hot_connection import HotConnection, HotHandler, ServerLimits
+from proxy.hot_connection import HotConnection, HotHandler
+from proxy.server_limits import ServerLimits
 
 __all__ = ["HotConnection", "HotServer", "ServerLimits", "serve"]
 

@@ -17,8 +17,8 @@ from aiohttp import web
 from proxy_testlib import HOST, Backends, RouterFactory, new_rid
 from test_hot_server import _body, _Conn, _post
 
-from proxy.hot_connection import MAX_HEAD_BYTES, ServerLimits
 from proxy.hot_server import HotServer
+from proxy.server_limits import MAX_HEAD_BYTES, ServerLimits
 
 LIMIT_FLAGS = ("--header-timeout", "1", "--body-timeout", "1", "--max-body-size", "2000")
 #: What a deadline of 1 s may take on a busy 2-core machine.
@@ -259,4 +259,3 @@ def test_reading_pauses_while_one_request_waits() -> None:
             server.close()
 
     asyncio.run(main())
-

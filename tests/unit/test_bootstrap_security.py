@@ -196,7 +196,7 @@ def test_live_rank_is_not_replaced_without_a_token(listener: int, caplog: pytest
         assert resp.status_code == 409
         assert f"{HOST}:{listener}" in resp.json()["error"] and "auth token" in resp.json()["error"]
         assert "refusing to move live rank dp=0 cp=0 tp=0" in caplog.text
-        assert server.state.rank_table[(0, 0, 0)].rank_port == listener
+        assert server.state.rank_table[(0, 0, 0, 0)].rank_port == listener
         assert httpx.get(f"http://{addr}/bootstrap/health", trust_env=False).json()["conflicts"] == 1
     finally:
         server.stop()
@@ -211,7 +211,7 @@ def test_a_gone_rank_is_replaced_and_logged(caplog: pytest.LogCaptureFixture) ->
         with caplog.at_level(logging.WARNING, logger="pd_connector"):
             assert register_rank(addr, _rank(4243), 1, 0.01, 5)
         assert f"rank dp=0 cp=0 tp=0 re-registered: {HOST}:{dead} -> {HOST}:4243 (old endpoint gone)" in caplog.text
-        assert server.state.rank_table[(0, 0, 0)].rank_port == 4243
+        assert server.state.rank_table[(0, 0, 0, 0)].rank_port == 4243
     finally:
         server.stop()
 
@@ -232,7 +232,7 @@ def test_with_the_token_a_live_rank_is_replaced_and_logged(listener: int, caplog
         resp = httpx.put(
             f"http://{addr}/bootstrap/register_rank", content=msgspec.json.encode(_rank(1, 2)), trust_env=False
         )
-        assert resp.status_code == 401 and server.state.rank_table[(0, 0, 0)].rank_port == 4244
+        assert resp.status_code == 401 and server.state.rank_table[(0, 0, 0, 0)].rank_port == 4244
     finally:
         server.stop()
 

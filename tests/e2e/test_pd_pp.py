@@ -15,7 +15,7 @@ import pytest
 from launch.processes import ProcessGroup, start_pd_stack
 from tests.e2e.helpers import PROMPT_LENGTHS, START_TIMEOUT_S, assert_matches_reference, count_in_log, wait_kv_free
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]
 
 # 1 token, a block boundary, several blocks.
 SAMPLE = [i for i, n in enumerate(PROMPT_LENGTHS) if n in (1, 32, 33, 129)]

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
 
+from proxy.admin_token import ensure_admin_token, remove_token_file
 from proxy.app import HOT_ROUTES_KEY, SHUTDOWN_TIMEOUT_S, create_app
 from proxy.auth import startup_notes
 from proxy.cli import parse_config
+from proxy.config import RouterConfig
 from proxy.hot_server import ServerLimits, serve
 from proxy.log_lines import LoopFlushingHandler
 from proxy.tls import server_context
@@ -58,6 +61,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     # aiohttp's own loggers: its access log is off; keep its error lines.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        config = ensure_admin_token(config)  # before the fork: every worker has the same one
+    except OSError as exc:
+        print(f"python -m proxy: error: cannot write the generated admin token: {exc}", file=sys.stderr)
+        return 2
+    owner = os.getpid()
+    try:
+        return _serve(config)
+    finally:
+        if os.getpid() == owner:  # the supervisor (or the only process), not a worker
+            remove_token_file(config)
+
+
+def _serve(config: RouterConfig) -> int:
     config = fork_workers(config)  # --workers N > 1: from here on in each worker (proxy/workers.py)
     app = create_app(config)
     log = logging.getLogger("proxy")

@@ -32,8 +32,8 @@ class Security:
 
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:
-    """The ``--api-key*``, ``--admin-token-file``, ``--insecure-admin``, ``--backend-api-key-file``
-    and ``--ssl-*`` flags."""
+    """The ``--api-key*``, ``--admin-token-file``, ``--generated-admin-token-file``, ``--insecure-admin``,
+    ``--backend-api-key-file`` and ``--ssl-*`` flags."""
     add = parser.add_argument
     add(
         "--api-key",
@@ -48,12 +48,20 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
         "--admin-token-file",
         metavar="PATH",
         help="file with the bearer token the admin routes (/instances*, /reset_prefix_cache) require "
-        f"(default: ${ADMIN_TOKEN_ENV}; without either, admin routes answer loopback callers only)",
+        f"(default: ${ADMIN_TOKEN_ENV}; without either, the Router generates one at start-up, see "
+        "--generated-admin-token-file)",
+    )
+    add(
+        "--generated-admin-token-file",
+        metavar="PATH",
+        help="where the Router writes the admin token it generates when none is configured (mode 0600; "
+        "default: $XDG_RUNTIME_DIR/pd-router/admin-token-<port>, else <tmp>/pd-router-<uid>/admin-token-<port>)",
     )
     add(
         "--insecure-admin",
         action="store_true",
-        help="without an admin token, answer admin routes from any address (default: loopback only)",
+        help="no admin token at all: admin routes answer anyone who reaches the Router (default: off; a token "
+        "is configured or generated)",
     )
     add(
         "--backend-api-key-file",
@@ -171,8 +179,10 @@ def security_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     backend_key = _one_secret(
         parser, "--backend-api-key-file", args.backend_api_key_file, BACKEND_KEY_ENV, LEGACY_BACKEND_KEY_ENV
     )
+    if args.generated_admin_token_file is not None and (admin_token is not None or args.insecure_admin):
+        parser.error("--generated-admin-token-file is used only without an admin token and without --insecure-admin")
     return Security(
-        AccessConfig(api_keys, admin_token, args.insecure_admin),
+        AccessConfig(api_keys, admin_token, args.insecure_admin, args.generated_admin_token_file),
         f"Bearer {backend_key}" if backend_key else None,
         _tls(parser, args),
         _backend_tls(parser, args),

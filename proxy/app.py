@@ -38,7 +38,7 @@ from aiohttp import web
 from proxy import admin
 from proxy.admin import ADMIN_PATHS, Handler, parse_instances
 from proxy.auth import Gate
-from proxy.backends import pool_health
+from proxy.backends import health_summary, pool_health
 from proxy.config import RouterConfig
 from proxy.errors import (
     INTERNAL_ERROR,
@@ -86,7 +86,7 @@ def _guarded(handler: Handler) -> Handler:
     return run
 
 
-def _routes(router: Router) -> list[tuple[str, str, Handler]]:
+def _routes(router: Router, gate: Gate) -> list[tuple[str, str, Handler]]:
     config = router.config
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -117,14 +117,17 @@ def _routes(router: Router) -> list[tuple[str, str, Handler]]:
             return error_response(503, "no decode instance is available", UPSTREAM_UNAVAILABLE, out_headers)
         return last.response(out_headers)
 
-    async def health(_request: web.Request) -> web.StreamResponse:
-        await router.check_health()
+    async def health(request: web.Request) -> web.StreamResponse:
+        # What the health loop recorded (no probe per call); every backend's record only for the admin.
+        await router.health_known()
         healthy, body = pool_health(router.pool)
+        if not healthy:
+            logger.warning("health: unhealthy: %s", json.dumps(body))
+        if not gate.admits_admin(request):
+            return json_response(health_summary(router.pool, body["status"]), 200 if healthy else 503)
         body["routing"] = config.routing
         if (worker := current_worker()) is not None:
             body["worker"] = worker.record()
-        if not healthy:
-            logger.warning("health: unhealthy: %s", json.dumps(body))
         return json_response(body, 200 if healthy else 503)
 
     async def healthcheck(_request: web.Request) -> web.StreamResponse:
@@ -161,7 +164,8 @@ def create_app(config: RouterConfig) -> web.Application:
     app[ROUTER_KEY] = router
     app.on_startup.append(router.startup)
     app.on_cleanup.append(router.cleanup)
-    routes = _routes(router)
+    gate = Gate(config.access, router.metrics, ADMIN_PATHS)  # keys and admin token (proxy.auth)
+    routes = _routes(router, gate)
     if config.workers > 1:  # a pool change would reach one worker only (proxy.workers)
         refuse = refuse_membership_changes(config.workers)
         routes = [(m, p, refuse if p in MEMBERSHIP_PATHS else h) for m, p, h in routes]
@@ -172,7 +176,6 @@ def create_app(config: RouterConfig) -> web.Application:
             return error_response(405, f"method {request.method} is not allowed on {request.path}", INVALID_REQUEST)
         return error_response(404, f"no route {request.method} {request.path}", NOT_FOUND)
 
-    gate = Gate(config.access, router.metrics, ADMIN_PATHS)  # keys and admin token (proxy.auth)
     hot: dict[str, Handler] = {}
     for method, path, handler in routes:
         served = _guarded(gate.wrap(path, handler))

@@ -1,12 +1,16 @@
-"""Who may call the Router: client API keys, the admin token, loopback-only admin without one.
+"""Who may call the Router: client API keys and the admin token.
 
 - ``/v1/*`` (completions, chat, models; as ``vllm serve --api-key`` guards its ``/v1`` prefix):
   with API keys configured, the client must send ``Authorization: Bearer <key>``; else 401.
 - Admin routes (:data:`proxy.admin.ADMIN_PATHS`: ``/instances``, ``/instances/add|remove``,
   ``/reset_prefix_cache``): with an admin token configured, every caller must send it as
-  ``Authorization: Bearer <token>`` (an API key is not enough); without one, only loopback
-  callers are answered (403 for others) unless ``--insecure-admin``.
-- ``/health``, ``/healthcheck``, ``/metrics`` stay open, as on ``vllm serve``.
+  ``Authorization: Bearer <token>`` (an API key is not enough). ``python -m proxy`` always has
+  one: configured, or generated at start-up into a 0600 file (:mod:`proxy.admin_token`), unless
+  ``--insecure-admin`` opens the admin routes to everyone. An application built with neither
+  answers every admin call 403.
+- ``/health``, ``/healthcheck``, ``/metrics`` stay open, as on ``vllm serve``; ``/health`` gives
+  every backend's record (addresses, errors) only to a caller with the admin token, a summary
+  (verdict and counts) to others.
 
 Keys are compared as SHA-256 digests with :func:`hmac.compare_digest` (constant time, and the
 length of a key does not leak); every key is compared, so the time does not say which matched.
@@ -51,7 +55,7 @@ class Refusal(enum.Enum):
 
     MISSING = "missing"  # no bearer credential
     WRONG = "wrong"  # a credential that is not a configured key/token
-    NOT_LOOPBACK = "not_loopback"  # an admin call from another host, no admin token configured
+    NO_TOKEN = "no_token"  # an admin call, and no admin token is configured (library use)
 
 
 class Access(enum.Enum):
@@ -133,8 +137,15 @@ class Gate:
             if self.admin is not None:
                 return self._bearer(endpoint, handler, self.admin, "the admin token")
             if not self.access.insecure_admin:
-                return self._loopback_only(endpoint, handler)
+                return self._no_admin(endpoint)
         return handler
+
+    def admits_admin(self, request: web.Request) -> bool:
+        """Whether ``request`` carries the admin token (always, with ``--insecure-admin``): who may
+        read the details of ``/health``. Refused here is not counted: the route itself is public."""
+        if self.admin is None:
+            return self.access.insecure_admin
+        return self.admin.check(request.headers.get("Authorization")) is None
 
     def wrap_fallback(self, handler: Handler) -> Handler:
         """The 404/405 handler: under ``/v1`` a caller without a key gets 401 first (as vLLM)."""
@@ -165,18 +176,16 @@ class Gate:
 
         return guarded
 
-    def _loopback_only(self, endpoint: str, handler: Handler) -> Handler:
-        async def guarded(request: web.Request) -> web.StreamResponse:
-            if is_loopback(request.remote):
-                return await handler(request)
-            self._refused(request, endpoint, Refusal.NOT_LOOPBACK)
+    def _no_admin(self, endpoint: str) -> Handler:
+        async def refuse(request: web.Request) -> web.StreamResponse:
+            self._refused(request, endpoint, Refusal.NO_TOKEN)
             message = (
-                f"{endpoint} answers only loopback callers: no admin token is configured on the Router "
+                f"{endpoint} is refused: no admin token is configured on the Router "
                 "(--admin-token-file or PD_ROUTER_ADMIN_TOKEN; --insecure-admin opens it to everyone)"
             )
             return error_response(403, message, PERMISSION_ERROR, {"X-Request-Id": request_id(request)})
 
-        return guarded
+        return refuse
 
     def _refused(self, request: web.Request, endpoint: str, refusal: Refusal) -> None:
         self._refusals.warning(
@@ -204,7 +213,12 @@ def startup_notes(access: AccessConfig, host: str) -> list[tuple[int, str]]:
             (logging.WARNING, f"no API key configured: anyone who reaches {host} can send requests "
              "(--api-key-file or PD_ROUTER_API_KEY)")
         )  # fmt: skip
-    if access.admin_token:
+    if access.admin_token and access.generated_token_file:
+        notes.append(
+            (logging.WARNING, "no admin token configured: generated one for the admin routes (/instances*, "
+             f"/reset_prefix_cache) in {access.generated_token_file} (mode 0600; send it as 'Authorization: Bearer')")
+        )  # fmt: skip
+    elif access.admin_token:
         notes.append((logging.INFO, "admin routes (/instances*, /reset_prefix_cache) need the admin token"))
     elif access.insecure_admin:
         notes.append(
@@ -212,7 +226,7 @@ def startup_notes(access: AccessConfig, host: str) -> list[tuple[int, str]]:
         )
     else:
         notes.append(
-            (logging.WARNING, "no admin token configured: admin routes (/instances*, /reset_prefix_cache) answer "
-             "loopback callers only (--admin-token-file or PD_ROUTER_ADMIN_TOKEN)")
+            (logging.WARNING, "no admin token configured: admin routes (/instances*, /reset_prefix_cache) refuse "
+             "every call (--admin-token-file or PD_ROUTER_ADMIN_TOKEN)")
         )  # fmt: skip
     return notes

@@ -231,6 +231,17 @@ class BackendPool:
         }
 
 
+def health_summary(pool: BackendPool, status: str) -> dict[str, Any]:
+    """What anyone may read of the pool's health: the verdict and how many instances are healthy."""
+    return {
+        "status": status,
+        "prefill_healthy": sum(s.healthy for s in pool.active["prefill"]),
+        "prefill_instances": len(pool.active["prefill"]),
+        "decode_healthy": sum(s.healthy for s in pool.active["decode"]),
+        "decode_instances": len(pool.active["decode"]),
+    }
+
+
 def pool_health(pool: BackendPool) -> tuple[bool, dict[str, Any]]:
     """Healthy means at least one active prefiller and one active decoder are healthy."""
     snapshot = pool.snapshot()

@@ -44,13 +44,16 @@ class AccessConfig:
     ``api_keys``: clients must send ``Authorization: Bearer <one of them>`` on ``/v1/*``
     (``--api-key``/``--api-key-file``/``PD_ROUTER_API_KEY``; empty: no key needed).
     ``admin_token``: the bearer token of the admin routes (``/instances*``,
-    ``/reset_prefix_cache``); ``None``: those answer loopback callers only, or anyone with
-    ``insecure_admin``.
+    ``/reset_prefix_cache``); ``None``: ``python -m proxy`` generates one (:mod:`proxy.admin_token`)
+    unless ``insecure_admin`` (admin routes answer anyone); an application built without either
+    refuses every admin call. ``generated_token_file``: where the generated one is (or goes:
+    ``--generated-admin-token-file``).
     """
 
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_token: str | None = field(default=None, repr=False)
     insecure_admin: bool = False
+    generated_token_file: str | None = None
 
 
 def url_host(host: str) -> str:

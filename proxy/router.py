@@ -22,6 +22,10 @@ from proxy.upstream import check_all
 
 logger = logging.getLogger("proxy")
 
+#: With the background checks off (``--health-interval 0``), the Router's ``/health`` checks the
+#: backends itself, one round at a time shared by every caller, at most once this many seconds.
+ON_DEMAND_HEALTH_S = 2.0
+
 
 class Router:
     """Configuration, backend pool, metrics, the one HTTP client to the backends, membership."""
@@ -43,6 +47,10 @@ class Router:
         self.membership = Membership(self)
         #: Rooms of the requests in flight (one request per room).
         self.rooms = RoomsInUse()
+        #: Set once the health loop's first round is recorded (``/health`` waits for it).
+        self.first_health_round = asyncio.Event()
+        self._on_demand: asyncio.Task[None] | None = None
+        self._on_demand_at = float("-inf")
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` as a task referenced until it ends."""
@@ -74,7 +82,23 @@ class Router:
                 await self.check_health()
             except Exception:  # pragma: no cover (check_all does not raise)
                 logger.exception("health check round failed")
+            self.first_health_round.set()
             await asyncio.sleep(self.config.health_interval)
+
+    async def health_known(self) -> None:
+        """Return once the pool's health is what the checks found, without a probe of this caller's
+        own: the health loop's first round (waited for, once), or with the loop off a round shared
+        by every caller and run at most every ``ON_DEMAND_HEALTH_S`` seconds."""
+        if self.config.health_interval > 0:
+            if not self.first_health_round.is_set():
+                await self.first_health_round.wait()
+            return
+        now = asyncio.get_running_loop().time()
+        task = self._on_demand
+        if task is None or (task.done() and now - self._on_demand_at >= ON_DEMAND_HEALTH_S):
+            self._on_demand_at = now
+            self._on_demand = task = self.spawn(self.check_health())
+        await asyncio.shield(task)
 
     async def check_health(self) -> None:
         """Health-check every backend now and record the results."""

@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.admin_token import admin_headers as _token_headers
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_BACKEND = Path(__file__).with_name("fake_backend.py")
 HOST = "127.0.0.1"
@@ -226,7 +228,7 @@ def start_router(log_dir: Path, prefill: Sequence[int], decode: Sequence[int], *
     args = router_args(port, prefill, decode, bootstrap_port, *extra)
     proc = Proc(f"router {port}", port, args, log_dir / f"router-{port}.log").start()
     try:
-        # /healthcheck: the Router's /health would probe (and mark) its backends.
+        # /healthcheck: the Router's /health waits for its first round of health checks.
         proc.wait_listening(path="/healthcheck")
     except BaseException:
         proc.stop()
@@ -235,6 +237,12 @@ def start_router(log_dir: Path, prefill: Sequence[int], decode: Sequence[int], *
 
 
 # -- helpers of the Router tests ---------------------------------------------------------
+
+
+def admin_headers(router: Router) -> dict[str, str]:
+    """The admin token header of a Router started without one (the token it generated)."""
+    return _token_headers(router.proc.port)
+
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 

@@ -23,6 +23,7 @@ from proxy_testlib import (
     Proc,
     Router,
     RouterFactory,
+    admin_headers,
     free_port,
     http_client,
     new_rid,
@@ -243,7 +244,10 @@ def test_no_decoder_after_p_answered_is_http_503_on_both_first_token_paths(
     router = fresh_router(backends.ok_p, backends.ok_d, ON)
     decoder = {"role": "decode", "host": "127.0.0.1", "port": backends.ok_d}
     with http_client() as client:
-        assert client.post(f"{router.url}/instances/remove", json=decoder).status_code == 200
+        assert (
+            client.post(f"{router.url}/instances/remove", json=decoder, headers=admin_headers(router)).status_code
+            == 200
+        )
     for tag, prompt in (("token", "Hi"), ("empty", f"Hi {PARTIAL_MARK}")):
         rid = new_rid(f"first-no-d-{tag}")
         body = request_body("/v1/completions", stream=True, prompt=prompt)

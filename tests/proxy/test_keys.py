@@ -133,24 +133,23 @@ def test_nothing_configured_wraps_nothing_but_admin() -> None:
     assert gate.wrap("/v1/completions", _ok) is _ok
     assert gate.wrap("/health", _ok) is _ok
     assert gate.wrap_fallback(_ok) is _ok
-    assert gate.wrap("/instances/add", _ok) is not _ok  # loopback only
+    assert gate.wrap("/instances/add", _ok) is not _ok  # refused: no admin token
     assert _gate(AccessConfig(insecure_admin=True))[0].wrap("/instances/add", _ok) is _ok
 
 
-def test_without_admin_token_admin_routes_answer_loopback_only(caplog: pytest.LogCaptureFixture) -> None:
+def test_without_admin_token_admin_routes_refuse_everyone_loopback_too(caplog: pytest.LogCaptureFixture) -> None:
     gate, metrics = _gate(AccessConfig())
     for path in sorted(ADMIN_PATHS):
         handler = gate.wrap(path, _ok)
-        assert _call(handler, path, "127.0.0.1").status == 200
-        assert _call(handler, path, "::1").status == 200
         with caplog.at_level(logging.WARNING, logger="proxy"):
-            refused = _call(handler, path, "10.1.2.3")
-        assert refused.status == 403
-        error = _error(refused)
-        assert error["type"] == "permission_error" and error["code"] == 403
-        assert "loopback" in error["message"] and "--admin-token-file" in error["message"]
+            for peer in ("127.0.0.1", "::1", "10.1.2.3"):
+                refused = _call(handler, path, peer)
+                assert refused.status == 403
+                error = _error(refused)
+                assert error["type"] == "permission_error" and error["code"] == 403
+                assert "no admin token" in error["message"] and "--admin-token-file" in error["message"]
         assert any("from 10.1.2.3" in r.getMessage() and path in r.getMessage() for r in caplog.records)
-        assert _refused(metrics, path, "not_loopback") == 1
+        assert _refused(metrics, path, "no_token") == 3
         caplog.clear()
 
 
@@ -211,7 +210,9 @@ def test_startup_notes_say_what_is_open() -> None:
     def text(access: AccessConfig, host: str = "127.0.0.1") -> str:
         return " | ".join(line for _, line in startup_notes(access, host))
 
-    assert "loopback callers only" in text(AccessConfig())
+    assert "refuse every call" in text(AccessConfig())
+    generated = text(AccessConfig(admin_token="t", generated_token_file="/run/user/1/pd-router/admin-token-8000"))
+    assert "generated one" in generated and "/run/user/1/pd-router/admin-token-8000" in generated
     assert "answer anyone" in text(AccessConfig(insecure_admin=True))
     assert "need the admin token" in text(AccessConfig(admin_token="t"))
     assert "no API key configured" in text(AccessConfig(), "0.0.0.0")

@@ -14,6 +14,7 @@ from proxy_testlib import (
     Backends,
     Router,
     RouterFactory,
+    admin_headers,
     assert_openai_error,
     http_client,
     new_rid,
@@ -25,7 +26,7 @@ from proxy_testlib import (
 
 
 def _instances(router: Router) -> dict[str, Any]:
-    return httpx.get(f"{router.url}/instances", timeout=10, trust_env=False).json()
+    return httpx.get(f"{router.url}/instances", headers=admin_headers(router), timeout=10, trust_env=False).json()
 
 
 def _ports(entries: list[dict[str, Any]]) -> list[int]:
@@ -33,7 +34,9 @@ def _ports(entries: list[dict[str, Any]]) -> list[int]:
 
 
 def _admin(router: Router, action: str, payload: Any) -> httpx.Response:
-    return httpx.post(f"{router.url}/instances/{action}", json=payload, timeout=30, trust_env=False)
+    return httpx.post(
+        f"{router.url}/instances/{action}", json=payload, headers=admin_headers(router), timeout=30, trust_env=False
+    )
 
 
 def _samples(router: Router) -> list[Any]:
@@ -241,7 +244,8 @@ def test_metrics_show_in_flight_requests_per_backend(router_metrics: Router, bac
 
 
 def test_health_reports_every_backend(router_metrics: Router, backends: Backends) -> None:
-    body = httpx.get(f"{router_metrics.url}/health", timeout=10, trust_env=False).json()
+    url, headers = f"{router_metrics.url}/health", admin_headers(router_metrics)
+    body = httpx.get(url, headers=headers, timeout=10, trust_env=False).json()
     assert body["status"] == "healthy"
     assert [(r["port"], r["healthy"]) for r in body["decoders"]] == [
         (backends.ok_d, True),
@@ -265,7 +269,8 @@ def test_unknown_paths_and_methods_get_openai_errors(router_metrics: Router) -> 
 
 def test_reset_prefix_cache_reaches_every_backend(router_metrics: Router) -> None:
     # The fake backends have no /reset_prefix_cache: the Router reports each failure.
-    response = httpx.post(f"{router_metrics.url}/reset_prefix_cache", timeout=10, trust_env=False)
+    url, headers = f"{router_metrics.url}/reset_prefix_cache", admin_headers(router_metrics)
+    response = httpx.post(url, headers=headers, timeout=10, trust_env=False)
     assert response.status_code == 500
     assert len(response.json()["failed"]) == 3
 

@@ -11,7 +11,19 @@ from typing import Any
 
 import httpx
 import pytest
-from proxy_testlib import FAKE_BACKEND, HOST, Proc, RouterFactory, free_port, http_client, new_rid, records, wait_until
+from proxy_testlib import (
+    FAKE_BACKEND,
+    HOST,
+    Proc,
+    Router,
+    RouterFactory,
+    admin_headers,
+    free_port,
+    http_client,
+    new_rid,
+    records,
+    wait_until,
+)
 
 from proxy.backends import BackendPool
 from proxy.cli import parse_config
@@ -223,18 +235,18 @@ def test_router_keeps_a_conversation_on_one_prefiller_until_loads_are_imbalanced
     assert _served_by((p_a, p_b), turn4) == away  # 3000+ over the idlest (> 2000): least loaded
     thread.join()
     # Loads drained: the next turn follows its longest prefix, now on the other prefiller.
-    wait_until(lambda: _in_flight(router.url) == [0, 0], timeout=10)
+    wait_until(lambda: _in_flight(router) == [0, 0], timeout=10)
     turn5 = new_rid("turn5")
     send(_chat(system, 5), turn5)
     assert _served_by((p_a, p_b), turn5) == away
 
 
-def _listing(url: str) -> dict[str, Any]:
-    return httpx.get(f"{url}/instances", timeout=5, trust_env=False).json()
+def _listing(router: Router) -> dict[str, Any]:
+    return httpx.get(f"{router.url}/instances", headers=admin_headers(router), timeout=5, trust_env=False).json()
 
 
-def _in_flight(url: str) -> list[int]:
-    return [p["in_flight_prompt_tokens"] for p in _listing(url)["prefillers"]]
+def _in_flight(router: Router) -> list[int]:
+    return [p["in_flight_prompt_tokens"] for p in _listing(router)["prefillers"]]
 
 
 def test_router_drops_a_removed_prefillers_history(
@@ -257,9 +269,10 @@ def test_router_drops_a_removed_prefillers_history(
         assert turn(2) == home
         away = p_b if home == p_a else p_a
         instance = {"role": "prefill", "host": HOST, "port": home, "bootstrap_port": router.bootstrap_port}
-        assert client.post(f"{router.url}/instances/remove", json=instance).status_code == 200
+        admin = admin_headers(router)
+        assert client.post(f"{router.url}/instances/remove", json=instance, headers=admin).status_code == 200
         assert turn(3) == away  # recorded in away's tree, though away is the only prefiller now
-        wait_until(lambda: not _listing(router.url)["draining"], timeout=10)
-        assert client.post(f"{router.url}/instances/add", json=instance).status_code == 200
+        wait_until(lambda: not _listing(router)["draining"], timeout=10)
+        assert client.post(f"{router.url}/instances/add", json=instance, headers=admin).status_code == 200
         # The re-added prefiller starts with no history; the conversation stays where it went.
         assert [turn(n) for n in (4, 5)] == [away, away]

@@ -15,6 +15,7 @@ from proxy_testlib import (
     Backends,
     Router,
     RouterFactory,
+    admin_headers,
     assert_openai_error,
     http_client,
     new_rid,
@@ -416,7 +417,12 @@ def test_client_disconnect_before_answer_closes_both_backend_requests(router_slo
 
 
 def test_health_ok(router_ok: Router) -> None:
-    response = httpx.get(f"{router_ok.url}/health", timeout=10, trust_env=False)
+    public = httpx.get(f"{router_ok.url}/health", timeout=10, trust_env=False)
+    assert public.status_code == 200
+    assert public.json() == {
+        "status": "healthy", "prefill_healthy": 1, "prefill_instances": 1, "decode_healthy": 1, "decode_instances": 1,
+    }  # fmt: skip
+    response = httpx.get(f"{router_ok.url}/health", headers=admin_headers(router_ok), timeout=10, trust_env=False)
     assert response.status_code == 200
     body = response.json()
     assert body["status"] == "healthy"
@@ -426,7 +432,11 @@ def test_health_ok(router_ok: Router) -> None:
 
 
 def test_health_reflects_a_down_backend(router_p_down: Router) -> None:
-    response = httpx.get(f"{router_p_down.url}/health", timeout=10, trust_env=False)
+    public = httpx.get(f"{router_p_down.url}/health", timeout=10, trust_env=False)
+    assert public.status_code == 503
+    assert public.json()["status"] == "unhealthy" and "prefillers" not in public.json()
+    url, headers = f"{router_p_down.url}/health", admin_headers(router_p_down)
+    response = httpx.get(url, headers=headers, timeout=10, trust_env=False)
     assert response.status_code == 503
     body = response.json()
     assert body["status"] == "unhealthy"

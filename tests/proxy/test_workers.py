@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from proxy_testlib import HOST, REPO_ROOT, Backends, Router, request_body, start_router, wait_until
+from proxy_testlib import HOST, REPO_ROOT, Backends, Router, admin_headers, request_body, start_router, wait_until
 
 from proxy import workers as workers_module
 from proxy.cli import parse_config
@@ -38,7 +38,7 @@ def _listening_sockets(port: int) -> int:
 def _health(router: Router) -> dict[str, Any]:
     """``GET /health`` on a new connection (so the kernel may pick another worker)."""
     with httpx.Client(timeout=10, trust_env=False) as client:
-        return client.get(f"{router.url}/health", headers={"Connection": "close"}).json()
+        return client.get(f"{router.url}/health", headers={"Connection": "close", **admin_headers(router)}).json()
 
 
 def _seen_workers(router: Router, want: int) -> dict[int, dict[str, Any]]:
@@ -93,12 +93,13 @@ def test_health_is_the_same_in_every_worker(two_workers: Router) -> None:
 @pytest.mark.parametrize("path", ["/instances/add", "/instances/remove"])
 def test_membership_changes_are_refused_with_several_workers(two_workers: Router, path: str) -> None:
     instances = {"instances": [{"role": "decode", "host": HOST, "port": two_workers.decode_port}]}
-    response = httpx.post(f"{two_workers.url}{path}", json=instances, timeout=10, trust_env=False)
+    admin = admin_headers(two_workers)
+    response = httpx.post(f"{two_workers.url}{path}", json=instances, headers=admin, timeout=10, trust_env=False)
     assert response.status_code == 409, response.text
     message = response.json()["error"]["message"]
     assert path in message and "--workers 2" in message and "--workers 1" in message
     # Listing still answers (the worker that took the connection).
-    listing = httpx.get(f"{two_workers.url}/instances", timeout=10, trust_env=False)
+    listing = httpx.get(f"{two_workers.url}/instances", headers=admin, timeout=10, trust_env=False)
     assert listing.status_code == 200
     assert [d["port"] for d in listing.json()["decoders"]] == list(two_workers.decode_ports)
 

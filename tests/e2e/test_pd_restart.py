@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from launch.processes import ProcessGroup, start_pd_stack, vllm_env, wait_all_healthy
+from proxy.admin_token import admin_headers
 from tests.e2e.helpers import (
     PROMPT_LENGTHS,
     START_TIMEOUT_S,
@@ -30,7 +31,9 @@ SAMPLE = [i for i, n in enumerate(PROMPT_LENGTHS) if n in (33, 129)]
 def _wait_router_sees_prefill_healthy(url: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        health = httpx.get(f"{url}/health", timeout=10, trust_env=False).json()
+        # Every backend's record is the admin's (the token the Router generated, by its port).
+        headers = admin_headers(int(url.rsplit(":", 1)[1]))
+        health = httpx.get(f"{url}/health", headers=headers, timeout=10, trust_env=False).json()
         if all(p["healthy"] for p in health["prefillers"]):
             return
         time.sleep(0.5)

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from launch.processes import ManagedProcess, ProcessGroup, free_port, vllm_env, vllm_serve_cmd, wait_http_ok
+from proxy.admin_token import admin_headers
 from tests.e2e.conftest import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S
 from tests.e2e.helpers import START_TIMEOUT_S, prompt_of_length, wait_kv_free
 
@@ -192,7 +193,8 @@ def test_killed_decoder_gives_errors_not_hangs_and_traffic_moves_to_the_live_one
     for room in (21, 23, 25, 22):
         response = _complete(stack.router_url, stack.model, room)
         assert response.status_code == 200, response.text
-    health = httpx.get(f"{stack.router_url}/health", timeout=30, trust_env=False).json()
+    headers = admin_headers(int(stack.router_url.rsplit(":", 1)[1]))  # the details are the admin's
+    health = httpx.get(f"{stack.router_url}/health", headers=headers, timeout=30, trust_env=False).json()
     states = {d["port"]: d["healthy"] for d in health["decoders"]}
     assert states[stack.extra_port] is False
     assert health["status"] == "healthy"

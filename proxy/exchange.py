@@ -36,7 +36,7 @@ from proxy.first_token import FirstTokenPath
 from proxy.first_token_body import FirstTokenFrom, ineligible_reason
 from proxy.http1 import UpstreamError
 from proxy.incoming import backend_headers, read_json, request_id
-from proxy.payloads import estimate_prompt_tokens, new_room, resolve_room, validate_body
+from proxy.payloads import check_prefill_dp_rank, estimate_prompt_tokens, new_room, resolve_room, validate_body
 from proxy.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
 from proxy.router import Router
 from proxy.routing import RouteRequest
@@ -55,6 +55,7 @@ async def generate(router: Router, request: web.Request, endpoint: str) -> web.S
     try:
         body = await read_json(request, router.config.max_body_size)
         validate_body(body, endpoint)
+        check_prefill_dp_rank(body, [s.backend.dp_rank for s in router.pool.active["prefill"]])
         room = resolve_room(body, trust_client=router.config.trust_client_room)
         router.rooms.claim(room)
     except RouterError as error:

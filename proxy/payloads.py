@@ -6,10 +6,11 @@ Pure functions over the client's parsed JSON body; nothing here does I/O.
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from typing import Any
 
 from pd_connector.kv_params import KV_PARAMS_KEY as KV_KEY
-from pd_connector.kv_params import MAX_ROOM, MAX_SAMPLES, DecodeParams, PrefillParams
+from pd_connector.kv_params import MAX_ROOM, MAX_SAMPLES, PREFILL_DP_RANK, DecodeParams, PrefillParams
 from pd_connector.kv_params import ROOM as ROOM_KEY
 from proxy.config import Backend
 from proxy.errors import INVALID_REQUEST, RouterError
@@ -80,10 +81,43 @@ def validate_body(body: Any, endpoint: str) -> dict[str, Any]:
                 f"token-id arrays, got {_type_name(prompt)}",
                 "prompt",
             )
+        elif (count := batch_size(prompt)) > 1:
+            # vLLM runs each prompt of a batch as its own request, all with the one kv_transfer_params:
+            # they would share one bootstrap room (one prompt's KV named for all).
+            raise _invalid(
+                f"'prompt' holds a batch of {count} prompts; the Router takes one prompt per request "
+                "(send one request per prompt)",
+                "prompt",
+            )
     kv = body.get(KV_KEY)
     if kv is not None and not isinstance(kv, dict):
         raise _invalid(f"'{KV_KEY}' must be an object", KV_KEY)
     return body
+
+
+def batch_size(prompt: Any) -> int:
+    """How many prompts a valid ``prompt`` holds (an array of strings or of token-id arrays is a batch)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
+def check_prefill_dp_rank(body: dict[str, Any], ranks: Collection[int | None]) -> None:
+    """A client's ``kv_transfer_params.prefill_dp_rank`` must be possible: an integer >= 0 and, where the
+    prefillers' DP ranks are configured (``ranks``), one of them; else :class:`RouterError` (400) naming it.
+
+    The Router picks P itself and sends D that P's rank, so a possible value changes nothing.
+    """
+    kv = body.get(KV_KEY)
+    if not isinstance(kv, dict) or kv.get(PREFILL_DP_RANK) is None:
+        return
+    where = f"{KV_KEY}.{PREFILL_DP_RANK}"
+    value = kv[PREFILL_DP_RANK]
+    if not _is_int(value) or value < 0:
+        raise _invalid(f"{where} must be an integer >= 0, got {value!r}", where)
+    known = sorted({r for r in ranks if r is not None})
+    if known and value not in known:
+        raise _invalid(f"{where} is {value}, but no prefiller has that DP rank (configured: {known})", where)
 
 
 def _valid_prompt(prompt: Any) -> bool:

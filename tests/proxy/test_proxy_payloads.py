@@ -9,7 +9,7 @@ import pytest
 
 from proxy.config import Backend
 from proxy.errors import RouterError
-from proxy.payloads import decode_body, prefill_body, resolve_room
+from proxy.payloads import check_prefill_dp_rank, decode_body, prefill_body, resolve_room, validate_body
 
 PREFILLER = Backend("prefill", "10.0.0.7", 8100, 18800)
 
@@ -109,3 +109,39 @@ def test_bad_room_is_400(body: dict[str, Any]) -> None:
         resolve_room(body)
     assert info.value.status == 400
     assert info.value.error_type == "invalid_request_error"
+
+
+@pytest.mark.parametrize("prompt", ["one", ["one"], [1, 2, 3], [[1, 2, 3]]])
+def test_one_prompt_passes(prompt: Any) -> None:
+    validate_body({"prompt": prompt}, "/v1/completions")
+
+
+@pytest.mark.parametrize("prompt", [["one", "two"], [[1, 2], [3]]])
+def test_a_batch_of_prompts_is_a_400_naming_prompt(prompt: Any) -> None:
+    """Each prompt of a batch would share the request's one bootstrap room: refused."""
+    with pytest.raises(RouterError) as caught:
+        validate_body({"prompt": prompt}, "/v1/completions")
+    assert (caught.value.status, caught.value.param) == (400, "prompt")
+    assert "batch of 2 prompts" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("rank", "configured", "message"),
+    [
+        (-1, [None], "an integer >= 0"),
+        ("0", [None], "an integer >= 0"),
+        (True, [0, 1], "an integer >= 0"),
+        (2, [0, 1], "no prefiller has that DP rank (configured: [0, 1])"),
+    ],
+)
+def test_an_impossible_prefill_dp_rank_is_a_400_naming_it(rank: Any, configured: list[Any], message: str) -> None:
+    with pytest.raises(RouterError) as caught:
+        check_prefill_dp_rank({"kv_transfer_params": {"prefill_dp_rank": rank}}, configured)
+    assert (caught.value.status, caught.value.param) == (400, "kv_transfer_params.prefill_dp_rank")
+    assert message in caught.value.message
+
+
+def test_a_possible_prefill_dp_rank_passes() -> None:
+    check_prefill_dp_rank({"kv_transfer_params": {"prefill_dp_rank": 1}}, [0, 1])
+    check_prefill_dp_rank({"kv_transfer_params": {"prefill_dp_rank": 5}}, [None])  # ranks unknown to the Router
+    check_prefill_dp_rank({"prompt": "x"}, [0])

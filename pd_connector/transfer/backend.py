@@ -17,16 +17,25 @@ logger = logging.getLogger(__name__)
 
 #: Extra tries of a failed batch write (the same bytes to the same places, so a repeat is harmless).
 WRITE_RETRIES = 1
+#: The longest one batch write may take before it fails: Mooncake's TCP transport drops a connection
+#: that made no progress for this long (MC_TCP_PROGRESS_TIMEOUT_SEC, set by ``mooncake``); RDMA and
+#: HIXL batches complete or fail far sooner. With the retries, P's slowest batch is
+#: ``(1 + WRITE_RETRIES) * BATCH_STALL_S``; D holds a stopped load's blocks longer (``loads``).
+BATCH_STALL_S = 10.0
 
 
 #: Byte addresses or lengths of write entries.
 Ints = Sequence[int]
-#: Asked before a retry: False once the reader gave up (its blocks may belong to someone else now).
+#: Asked before every batch and retry: False once the reader gave up (its blocks may belong to someone else soon).
 Wanted = Callable[[], bool] | None
 
 
 class TransferError(RuntimeError):
     """A backend call failed (the write did not, or not entirely, land)."""
+
+
+class WriteStopped(TransferError):
+    """The reader gave up (``still_wanted()`` said False): the write stopped between two batches."""
 
 
 @runtime_checkable
@@ -47,8 +56,8 @@ class TransferBackend(Protocol):
     ) -> None:
         """Write local src[i] to the peer's dst[i] (lengths[i] bytes), at most max_batch entries a call.
 
-        Raises TransferError. ``still_wanted``, when given, is asked before a retry: a reader
-        that gave up may have handed its blocks to someone else.
+        Raises TransferError. ``still_wanted``, when given, is asked before every batch and retry: a
+        write for a reader that gave up stops there (WriteStopped), since its blocks may be reused.
         """
         ...
 
@@ -83,11 +92,15 @@ def write_in_batches(
 ) -> None:
     """Call ``write_batch(src, dst, lengths) -> status`` (0: ok) per batch of at most max_batch entries.
 
-    A failed batch is written again up to ``retries`` times unless ``still_wanted()`` says the
-    reader gave up; a batch that still fails raises TransferError. ``what`` and ``peer`` name the
+    ``still_wanted()`` is asked before every batch: once the reader gave up, no further batch starts
+    (WriteStopped), so at most the batch in flight lands after a cancel; D keeps the blocks until P
+    answered, i.e. until this returned or raised. A failed batch is written again up to ``retries``
+    times unless the reader gave up; a batch that still fails raises TransferError. ``what`` and ``peer`` name the
     write in messages ("Mooncake batch write of 12 entries to 10.0.0.3:15000 failed with -1").
     """
     for start in range(0, len(src), max_batch):
+        if still_wanted is not None and not still_wanted():
+            raise WriteStopped(f"{what} to {peer} stopped after {start} of {len(src)} entries: the reader gave up")
         end = start + max_batch
         batch = (list(src[start:end]), list(dst[start:end]), list(lengths[start:end]))
         ret = write_batch(*batch)

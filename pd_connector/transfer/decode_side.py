@@ -21,7 +21,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache
@@ -33,10 +32,11 @@ from pd_connector.metadata import RecvJob
 from pd_connector.peer_sizes import sizes_mismatch
 from pd_connector.pp_stages import partition_mismatch, stages_for
 from pd_connector.protocol import DoneStatus
-from pd_connector.tp_mapping import HeadSlice, decode_contacts
+from pd_connector.tp_mapping import decode_contacts
 from pd_connector.transfer.channel import zmq_host
 from pd_connector.transfer.checksum import landed_problem
 from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.loads import Load, stop_wait_s
 from pd_connector.transfer.nhd_reshuffle import plan_slices
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason, reason_of_status
@@ -45,37 +45,12 @@ from pd_connector.transfer.write_guard import check_own_blocks
 
 logger = logging.getLogger(__name__)
 
-#: How long an aborted load waits for P's last answers (P stops its writes between batches).
-CANCEL_GRACE_S = 2.0
 #: Loads that wait on P ranks (liveness watches those ranks).
 _WAITING = (LoadState.AWAITING_KV, LoadState.CANCELLING)
 #: An abandoned room is not told to a prefill whose rank was lost this recently (its bootstrap
 #: server would only hold the telling thread), nor again for a room a load of this rank already had.
 LOST_ADDR_QUIET_S = 30.0
 ROOMS_REMEMBERED = 10_000
-
-
-@dataclass
-class Load:
-    job: RecvJob
-    deadline: float
-    state: LoadState = LoadState.RESOLVING
-    endpoints: list[str] = field(default_factory=list)  # P ranks asked (AWAITING_KV)
-    done: set[int] = field(default_factory=set)  # P ranks (pp * P's TP size + tp) that reported OK
-    p_tp: int = 1  # P's TP size: a P rank's number above is pp * p_tp + tp
-    started: float = field(default_factory=time.monotonic)
-    handshake_s: float | None = None  # from add_recvs to the request sent to every P rank
-    cancelled: bool = False  # vLLM aborted the request (RESOLVING: cancel once P's ranks are known)
-    answered: set[int] = field(default_factory=set)  # CANCELLING: P ranks that answered
-    slices: list[HeadSlice] = field(default_factory=list)  # token-major KV: the plan to reformat by
-    reports: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # P rank -> (bytes, checksum)
-
-    def p_rank(self, done: proto.TransferDone) -> int:  # TP rank after every earlier pipeline stage's
-        return done.pp_rank * self.p_tp + done.tp_rank
-
-    @property
-    def complete(self) -> bool:
-        return self.state is LoadState.AWAITING_KV and len(self.done) >= len(self.endpoints) > 0
 
 
 class DecodeSide:
@@ -159,7 +134,7 @@ class DecodeSide:
             self._release(load, "request aborted before prefill was asked", "aborted")
             return
         with self._lock:
-            load.endpoints = endpoints
+            load.endpoints, load.rank_at = list(endpoints), endpoints
             load.p_tp = p_tp
             if self._ctx.reshuffle is not None:  # the parts of D's blocks P's ranks write (nhd_reshuffle)
                 load.slices = plan_slices(self._spec, p_tp, self._spec.tp_size, self._spec.tp_rank, job.room)
@@ -172,11 +147,11 @@ class DecodeSide:
                     self._hello_sent.add(endpoint)
             self._ctx.send(endpoint, request)
         self._ctx.traces.get(job.req_id, job.room).mark("asked_p")
-        logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, endpoints, len(job.dst_block_ids))
+        logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, list(endpoints), len(job.dst_block_ids))
 
-    def _resolve(self, job: RecvJob) -> tuple[list[str], int]:
+    def _resolve(self, job: RecvJob) -> tuple[dict[str, int], int]:
         """ZMQ endpoints of the P ranks holding this rank's part of the room (in every pipeline stage
-        holding one of its layers, pp_stages), and P's TP size."""
+        holding one of its layers, pp_stages), each with its rank number (pp * P's TP size + tp), and P's TP size."""
         route = self._route_with_retries(job)
         spec = self._spec
         problem = route_mismatch(route, job.bootstrap_addr, spec.block_size, spec.kv_dtype, spec.num_layers, spec.model)
@@ -199,14 +174,14 @@ class DecodeSide:
             is_mla=spec.use_mla,
             spread=job.room % route.attn_tp_size,
         )
-        endpoints = []
+        endpoints: dict[str, int] = {}
         for pp in stages:
             for tp in tp_ranks:
                 info = route.rank(dp_rank, 0, tp, pp)
                 if info is None:
                     name = f"dp={dp_rank} tp={tp}" + (f" pp={pp}" if route.pp_size > 1 else "")
                     raise BootstrapError(f"prefill rank {name} is not registered at {job.bootstrap_addr}")
-                endpoints.append(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")
+                endpoints[f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}"] = pp * route.attn_tp_size + tp
         return endpoints, route.attn_tp_size
 
     def _route_with_retries(self, job: RecvJob) -> proto.Route:
@@ -264,7 +239,7 @@ class DecodeSide:
         """vLLM finished these requests (aborted, e.g. the client went away): stop their loads.
 
         P is told at once (TransferCancel) and frees the room; the load ends when every P rank asked
-        has answered (no write is in flight into blocks vLLM will reuse), or after CANCEL_GRACE_S.
+        has answered (no write is in flight into blocks vLLM will reuse), or after ``loads.stop_wait_s``.
         """
         now = time.monotonic()
         for req_id in req_ids:
@@ -276,38 +251,44 @@ class DecodeSide:
                 if load.state is not LoadState.AWAITING_KV:
                     continue  # RESOLVING: _start sends the cancel once P's ranks are known
                 load.state = LoadState.CANCELLING
-                load.deadline = min(load.deadline, now + CANCEL_GRACE_S)
+                load.deadline = now + stop_wait_s(self._cfg)  # not sooner: P may still be writing
                 endpoints = list(load.endpoints)
             logger.warning("room=%d req=%s: request aborted while its KV loads; cancelling it", load.job.room, req_id)
             for endpoint in endpoints:
                 self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id, peer_id=self._peer_id))
 
-    def _on_cancelled_done(self, load: Load, done: proto.TransferDone) -> None:
-        """A P rank answered a cancelled load: released once every P rank asked has. Caller holds the lock."""
-        load.answered.add(load.p_rank(done))
-        if len(load.answered) >= len(load.endpoints):
-            del self._loads[done.request_id]
+    def _settle(self, load: Load, ranks: Iterable[int]) -> bool:
+        """P ranks of a stopping load that answered or were lost; True once every P rank asked did
+        (the load then left the table). Caller holds the lock."""
+        load.answered.update(ranks)
+        if load.stopped and self._loads.get(load.job.req_id) is load:
+            del self._loads[load.job.req_id]
+            return True
+        return False
+
+    def _end_stopped(self, load: Load, how: str) -> None:
+        """A stopping load left the table: vLLM gets it as failed, with why it failed or was aborted."""
+        reason, why = load.failure or ("request aborted", "aborted")
+        self._release(load, f"{reason}; {how}", why)
 
     def on_done(self, done: proto.TransferDone) -> None:
         with self._lock:
             load = self._loads.get(done.request_id)
             if load is not None and load.state is LoadState.CANCELLING and load.job.room == done.room:
-                self._on_cancelled_done(load, done)
-                released = done.request_id not in self._loads
+                released = self._settle(load, [load.p_rank(done)])
             else:
                 load, released = None, False
         if load is not None:
             if released:
-                self._release(load, "request aborted; prefill answered", "aborted")
+                self._end_stopped(load, "prefill answered")
             return
         if not done.ok:
             if done.status is DoneStatus.UNKNOWN_PEER:
                 with self._hello_lock:
                     self._hello_sent.clear()  # P restarted: introduce ourselves again next time
             stage = f" pp={done.pp_rank}" if done.pp_rank else ""
-            self._fail(
-                done.request_id, f"prefill rank tp={done.tp_rank}{stage}: {done.error}", reason_of_status(done.status)
-            )
+            why = reason_of_status(done.status)
+            self._fail(done.request_id, f"prefill rank tp={done.tp_rank}{stage}: {done.error}", why, done)
             return
         with self._lock:
             load = self._loads.get(done.request_id)
@@ -358,15 +339,31 @@ class DecodeSide:
         self._ctx.stats.observe_recv(nbytes, load.handshake_s)
         logger.info("room=%d req=%s: KV received (%d blocks)", done.room, done.req_id, len(done.dst_block_ids))
 
-    def _fail(self, req_id: str, reason: str, why: FailureReason) -> None:
+    def _fail(
+        self, req_id: str, reason: str, why: FailureReason, answer: proto.TransferDone | None = None, lost: str = ""
+    ) -> None:
+        """End a load as failed (``answer``: the failing P rank's; ``lost``: a P rank gone silent). P ranks
+        asked that have not answered are told to stop, and the load keeps its blocks (CANCELLING) until
+        each answered or ``loads.stop_wait_s`` passed: only then can vLLM reuse them."""
         with self._lock:
-            load = self._loads.pop(req_id, None)
-            if load is None:
+            load = self._loads.get(req_id)
+            if load is None or load.state is LoadState.CANCELLING:
                 return
-        # Other P ranks must not write into blocks vLLM is about to reuse.
-        for endpoint in load.endpoints:
+            stopped = {load.p_rank(answer)} if answer is not None and answer.room == load.job.room else set()
+            stopped |= {load.rank_at[lost]} if lost in load.rank_at else set()
+            if load.state is LoadState.AWAITING_KV:
+                load.state, load.failure = LoadState.CANCELLING, (reason, why)
+                load.deadline = time.monotonic() + stop_wait_s(self._cfg)
+                released = self._settle(load, stopped)
+            else:  # RESOLVING: no P rank was asked
+                released = self._loads.pop(req_id, None) is not None
+            writing = [ep for ep, rank in load.rank_at.items() if rank not in load.answered | load.done]
+        for endpoint in writing:  # they must stop writing into blocks vLLM will reuse
             self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id, peer_id=self._peer_id))
-        self._release(load, reason, why)
+        if released:
+            self._release(load, reason, why)
+        else:
+            logger.info("room=%d req=%s: %s; blocks held until prefill stops", load.job.room, req_id, reason)
 
     def _release(self, load: Load, reason: str, why: FailureReason) -> None:
         """Hand a load that left the table to vLLM as failed (its blocks in failed_recving)."""
@@ -387,7 +384,8 @@ class DecodeSide:
             return {ep for load in self._loads.values() if load.state in _WAITING for ep in load.endpoints}
 
     def peer_lost(self, endpoint: str, silent_s: float) -> None:
-        """The P rank at ``endpoint`` answered no heartbeat for ``silent_s``: the loads on it fail at once."""
+        """The P rank at ``endpoint`` answered no heartbeat for ``silent_s``: the loads on it fail (it counts
+        as stopped; each waits for its other P ranks, ``_fail``)."""
         with self._lock:
             hit = [load for load in self._loads.values() if load.state in _WAITING and endpoint in load.endpoints]
         with self._hello_lock:
@@ -397,12 +395,12 @@ class DecodeSide:
             self._routes.invalidate(load.job.bootstrap_addr)
             self._lost_addrs[load.job.bootstrap_addr] = time.monotonic()
             if load.state is not LoadState.CANCELLING:
-                self._fail(load.job.req_id, why, "peer_lost")
+                self._fail(load.job.req_id, why, "peer_lost", lost=endpoint)
                 continue
             with self._lock:
-                gone = self._loads.pop(load.job.req_id, None)
-            if gone is not None:
-                self._release(load, f"request aborted; {why}", "aborted")
+                released = self._settle(load, [load.rank_at[endpoint]] if endpoint in load.rank_at else [])
+            if released:
+                self._end_stopped(load, why)
 
     def abandon(self, jobs: Sequence[RecvJob]) -> None:
         """vLLM finished these requests before their KV was asked for (the client went away while they
@@ -444,7 +442,7 @@ class DecodeSide:
                 with self._lock:
                     gone = self._loads.pop(load.job.req_id, None)
                 if gone is not None:
-                    self._release(load, f"request aborted; prefill did not answer within {CANCEL_GRACE_S:g} s", "aborted")
+                    self._end_stopped(load, f"prefill did not answer within {stop_wait_s(self._cfg):g} s")
                 continue
             self._routes.invalidate(load.job.bootstrap_addr)
             self._fail(load.job.req_id, f"no KV from prefill within {self._cfg.kv_wait_timeout_s:g} s", "timeout")

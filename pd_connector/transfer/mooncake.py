@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pd_connector.transfer.backend import Ints, TransferError, Wanted, write_in_batches
+from pd_connector.transfer.backend import BATCH_STALL_S, Ints, TransferError, Wanted, write_in_batches
 
 if TYPE_CHECKING:
     from pd_connector.config import DisaggConfig
@@ -39,8 +39,8 @@ class MooncakeBackend:
         if protocol == "tcp":
             # Without this, a host with RDMA NICs silently uses RDMA despite "tcp".
             os.environ.setdefault("MC_FORCE_TCP", "1")
-        # A frozen peer would otherwise stall a TCP write for ~30 s.
-        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", "10")
+        # A frozen peer would otherwise stall a TCP write for ~30 s (D's stop wait relies on this bound).
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(int(BATCH_STALL_S)))
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:

@@ -19,7 +19,7 @@ from pd_connector.device_sync import Marker
 from pd_connector.layout import LayoutError
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
-from pd_connector.transfer.backend import TransferBackend, TransferError
+from pd_connector.transfer.backend import TransferBackend, TransferError, WriteStopped
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.peers import BlockRangeError, write_room
 from pd_connector.transfer.stats import TransferStats
@@ -86,6 +86,8 @@ def push_room(
         status, error = DoneStatus.BAD_REQUEST, str(exc)
     except LayoutError as exc:
         status, error = DoneStatus.INCOMPATIBLE, str(exc)
+    except WriteStopped as exc:  # D cancelled or the room closed: this answer tells D the writes ended
+        status, error = DoneStatus.CANCELLED, str(exc)
     except TransferError as exc:
         status, error = DoneStatus.TRANSFER_FAILED, str(exc)
     except Exception as exc:  # noqa: BLE001 - report, never leak the room

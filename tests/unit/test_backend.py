@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from pd_connector.config import DisaggConfig, parse_config
-from pd_connector.transfer.backend import TransferBackend, TransferError, describe, write_in_batches
+from pd_connector.transfer.backend import TransferBackend, TransferError, WriteStopped, describe, write_in_batches
 from pd_connector.transfer.mooncake import MooncakeBackend
 from pd_connector.transfer.registry import (
     UnknownBackendError,
@@ -108,9 +108,26 @@ def test_a_batch_write_that_fails_twice_raises() -> None:
 
 def test_a_failed_write_is_not_repeated_once_the_reader_gave_up() -> None:
     fake = _FlakyEngine(failures=1)
+    wanted = iter([True, False])  # wanted for the first batch, given up before the retry
     with pytest.raises(TransferError):
-        MooncakeBackend(fake, "p:1").write(b"h:1", [1], [2], [8], max_batch=4, still_wanted=lambda: False)
+        MooncakeBackend(fake, "p:1").write(b"h:1", [1], [2], [8], max_batch=4, still_wanted=lambda: next(wanted))
     assert len(fake.calls) == 1
+
+
+def test_no_batch_starts_once_the_reader_gave_up() -> None:
+    """still_wanted() is asked before every batch: a cancel between two batches stops the write there."""
+    calls: list[list[int]] = []
+    wanted = [True, True, False]
+
+    def write_batch(s: list[int], d: list[int], n: list[int]) -> int:
+        calls.append(d)
+        return 0
+
+    with pytest.raises(WriteStopped, match="stopped after 4 of 6 entries"):
+        write_in_batches(write_batch, range(6), range(6), [8] * 6, 2, lambda: wanted.pop(0), what="w", peer="p")
+    assert calls == [[0, 1], [2, 3]]
+    with pytest.raises(WriteStopped, match="stopped after 0 of 1 entries"):  # nothing at all once given up
+        MooncakeBackend(_FlakyEngine(failures=0), "p:1").write(b"h:1", [1], [2], [8], 4, still_wanted=lambda: False)
 
 
 def test_write_in_batches_without_entries_writes_nothing() -> None:

@@ -239,6 +239,16 @@ class Attempt:
                 failure.error.message,
             )
 
+    def holds_p_room(self) -> bool:
+        """Whether P holds this attempt's room: it answered before the attempt, or its prefill here
+        ended well (not cancelled: a cancelled P request is aborted, which frees its KV)."""
+        if self.p_answered:
+            return True
+        task = self.p_task
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+            return False
+        return task.result() is None
+
     # -- ending ------------------------------------------------------------------------------
 
     def finish(self) -> None:

@@ -38,6 +38,7 @@ from proxy.http1 import UpstreamError
 from proxy.incoming import backend_headers, read_json, request_id
 from proxy.payloads import check_prefill_dp_rank, estimate_prompt_tokens, new_room, resolve_room, validate_body
 from proxy.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
+from proxy.room_release import release_abandoned
 from proxy.router import Router
 from proxy.routing import RouteRequest
 from proxy.upstream import Failure, exception_failure, passthrough_response
@@ -214,6 +215,7 @@ class Exchange:
                 return await self.answer(attempt, outcome)
             failure = outcome
             attempt.close()
+            release_abandoned(router, attempt, failure)  # P finished, D unreachable: free the room now
             router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)
             if failure.kind == "connect":
                 pool.mark_unhealthy(failure.state, failure.error.message)

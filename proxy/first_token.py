@@ -47,9 +47,10 @@ from proxy.first_token_body import (
     wants_token_ids,
 )
 from proxy.http1 import encode_json
-from proxy.payloads import decode_body, new_room
+from proxy.payloads import new_room
 from proxy.prefill_watch import WATCH_AFTER_S
 from proxy.recompute import after_relay, stream_watch
+from proxy.room_release import release_abandoned, release_room
 from proxy.routing import RouteRequest
 from proxy.upstream import Failure, Reply, fetch, http_failure, refused_failure
 
@@ -257,9 +258,26 @@ class FirstTokenPath:
                 self.tried_p.add(attempt.p)  # as on the two-instance path: D's failed load is most often P's
             remaining = ex.deadline - time.monotonic()
             if not failure.retryable or ex.attempts >= config.max_retries or remaining <= 0:
+                release_abandoned(router, attempt, failure)
                 break
             ex.attempts += 1
             router.metrics.retry(ex.endpoint)
+            if (other := self._other_d(attempt, failure)) is not None:
+                # D never reached P: P still holds the room's KV; another decoder loads it.
+                logger.warning(
+                    "rid=%s room=%s %s unreachable after the first token (%s); the same room on %s",
+                    ex.rid,
+                    ex.room,
+                    attempt.d.backend.name,
+                    failure.error.message,
+                    other.backend.name,
+                )
+                attempt = Attempt(
+                    router, attempt.call, attempt.p, other, ex.room, remaining,
+                    p_answered=True, prefilled_tokens=attempt.prefilled_tokens,
+                )  # fmt: skip
+                continue
+            release_abandoned(router, attempt, failure)
             ex.room = new_room()
             route = RouteRequest(ex.room, attempt.call.tokens, attempt.call.body)
             p = pool.pick("prefill", ex.room, self.tried_p, route)
@@ -279,6 +297,15 @@ class FirstTokenPath:
         await response.write(failure.error.to_sse())
         await response.write_eof()
         return response
+
+    def _other_d(self, attempt: Attempt, failure: Failure) -> BackendState | None:
+        """Another decoder for the same room, when ``attempt`` ran D only (P had answered) and D could
+        not be connected to; None otherwise or when every decoder failed this request."""
+        if not attempt.p_answered or failure.state is not attempt.d or failure.kind != "connect":
+            return None
+        route = RouteRequest(self.ex.room, attempt.call.tokens, attempt.call.body)
+        other = self.router.pool.pick("decode", self.ex.room, self.tried_d, route)
+        return None if other is None or other in self.tried_d else other
 
     async def _empty_first_then_decode(self, p: BackendState, first: FirstToken) -> web.StreamResponse:
         """Token 1 has no text yet: its empty chunk goes to the client at once (as one instance
@@ -334,6 +361,7 @@ class FirstTokenPath:
             return await ex.answer(attempt, outcome)
         attempt.close()
         self._count_failure(outcome)
+        release_abandoned(self.router, attempt, outcome)
         if outcome.state is d and outcome.kind in ("http_5xx", "error_event"):
             self.tried_p.add(p)
         if not outcome.retryable or ex.attempts >= self.router.config.max_retries:
@@ -341,29 +369,5 @@ class FirstTokenPath:
         return await ex.pair_attempts(ex.attempts + 1, self.tried_p, self.tried_d)
 
     def _release_room(self, p: BackendState, cont: Call, prompt_len: int) -> None:
-        """P holds the room's KV for a D that will not come: a detached one-token D request loads it
-        (which frees it on P); nothing of its answer is used."""
-        router, ex = self.router, self.ex
-        d = router.pool.pick("decode", ex.room, set(), RouteRequest(ex.room, cont.tokens, cont.body))
-        if d is None:
-            logger.warning("rid=%s room=%s no decoder to release P's KV; room_timeout_s frees it", ex.rid, ex.room)
-            return
-        body = {**cont.body, "stream": False, "max_tokens": 1}
-        body.pop("stream_options", None)
-        body.pop("min_tokens", None)
-        data = encode_json(decode_body(body, ex.room, p.backend, prompt_len))
-        rid, room = ex.rid, ex.room
-
-        async def release() -> None:
-            reply = await fetch(
-                router.http, d, "POST", cont.endpoint, router.config.request_timeout, data, cont.headers
-            )
-            if isinstance(reply, Failure) or reply.status >= 300:
-                detail = reply.detail if isinstance(reply, Failure) else f"HTTP {reply.status}"
-                logger.warning(
-                    "rid=%s room=%s releasing P's KV through %s failed: %s", rid, room, d.backend.name, detail
-                )
-            else:
-                logger.debug("rid=%s room=%s P's KV released through %s", rid, room, d.backend.name)
-
-        router.keep(asyncio.get_running_loop().create_task(release()))
+        """P holds the room's KV for a D that will not come: freed now (:mod:`proxy.room_release`)."""
+        release_room(self.router, p, self.ex.room, cont, prompt_len)

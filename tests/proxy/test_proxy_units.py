@@ -185,7 +185,7 @@ def test_parse_instances_both_formats() -> None:
 
 @pytest.mark.parametrize(
     "prompt",
-    ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]],
+    ["text", ["a"], [1, 2, 3], [[1, 2]]],  # a batch of prompts is refused (tests/proxy/test_proxy_payloads.py)
 )
 def test_valid_prompts(prompt: Any) -> None:
     assert validate_body({"prompt": prompt}, "/v1/completions")

@@ -1,8 +1,12 @@
 """Channel: one rank's ZMQ side: a PULL socket peers send to, PUSH sockets to peers, a listener thread.
 
-The listener decodes every frame and hands the message to ``on_message``; a frame that is not a
-PDConnector message is counted (``bad_frames``) and dropped. Between polls it calls ``on_tick``
-with the monotonic time, which drives the timeouts. Handlers run on the listener thread and must
+The listener checks every frame's MAC before anything else reads it (a refused frame is counted,
+``auth_refused``, and logged by size only: never decoded), decodes it and hands the message to
+``on_message``; a frame that is not a PDConnector message, or whose identifiers are unsafe in a log
+or whose endpoints are malformed (``wire_checks``), is counted (``bad_frames``) and dropped. Every
+socket refuses frames over ``wire_checks.MAX_FRAME_BYTES`` (``zmq.MAXMSGSIZE``). At least every
+POLL_MS, even under a flood of frames, it calls ``on_tick`` with the monotonic time, which drives
+the timeouts and heartbeats. Handlers run on the listener thread and must
 not block. Liveness frames (``Ping`` / ``Pong``, transfer.liveness) are handled here: a Ping is
 answered at once, from the listener thread, so a peer is alive exactly while its listener runs;
 the owner drives the pings with ``beat()`` from its tick.
@@ -22,6 +26,7 @@ from pd_connector import protocol as proto
 from pd_connector.log_limit import LogLimiter
 from pd_connector.transfer.liveness import Heartbeats, Lost, PeerWatch
 from pd_connector.transfer.stats import TransferStats
+from pd_connector.transfer.wire_checks import MAX_FRAME_BYTES, check_endpoint, escaped, message_problem, with_safe_text
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,7 @@ class Channel:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.IPV6, 1)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + auth.MAC_BYTES)  # a bigger frame drops its peer
         # Only the address peers are told about: never every interface.
         self.port = self._pull.bind_to_random_port(f"tcp://{zmq_host(local_ip)}")
         self.endpoint = f"tcp://{zmq_host(local_ip)}:{self.port}"
@@ -66,7 +72,9 @@ class Channel:
         return self._listener.is_alive()
 
     def send(self, endpoint: str, msg: proto.Message) -> None:
-        """Queue ``msg`` to ``endpoint`` without blocking (a full queue drops it, logged)."""
+        """Queue ``msg`` to ``endpoint`` without blocking (a full queue drops it, logged); ValueError for an
+        endpoint ZMQ would refuse (``wire_checks.check_endpoint``), before any socket is made."""
+        check_endpoint(endpoint)
         frame = auth.sign(self._token, proto.encode(msg))
         with self._push_lock:
             sock = self._push.get(endpoint)
@@ -75,6 +83,7 @@ class Channel:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, SEND_HWM)
                 sock.setsockopt(zmq.IPV6, 1)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + auth.MAC_BYTES)
                 sock.connect(endpoint)
                 self._push[endpoint] = sock
             try:
@@ -108,7 +117,8 @@ class Channel:
             try:
                 events = dict(poller.poll(POLL_MS))
                 if self._pull in events:
-                    while True:
+                    until = time.monotonic() + POLL_MS / 1000  # a flood never holds the timers back
+                    while time.monotonic() < until:
                         try:
                             frame = self._pull.recv(zmq.NOBLOCK)
                         except zmq.Again:
@@ -125,17 +135,23 @@ class Channel:
             frame = auth.verify(self._token, frame)
         except auth.AuthError as exc:
             self._stats.inc("auth_refused")
-            self._refusals.warning(
-                "auth",
-                "refusing ZMQ frame on %s from %s: %s", self.endpoint, _claimed_sender(frame), exc,
-            )  # fmt: skip
+            self._refusals.warning(  # never decoded: who it claims to be from is not worth a parse
+                "auth", "refusing ZMQ frame on %s (%d bytes, not decoded): %s", self.endpoint, len(frame), exc
+            )
             return
         try:
             msg = proto.decode(frame)
         except proto.ProtocolError as exc:
             self._stats.inc("bad_frames")
-            self._refusals.warning("malformed", "dropping malformed ZMQ frame on %s: %s", self.endpoint, exc)
+            why = escaped(str(exc), 300)  # msgspec quotes the bad value raw
+            self._refusals.warning("malformed", "dropping malformed ZMQ frame on %s: %s", self.endpoint, why)
             return
+        problem = message_problem(msg)
+        if problem is not None:
+            self._stats.inc("bad_frames")
+            self._refusals.warning("unsafe", "dropping ZMQ frame on %s: %s", self.endpoint, problem)
+            return
+        msg = with_safe_text(msg)
         if isinstance(msg, proto.Ping):
             self.heartbeats.on_ping(msg, time.monotonic())
         elif isinstance(msg, proto.Pong):
@@ -147,22 +163,3 @@ class Channel:
 def zmq_host(ip: str) -> str:
     """An IP as a ZMQ tcp endpoint host (IPv6 literals in brackets)."""
     return f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
-
-
-def _claimed_sender(frame: bytes) -> str:
-    """Who a refused frame says it is from (unverified: for the log line only)."""
-    for start in (auth.MAC_BYTES, 0):
-        try:
-            msg = proto.decode(frame[start:])
-        except proto.ProtocolError:
-            continue
-        if isinstance(msg, proto.PeerHello):
-            return f"peer {msg.peer_id} ({msg.endpoint})"
-        if isinstance(msg, proto.TransferRequest):
-            return f"peer {msg.peer_id} (room={msg.room} req={msg.request_id})"
-        if isinstance(msg, proto.Ping):
-            return f"a Ping from {msg.reply_to}"
-        if isinstance(msg, proto.Pong):
-            return f"a Pong about {msg.about}"
-        return f"a {type(msg).__name__} (room={msg.room} req={msg.request_id})"
-    return "an unknown sender"

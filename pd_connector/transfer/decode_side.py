@@ -41,6 +41,7 @@ from pd_connector.transfer.nhd_reshuffle import plan_slices
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason, reason_of_status
 from pd_connector.transfer.tasks import TaskPool
+from pd_connector.transfer.wire_checks import BadEndpoint, check_endpoint
 from pd_connector.transfer.write_guard import check_own_blocks
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class DecodeSide:
         try:
             check_own_blocks(real_blocks(recv_groups(job)), self._spec.num_blocks)  # transfer.write_guard
             endpoints, p_tp = self._resolve(job)
-        except (BootstrapError, LayoutError) as exc:
+        except (BootstrapError, LayoutError, BadEndpoint) as exc:  # BadEndpoint: a rank registered a bad address
             self._routes.invalidate(job.bootstrap_addr)
             self._fail(job.req_id, str(exc), "mismatch" if isinstance(exc, LayoutError) else "peer_lost")
             return
@@ -181,7 +182,7 @@ class DecodeSide:
                 if info is None:
                     name = f"dp={dp_rank} tp={tp}" + (f" pp={pp}" if route.pp_size > 1 else "")
                     raise BootstrapError(f"prefill rank {name} is not registered at {job.bootstrap_addr}")
-                endpoints[f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}"] = pp * route.attn_tp_size + tp
+                endpoints[check_endpoint(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")] = pp * route.attn_tp_size + tp
         return endpoints, route.attn_tp_size
 
     def _route_with_retries(self, job: RecvJob) -> proto.Route:

@@ -246,6 +246,11 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         logger.warning("room=%d req=%s: %s", cancel.room, cancel.request_id, why)
         for w in dropped:  # D waits for one answer per request it sent
             self._reply(w.req, status, why)
+        peer = self._peers.get(cancel.peer_id)
+        if room is None and peer is not None:  # no write of the room runs here: D may hold its blocks until told
+            spec = self._spec
+            done = proto.TransferDone(cancel.room, cancel.request_id, spec.tp_rank, status, why, pp_rank=spec.pp_rank)
+            self._ctx.send(peer.endpoint, done)
         if self.layers is not None:  # a layer-wise stream of it stops and answers once its writes ended
             self.layers.stop(cancel.room, key, status, why)
         if room is None or room.state is RoomState.AWAITING_PREFILL:
@@ -301,15 +306,17 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         key = claim(req.request_id, req.peer_id)
         still_wanted = lambda: room.state is RoomState.READY and key not in room.cancelled  # noqa: E731
         done = push_room(self._ctx, self._backend, job, req, peer, peer_error, still_wanted, forward_done)
-        if done.ok:  # D first (its first token waits for this), then the log line; a failure is logged first
-            trace.mark("push_done")
-            self._reply(req, done.status, done.error, done.nbytes, done.checksum)
-        log_push(self._ctx.stats, job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)
-        if not done.ok:
-            self._reply(req, done.status, done.error, -1, None)
-        with self._lock:
-            room.finished += 1
-            self._finish_if_served(room)
+        try:  # D first (its first token waits for this), then the log line; a failure is logged first
+            if done.ok:
+                trace.mark("push_done")
+                self._reply(req, done.status, done.error, done.nbytes, done.checksum)
+            log_push(self._ctx.stats, job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)
+            if not done.ok:
+                self._reply(req, done.status, done.error, -1, None)
+        finally:  # the write ended: the room closes even if D cannot be told (a bad endpoint raises)
+            with self._lock:
+                room.finished += 1
+                self._finish_if_served(room)
 
     def _finish_if_served(self, room: Room) -> None:
         """Close a room and let vLLM free its blocks once every write for it ended. Caller holds the lock."""

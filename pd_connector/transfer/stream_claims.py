@@ -75,17 +75,19 @@ class StreamClaims:
         req = done.req
         job = SendJob(p_req_id, req.room, [], 0)
         ok = done.status is DoneStatus.OK
-        if ok:  # D first (its first token waits for this), then the log line
-            self._ctx.traces.get(req.room, req.room, p_req_id).mark("push_done")  # type: ignore[attr-defined]
-            self._reply(req, done.status, done.error, done.nbytes, done.checksum)  # type: ignore[attr-defined]
-        log_push(self._ctx.stats, job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)  # type: ignore[attr-defined]
-        if not ok:  # a failure is logged before D can see it
-            self._reply(req, done.status, done.error, done.nbytes, done.checksum)  # type: ignore[attr-defined]
-        with self._lock:
-            room = self._rooms.get(req.room)
-            if room is not None and _claim(req.request_id, req.peer_id) in room.submitted_ids:
-                room.finished += 1
-                self._finish_if_served(room)  # type: ignore[attr-defined]
+        try:
+            if ok:  # D first (its first token waits for this), then the log line
+                self._ctx.traces.get(req.room, req.room, p_req_id).mark("push_done")  # type: ignore[attr-defined]
+                self._reply(req, done.status, done.error, done.nbytes, done.checksum)  # type: ignore[attr-defined]
+            log_push(self._ctx.stats, job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)  # type: ignore[attr-defined]
+            if not ok:  # a failure is logged before D can see it
+                self._reply(req, done.status, done.error, done.nbytes, done.checksum)  # type: ignore[attr-defined]
+        finally:  # the stream's writes ended: the room closes even if D cannot be told
+            with self._lock:
+                room = self._rooms.get(req.room)
+                if room is not None and _claim(req.request_id, req.peer_id) in room.submitted_ids:
+                    room.finished += 1
+                    self._finish_if_served(room)  # type: ignore[attr-defined]
 
     def carry_streamed(self, old: Room, ready: Room) -> None:
         """The prefill finished: its READY room takes over the claims streams took. Caller holds the lock."""

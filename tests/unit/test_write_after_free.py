@@ -20,6 +20,7 @@ import torch
 
 from pd_connector import protocol as proto
 from pd_connector.config import parse_config
+from pd_connector.layer_chunks import LayerChunk
 from pd_connector.metadata import RecvJob, SendJob
 from pd_connector.protocol import DoneStatus
 from pd_connector.trace import TraceBook
@@ -27,12 +28,14 @@ from pd_connector.transfer import decode_side as decode_side_module
 from pd_connector.transfer.backend import BATCH_STALL_S, WRITE_RETRIES, Ints, Wanted, write_in_batches
 from pd_connector.transfer.context import RankContext, RankSpec
 from pd_connector.transfer.decode_side import DecodeSide
+from pd_connector.transfer.layerwise import layer_regions_of
 from pd_connector.transfer.loads import Load, stop_wait_s
 from pd_connector.transfer.outbox import Outbox
-from pd_connector.transfer.states import LoadState
+from pd_connector.transfer.states import LoadState, RoomState
 from pd_connector.transfer.stats import TransferStats
 
-from .transfer_rig import BLOCK_SIZE, NUM_BLOCKS, Rig, Side, recv_job
+from .loopback import wait_for
+from .transfer_rig import BLOCK_SIZE, LAYERS, NUM_BLOCKS, Rig, Side, recv_job
 
 P_BLOCKS, D_BLOCKS = [2, 4, 6, 8], [1, 3, 5, 7]  # not contiguous: one entry per block and layer (8 in all)
 
@@ -160,6 +163,38 @@ def test_a_p_that_never_answers_is_waited_for_the_stated_bound(
     assert "prefill did not answer within 1.5 s" in pd_logs.text
     gate.set()  # let P's write end so the rig can close
     p.wait_sent("p-1")
+
+
+def test_layer_mode_stops_between_batches_and_layers(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transfer_mode "layer": both layers' writes are queued on P's writer (3 batches of 0.5 s each); vLLM
+    aborts during the first: the batch in flight lands, no later batch or layer does, and D hands the
+    blocks back only after that."""
+    slow = SlowWrites(rig.engines.p.write, 0.5)
+    monkeypatch.setattr(rig.engines.p, "write", slow)
+    p = rig.make("prefill", transfer_mode="layer")
+    d = rig.make("decode")
+    hand = Handbacks(d)
+    monkeypatch.setattr(d.mgr.outbox, "received", hand)
+    assert p.mgr.prefill is not None and d.mgr.decode is not None
+    streams = p.mgr.prefill.enable_layer_push(layer_regions_of(p.kv, [1] * LAYERS))
+    src, dst = [2, 4, 6], [1, 3, 5]
+    d.mgr.add_recvs([recv_job(rig, "d-1", 7104, dst)])
+    wait_for(lambda: p.room_state(7104) is RoomState.AWAITING_PREFILL, 10, what="P to hold D's request")
+    step, chunks = object(), [LayerChunk("p-1", 7104, tuple(src), 0, 3, True)]
+    for name in streams._layers:
+        streams.on_layer(chunks, step, name)
+    assert slow.started.wait(10)
+    d.mgr.decode.cancel(["d-1"])
+    d.wait_recv("d-1", timeout=20)
+    wait_for(lambda: not streams._readers, 10, what="the reader to end")
+    streams.on_forward_end(chunks, step)
+    p.mgr.add_sends([SendJob("p-1", 7104, src, BLOCK_SIZE * len(src))])
+    p.wait_sent("p-1", timeout=20)
+    time.sleep(0.6)  # a write still queued would land by now
+    handed_back = hand.at["d-1"][0]
+    writes = [(at, b) for at, b in slow.blocks(d.kv) if b in dst]
+    assert writes and all(at <= handed_back for at, _ in writes), (writes, handed_back)
+    assert len(slow.landed) < 2 * len(src)  # stopped: not every batch of both layers was written
 
 
 def test_the_stated_bound_outlasts_p_slowest_batch() -> None:

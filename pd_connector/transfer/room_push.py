@@ -110,7 +110,8 @@ def log_push(
     """The push's log line; an OK push is observed in ``stats``, a failed one counted."""
     if status is not DoneStatus.OK:
         stats.inc("transfers_failed")  # its reason is counted when D is told (PrefillSide._reply)
-        logger.error(
+        log = logger.warning if status is DoneStatus.CANCELLED else logger.error  # D gave up: no fault here
+        log(
             "room=%d req=%s: KV push to %s failed (%s): %s", job.room, job.req_id, req.peer_id, status.name, error
         )
         return

@@ -125,13 +125,15 @@ def start_pd_stack(
     d_args: Sequence[str] = (),
     p_cpus: str = "0",
     d_cpus: str = "1",
+    router_args: Sequence[str] = (),
 ) -> PDStack:
     """Start P (kv_producer, CPU 0), D (kv_consumer, CPU 1) and the Router; wait until all are healthy.
 
     `p_args`/`d_args` are extra `vllm serve` flags (e.g. `--tensor-parallel-size 2`), `p_cpus` and
     `d_cpus` each side's cores: its VLLM_CPU_OMP_THREADS_BIND (TP or DP ranks joined by `|`) and
     the placement of its whole process tree (API server, EngineCore, workers: all of them on
-    those cores, see `launch.affinity`). The Router is not placed.
+    those cores, see `launch.affinity`). The Router is not placed; `router_args` are extra Router
+    flags (e.g. `--header-timeout 3`).
 
     P and D start together and are waited on in parallel; the Router starts right after them
     (it only needs their addresses) and is waited on once P and D are up. Raises `ProcessFailed` with the tail
@@ -163,7 +165,7 @@ def start_pd_stack(
     say(f"starting prefill on :{p_port} (bootstrap :{bootstrap_port}) and decode on :{d_port}")
     prefill = group.start("prefill", p_cmd, env=vllm_env(p_cpus))
     decode = group.start("decode", d_cmd, env=vllm_env(d_cpus))
-    r_cmd = router_cmd(router_port, [(host, p_port, bootstrap_port)], [(host, d_port)], host=host)
+    r_cmd = [*router_cmd(router_port, [(host, p_port, bootstrap_port)], [(host, d_port)], host=host), *router_args]
     say(f"starting router on :{router_port}")
     router_env = dict(os.environ, PYTHONUNBUFFERED="1")
     router = group.start("router", r_cmd, env=router_env, cpus="")

@@ -1,20 +1,21 @@
-"""One shared secret for PDConnector's control plane (issue 9 P3).
+"""One shared secret for PDConnector's control plane (issue 9 P3; issue 22: the secret never travels).
 
 The token comes from a file (``auth_token_file``) or an environment variable (``auth_token_env``)
-named in ``kv_connector_extra_config``, never from the command line itself. With a token:
+named in ``kv_connector_extra_config``, never from the command line itself. It is keying material
+only (``keys``: HKDF-SHA256, one key per purpose); no call, frame or log line carries it:
 
-- every bootstrap HTTP call carries ``Authorization: Bearer <token>`` (``/bootstrap/health`` excepted),
-  checked by the server with a constant-time compare;
-- every ZMQ frame is ``MAC(32 bytes) + payload``, the MAC an HMAC-SHA256 of the payload keyed with
-  the token; a frame whose MAC does not match is refused (counted, logged with the sender it claims).
+- every bootstrap HTTP call (``/bootstrap/health`` excepted) carries an HMAC signature of its method,
+  path, body hash, time and a fresh nonce, keyed with the *bootstrap key* (``bootstrap.signing``); the
+  server refuses a wrong, stale or repeated one;
+- every ZMQ frame is ``MAC(32 bytes) + envelope + payload`` (``transfer.frames``): sender, session,
+  sequence, time and receiver under an HMAC-SHA256 keyed with the *frame key*; a frame whose MAC does
+  not match, or that is stale, misdirected or a replay, is refused (counted, logged by size and reason).
 
 Without a token, frames and calls are unsigned (a loopback deployment, or ``insecure: true``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 from pathlib import Path
 
@@ -44,35 +45,3 @@ def load_token(token_file: str, token_env: str) -> bytes | None:
     if len(text) < 16:
         raise AuthError(f"the auth token from {source} is empty or shorter than 16 characters")
     return text.encode()
-
-
-def sign(token: bytes | None, payload: bytes) -> bytes:
-    """The frame to send: ``payload`` itself without a token, else its MAC followed by it."""
-    if token is None:
-        return payload
-    return hmac.new(token, payload, hashlib.sha256).digest() + payload
-
-
-def verify(token: bytes | None, frame: bytes) -> bytes:
-    """The payload of a received frame; raises AuthError if the token is set and its MAC is wrong."""
-    if token is None:
-        return frame
-    if len(frame) < MAC_BYTES:
-        raise AuthError(f"frame of {len(frame)} bytes carries no MAC")
-    mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
-    if not hmac.compare_digest(mac, hmac.new(token, payload, hashlib.sha256).digest()):
-        raise AuthError("frame MAC does not match the shared token")
-    return payload
-
-
-def bearer(token: bytes | None) -> dict[str, str]:
-    """Headers of a bootstrap call (none without a token)."""
-    return {AUTH_HEADER: f"Bearer {token.decode()}"} if token is not None else {}
-
-
-def check_bearer(token: bytes | None, header: str | None) -> bool:
-    """Whether a call's ``Authorization`` header carries the token (always true without one)."""
-    if token is None:
-        return True
-    expected = f"Bearer {token.decode()}".encode()
-    return hmac.compare_digest((header or "").encode(), expected)

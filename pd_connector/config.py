@@ -92,7 +92,7 @@ class DisaggConfig:
     bootstrap_ssl_keyfile: str = ""
     bootstrap_ssl_ca_certs: str = ""
     # D: bootstrap hosts a request may name (bootstrap.trust): IPs, CIDRs, host names, "*".
-    # Empty: loopback plus this instance's bootstrap_host.
+    # Empty: this instance's bootstrap_host; loopback too when local_ip is loopback (bootstrap.trust).
     trusted_bootstrap_hosts: tuple[str, ...] = ()
     # D: check a checksum of what landed before a load counts as done (transfer.checksum).
     verify_kv: bool = False
@@ -310,7 +310,7 @@ def trusted_hosts_of(cfg: DisaggConfig) -> TrustedHosts:
     """The bootstrap hosts this (decode) instance may contact: the configured list, else the default."""
     if cfg.trusted_bootstrap_hosts:
         return TrustedHosts.parse(cfg.trusted_bootstrap_hosts)
-    return TrustedHosts.default(cfg.bootstrap_host)
+    return TrustedHosts.default(cfg.bootstrap_host, cfg.local_ip)
 
 
 def dp_rank_of(cfg: DisaggConfig, parallel_config: Any) -> int:

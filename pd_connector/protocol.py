@@ -13,6 +13,11 @@ import msgspec
 
 # ---------------------------------------------------------------- ZMQ messages
 
+#: Version of the ZMQ wire (frame envelope, transfer.frames, and these messages). 2: frames carry
+#: sender, session, sequence and receiver under a MAC keyed with a key derived from the token
+#: (issue 22). A PeerHello names it; P refuses a decode peer of another version, naming both.
+WIRE_VERSION = 2
+
 
 class PeerHello(msgspec.Struct, tag="hello", frozen=True):
     """D rank -> P rank, once per peer: where to write and how D's KV is laid out."""
@@ -36,6 +41,7 @@ class PeerHello(msgspec.Struct, tag="hello", frozen=True):
     region_groups: list[int] = []  # KV cache group of each region (kv_groups); empty: all group 0
     # Global layer index of each region (pp_stages): a pipeline-parallel P stage takes its layers' regions.
     region_layers: list[int] = []
+    wire_version: int = 0  # WIRE_VERSION of the sender (0: a peer from before version 2)
 
 
 class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):

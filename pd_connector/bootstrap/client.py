@@ -6,6 +6,11 @@ for pip or model downloads must not sit between P and D.
 With ``ca_certs`` (``bootstrap_ssl_ca_certs``) every call uses https and verifies the server's
 certificate with that CA bundle; without it, plain http. D's ``RouteCache`` contacts only hosts
 its ``TrustedHosts`` allow (``BootstrapUntrusted`` otherwise, before any connection).
+
+With a token, every call is signed with the bootstrap key derived from it (``bootstrap.signing``):
+the token never travels, and a server that receives a call cannot forge another call or a ZMQ frame.
+What a server answers in an error is logged here, never put into the error D reports to its client
+(a request names the bootstrap address: its server is not trusted to write into D's answers).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import TYPE_CHECKING
 import httpx
 import msgspec
 
-from pd_connector.auth import bearer
+from pd_connector.bootstrap.signing import sign_call
 from pd_connector.bootstrap.trust import TrustedHosts, split_addr
+from pd_connector.keys import bootstrap_key
 from pd_connector.protocol import RegisterRank, Route
 
 if TYPE_CHECKING:
@@ -72,15 +78,17 @@ def register_rank(
     Returns False (after logging an error) if every try failed: a late rank
     must not take the whole instance down.
     """
-    url = f"{base_url(addr, ca_certs)}/bootstrap/register_rank"
+    path = "/bootstrap/register_rank"
+    url = f"{base_url(addr, ca_certs)}{path}"
     body = msgspec.json.encode(info)
+    key = bootstrap_key(token)
     last = ""
     for attempt in range(1, retries + 1):
         try:
             resp = httpx.put(
                 url,
                 content=body,
-                headers={"content-type": "application/json", **bearer(token)},
+                headers={"content-type": "application/json", **sign_call(key, "PUT", path, body)},
                 timeout=timeout_s,
                 trust_env=False,
                 verify=verify_of(ca_certs),
@@ -109,11 +117,14 @@ def register_dp_rank(
     addr: str, room: int, dp_rank: int, timeout_s: float, token: bytes | None = None, ca_certs: str = ""
 ) -> None:
     """Tell the bootstrap server which DP rank serves `room` (P side, DP > 1)."""
+    path = "/bootstrap/register_dp_rank"
+    body = msgspec.json.encode({"bootstrap_room": room, "dp_rank": dp_rank})
+    headers = {"content-type": "application/json", **sign_call(bootstrap_key(token), "POST", path, body)}
     try:
         resp = httpx.post(
-            f"{base_url(addr, ca_certs)}/bootstrap/register_dp_rank",
-            json={"bootstrap_room": room, "dp_rank": dp_rank},
-            headers=bearer(token),
+            f"{base_url(addr, ca_certs)}{path}",
+            content=body,
+            headers=headers,
             timeout=timeout_s,
             trust_env=False,
             verify=verify_of(ca_certs),
@@ -144,7 +155,7 @@ class RouteCache:
         ca_certs: str = "",
         trusted: TrustedHosts | None = None,
     ) -> None:
-        self._headers = bearer(token)
+        self._key = bootstrap_key(token)  # calls are signed with it (bootstrap.signing); the token stays here
         self._ca_certs = ca_certs
         self._verify = verify_of(ca_certs)
         self._trusted = trusted
@@ -184,7 +195,7 @@ class RouteCache:
         try:
             resp = httpx.get(
                 f"{base_url(addr, self._ca_certs)}/bootstrap/route",
-                headers=self._headers,
+                headers=sign_call(self._key, "GET", "/bootstrap/route"),
                 timeout=self._timeout,
                 trust_env=False,
                 verify=self._verify,
@@ -194,11 +205,13 @@ class RouteCache:
         except httpx.HTTPError as exc:
             raise BootstrapError(f"bootstrap server {addr} unreachable: {exc!r}") from None
         if resp.status_code != 200:
-            raise BootstrapError(f"bootstrap server {addr} answered HTTP {resp.status_code}: {resp.text[:200]}")
+            _log_reply(addr, "GET /bootstrap/route", resp)
+            raise BootstrapError(f"bootstrap server {addr} refused the route request (HTTP {resp.status_code})")
         try:
             route = msgspec.json.decode(resp.content, type=Route)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise BootstrapError(f"bootstrap server {addr} sent a bad route: {exc}") from None
+            logger.warning("bootstrap server %s sent a bad route: %s", addr, _printable(str(exc)))
+            raise BootstrapError(f"bootstrap server {addr} sent a route that does not decode") from None
         if not route.is_ready:
             raise BootstrapBusy(
                 f"prefill deployment at {addr} is not ready: {len(route.ranks)} of "
@@ -214,17 +227,40 @@ class RouteCache:
 
     def query_dp_rank(self, addr: str, room: int) -> int | None:
         self.check_trusted(addr)
+        path = "/bootstrap/query_dp_ranks"
+        body = msgspec.json.encode({"bootstrap_rooms": [room]})
+        headers = {"content-type": "application/json", **sign_call(self._key, "POST", path, body)}
         try:
             resp = httpx.post(
-                f"{base_url(addr, self._ca_certs)}/bootstrap/query_dp_ranks",
-                json={"bootstrap_rooms": [room]},
-                headers=self._headers,
+                f"{base_url(addr, self._ca_certs)}{path}",
+                content=body,
+                headers=headers,
                 timeout=self._timeout,
                 trust_env=False,
                 verify=self._verify,
             )
-            resp.raise_for_status()
-            value = resp.json().get("dp_ranks", {}).get(str(room))
-        except (httpx.HTTPError, ValueError) as exc:
+        except httpx.HTTPError as exc:
             raise BootstrapError(f"query_dp_ranks on {addr} failed: {exc!r}") from None
-        return int(value) if value is not None else None
+        if resp.status_code != 200:
+            _log_reply(addr, f"POST {path}", resp)
+            raise BootstrapError(f"bootstrap server {addr} refused query_dp_ranks (HTTP {resp.status_code})")
+        try:
+            value = msgspec.json.decode(resp.content, type=_DpRanks).dp_ranks.get(str(room))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise BootstrapError(f"bootstrap server {addr} sent a query_dp_ranks answer that does not decode") from None
+        return value
+
+
+class _DpRanks(msgspec.Struct):
+    dp_ranks: dict[str, int] = {}
+
+
+def _printable(text: str, limit: int = 300) -> str:
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[:limit])
+
+
+def _log_reply(addr: str, call: str, resp: httpx.Response) -> None:
+    """What a bootstrap server answered to a refused call: for D's log only, never for its client."""
+    logger.warning(
+        "bootstrap server %s answered %s with HTTP %d: %s", addr, call, resp.status_code, _printable(resp.text)
+    )

@@ -10,6 +10,10 @@ caller carried it) or, without one, when the old endpoint no longer accepts TCP 
 rank restarted or died; a stopped-but-alive process still accepts, so it counts as live). Otherwise
 it is a 409 and the table keeps the live rank. ``register_dp_rank`` likewise: changing a room's DP
 rank needs the token. With certificate and key files the server speaks TLS only.
+
+With a token every call but ``/bootstrap/health`` must be signed with the bootstrap key derived from
+it (``bootstrap.signing``: method, path, body hash, time within a window, a nonce used once); the
+token itself never travels. A wrong, stale or replayed signature is a 401 naming the problem.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pd_connector.auth import AUTH_HEADER, check_bearer
+from pd_connector.auth import AUTH_HEADER
+from pd_connector.bootstrap.signing import CallVerifier
+from pd_connector.keys import bootstrap_key
 from pd_connector.log_limit import LogLimiter
 from pd_connector.protocol import RankInfo, RegisterRank, Route, rank_key
 
@@ -190,25 +196,33 @@ async def still_listening(ip: str, port: int, timeout_s: float = LIVENESS_PROBE_
 def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
     """The bootstrap HTTP API (JSON bodies; bad JSON -> 400 with a message).
 
-    With ``token`` (pd_connector.auth), every call but ``/bootstrap/health`` must carry it as a
-    bearer token; one without it gets 401 and a log line naming the caller (``refused`` counts them).
+    With ``token`` (pd_connector.auth), every call but ``/bootstrap/health`` must be signed with its
+    bootstrap key (``bootstrap.signing``); one that is not, or is stale or replayed, gets 401 and a log
+    line naming the caller and the problem (``refused`` counts them).
     """
     app = FastAPI(title="PDConnector bootstrap")
     #: Refusals (401, 400, 409): a few lines per kind, caller host and route per window (log_limit).
     refusals = LogLimiter(logger)
+    key = bootstrap_key(token)
+    verifier = CallVerifier(key) if key is not None else None
 
     @app.middleware("http")
-    async def _check_token(request: Request, call_next: Any) -> Response:
-        if request.url.path != "/bootstrap/health" and not check_bearer(token, request.headers.get(AUTH_HEADER)):
-            state.refused += 1
-            refusals.warning(
-                ("token", _peer_host(request), _route_of(app, request)),
-                "bootstrap: refusing %s %s from %s: missing or wrong token",
-                request.method,
-                request.url.path,
-                _peer(request),
-            )
-            return _error(401, "missing or wrong PDConnector auth token")
+    async def _check_signature(request: Request, call_next: Any) -> Response:
+        if verifier is not None and request.url.path != "/bootstrap/health":
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            body = await request.body()  # Starlette hands the read body on to the route
+            refusal = verifier.check(request.method, target, body, request.headers.get(AUTH_HEADER))
+            if refusal is not None:
+                state.refused += 1
+                refusals.warning(
+                    ("token", _peer_host(request), _route_of(app, request)),
+                    "bootstrap: refusing %s %s from %s: %s",
+                    request.method,
+                    _route_of(app, request),
+                    _peer(request),
+                    refusal.message,
+                )
+                return _error(refusal.status, f"PDConnector call signature refused: {refusal.message}")
         return await call_next(request)
 
     @app.exception_handler(_BadRequest)
@@ -230,8 +244,8 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _on_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("bootstrap: %s %s failed", request.method, request.url.path)
-        return _error(500, f"internal error: {exc}")
+        logger.exception("bootstrap: %s %s failed", request.method, _route_of(app, request))
+        return _error(500, "internal error (the bootstrap server's log has the details)")
 
     @app.put("/bootstrap/register_rank")
     async def register_rank(request: Request) -> JSONResponse:

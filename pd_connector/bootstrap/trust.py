@@ -9,8 +9,12 @@ token. D contacts only hosts on its list:
 - a host name (``prefill-0.pd.svc``): matches that name exactly (case-insensitive);
 - ``*``: every host (an explicit opt-in).
 
-Default (the key unset): loopback (``127.0.0.0/8``, ``::1``, ``localhost``) plus D's own
-``bootstrap_host``. Deployments with several prefill hosts list them, or their network.
+Default (the key unset): what D was configured with, nothing a request brings (issue 22 item 2):
+D's own ``bootstrap_host``; loopback (``127.0.0.0/8``, ``::1``, ``localhost``) only when D's own
+deployment is on loopback (its ``local_ip`` is a loopback address: P and D share the host). A D on a
+cluster address does not trust loopback by default, not even a loopback ``bootstrap_host`` left at its
+default: any local user can listen on a loopback port. Deployments with several prefill hosts list
+them, or their network.
 """
 
 from __future__ import annotations
@@ -77,8 +81,13 @@ class TrustedHosts:
         return cls(tuple(networks), frozenset(names), any_host)
 
     @classmethod
-    def default(cls, bootstrap_host: str) -> TrustedHosts:
-        return cls.parse([*LOOPBACK_ENTRIES, bootstrap_host])
+    def default(cls, bootstrap_host: str, local_ip: str = "127.0.0.1") -> TrustedHosts:
+        """D's configured ``bootstrap_host``, plus loopback only when ``local_ip`` is loopback."""
+        on_loopback = is_loopback_host(local_ip)
+        entries = list(LOOPBACK_ENTRIES) if on_loopback else []
+        if on_loopback or not is_loopback_host(bootstrap_host):
+            entries.append(bootstrap_host)
+        return cls.parse(entries)
 
     def allows(self, host: str) -> bool:
         """Whether D may contact a bootstrap server on ``host`` (an IP literal or a name)."""
@@ -94,4 +103,14 @@ class TrustedHosts:
     def describe(self) -> str:
         if self.any_host:
             return "any host"
-        return ", ".join([*(str(n) for n in self.networks), *sorted(self.names)])
+        return ", ".join([*(str(n) for n in self.networks), *sorted(self.names)]) or "none"
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP literal, maybe bracketed, or ``localhost``) is this machine only."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    ip = _ip(host)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip is not None and ip.is_loopback

@@ -10,6 +10,11 @@ the timeouts and heartbeats. Handlers run on the listener thread and must
 not block. Liveness frames (``Ping`` / ``Pong``, transfer.liveness) are handled here: a Ping is
 answered at once, from the listener thread, so a peer is alive exactly while its listener runs;
 the owner drives the pings with ``beat()`` from its tick.
+
+With a token every frame travels in the signed envelope of ``transfer.frames`` (keyed with the frame
+key derived from the token, ``keys``): a frame that is not for this endpoint, stale, or a replay of
+its session is refused like a bad MAC (``auth_refused``); a Ping whose ``reply_to``, or a Pong whose
+``about``, is not its signed sender is dropped (``bad_frames``): no peer answers for another.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import zmq
 
 from pd_connector import auth
 from pd_connector import protocol as proto
+from pd_connector.keys import frame_key
 from pd_connector.log_limit import LogLimiter
+from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer, canonical_endpoint, printable
 from pd_connector.transfer.liveness import Heartbeats, Lost, PeerWatch
 from pd_connector.transfer.stats import TransferStats
 from pd_connector.transfer.wire_checks import MAX_FRAME_BYTES, check_endpoint, escaped, message_problem, with_safe_text
@@ -45,7 +52,7 @@ class Channel:
         watch: PeerWatch | None = None,
     ) -> None:
         self._stats = stats
-        self._token = token  # frames are HMAC-signed with it (pd_connector.auth)
+        key = frame_key(token)  # frames are signed with a key derived from the token, never the token
         self._on_message = on_message
         self._on_tick = on_tick
         #: Refused and malformed frames: a few lines per kind per window (log_limit), all counted.
@@ -58,6 +65,8 @@ class Channel:
         # Only the address peers are told about: never every interface.
         self.port = self._pull.bind_to_random_port(f"tcp://{zmq_host(local_ip)}")
         self.endpoint = f"tcp://{zmq_host(local_ip)}:{self.port}"
+        self._sealer = FrameSealer(key, self.endpoint)  # this channel's session (transfer.frames)
+        self._opener = FrameOpener(key, self.endpoint)
         self._push: dict[str, zmq.Socket] = {}
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
@@ -75,8 +84,9 @@ class Channel:
         """Queue ``msg`` to ``endpoint`` without blocking (a full queue drops it, logged); ValueError for an
         endpoint ZMQ would refuse (``wire_checks.check_endpoint``), before any socket is made."""
         check_endpoint(endpoint)
-        frame = auth.sign(self._token, proto.encode(msg))
-        with self._push_lock:
+        payload = proto.encode(msg)
+        with self._push_lock:  # sealed under the lock: a receiver sees this session's numbers in order
+            frame = self._sealer.seal(endpoint, payload)
             sock = self._push.get(endpoint)
             if sock is None:
                 sock = self._ctx.socket(zmq.PUSH)
@@ -132,13 +142,14 @@ class Channel:
 
     def _on_frame(self, frame: bytes) -> None:
         try:
-            frame = auth.verify(self._token, frame)
-        except auth.AuthError as exc:
+            opened = self._opener.open(frame)
+        except FrameRefused as exc:
             self._stats.inc("auth_refused")
             self._refusals.warning(  # never decoded: who it claims to be from is not worth a parse
-                "auth", "refusing ZMQ frame on %s (%d bytes, not decoded): %s", self.endpoint, len(frame), exc
+                ("auth", exc.reason), "refusing ZMQ frame on %s (%d bytes, not decoded): %s", self.endpoint, len(frame), exc
             )
             return
+        frame = opened.payload
         try:
             msg = proto.decode(frame)
         except proto.ProtocolError as exc:
@@ -152,12 +163,28 @@ class Channel:
             self._refusals.warning("unsafe", "dropping ZMQ frame on %s: %s", self.endpoint, problem)
             return
         msg = with_safe_text(msg)
+        if opened.sender and not _from_sender(msg, opened.sender):
+            self._stats.inc("bad_frames")
+            self._refusals.warning(
+                "not its sender", "dropping a %s on %s: it speaks for another endpoint than its sender %s",
+                type(msg).__name__, self.endpoint, printable(opened.sender),
+            )  # fmt: skip
+            return
         if isinstance(msg, proto.Ping):
             self.heartbeats.on_ping(msg, time.monotonic())
         elif isinstance(msg, proto.Pong):
             self.heartbeats.on_pong(msg, time.monotonic())
         else:
             self._on_message(msg)
+
+
+def _from_sender(msg: proto.Message, sender: str) -> bool:
+    """A liveness frame vouches only for its signed sender: a Ping's reply_to, a Pong's about."""
+    if isinstance(msg, proto.Ping):
+        return canonical_endpoint(msg.reply_to) == canonical_endpoint(sender)
+    if isinstance(msg, proto.Pong):
+        return canonical_endpoint(msg.about) == canonical_endpoint(sender)
+    return True
 
 
 def zmq_host(ip: str) -> str:

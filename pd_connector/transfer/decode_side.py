@@ -232,6 +232,7 @@ class DecodeSide:
             region_groups=list(spec.region_groups),
             num_blocks=spec.num_blocks,
             region_layers=list(spec.region_layers),
+            wire_version=proto.WIRE_VERSION,
         )
 
     # ------------------------------------------------------------- outcomes

@@ -35,6 +35,17 @@ class BlockRangeError(LayoutError):
     """D asks for more blocks than the room holds (its prompt differs from P's)."""
 
 
+def version_problem(hello: proto.PeerHello) -> str | None:
+    """Why a decode peer speaks another ZMQ wire version than this rank (naming both); None if it does not."""
+    if hello.wire_version == proto.WIRE_VERSION:
+        return None
+    theirs = hello.wire_version or "1 or older (no version in its PeerHello)"
+    return (
+        f"incompatible decode instance {hello.peer_id}: it speaks PDConnector wire version {theirs}, "
+        f"this prefill rank speaks version {proto.WIRE_VERSION}; run the same PDConnector release on P and D"
+    )
+
+
 def peer_problem(spec: RankSpec, regions: Sequence[Region], hello: proto.PeerHello) -> str | None:
     """Why KV of this P rank cannot go to the decode rank that sent ``hello``; None if it can."""
     try:

@@ -31,7 +31,7 @@ from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.backend import TransferBackend, describe
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
-from pd_connector.transfer.peers import expected_requests_from, peer_problem
+from pd_connector.transfer.peers import expected_requests_from, peer_problem, version_problem
 from pd_connector.transfer.room_push import log_push, push_room
 from pd_connector.transfer.rooms import Room, WaitingRequest, claim
 from pd_connector.transfer.states import CloseReason, RoomState
@@ -164,7 +164,7 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
     def on_hello(self, hello: proto.PeerHello) -> None:
         try:  # a pipeline stage keeps D's regions of its own layers (pp_stages)
             hello = localize_hello(self._spec.region_layers, self._spec.pp_size, hello)
-            error = peer_problem(self._spec, self._ctx.regions, hello)
+            error = version_problem(hello) or peer_problem(self._spec, self._ctx.regions, hello)
         except PipelineError as exc:
             error = f"incompatible decode instance {hello.peer_id}: {exc}"
         if error:
@@ -186,7 +186,10 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         with self._lock:
             room = self._rooms.get(req.room)
             aborted = room is None and self._closed.get(req.room) is CloseReason.ABORTED
-            if room is not None and room.state is not RoomState.AWAITING_PREFILL:
+            repeated = room is not None and room.has_claim(claim(req.request_id, req.peer_id))
+            if repeated:
+                pass  # a claim already taken (a replayed or repeated request): its first copy gets the answer
+            elif room is not None and room.state is not RoomState.AWAITING_PREFILL:
                 accepted = self._accept(room, req)
             elif aborted:
                 pass  # the prefill was aborted: D's load fails at once
@@ -200,6 +203,13 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
                 if room is None:
                     room = self._rooms[req.room] = Room(req.room, RoomState.AWAITING_PREFILL)
                 room.waiting.append(WaitingRequest(req, time.monotonic() + wait_s, closed))
+        if repeated:
+            self._ctx.stats.inc("bad_frames")
+            logger.warning(
+                "room=%d req=%s: refusing a repeated TransferRequest from %s: the room already has this claim",
+                req.room, req.request_id, req.peer_id,
+            )  # fmt: skip
+            return
         if aborted:
             self._reply(req, DoneStatus.ABORTED, CloseReason.ABORTED.message(self._cfg.room_timeout_s))
             return

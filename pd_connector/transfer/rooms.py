@@ -37,6 +37,12 @@ class Room:
     submitted_ids: set[str] = field(default_factory=set)
     cancelled: set[str] = field(default_factory=set)  # D requests' ranks that gave up (each counts as claimed)
 
+    def has_claim(self, key: str) -> bool:
+        """Whether the claim ``key`` (``claim``) came already: submitted, cancelled, or waiting for the prefill."""
+        if key in self.submitted_ids or key in self.cancelled:
+            return True
+        return any(claim(w.req.request_id, w.req.peer_id) == key for w in self.waiting)
+
     @property
     def claimed(self) -> int:
         """Expected requests that came (submitted) or will not (cancelled)."""

@@ -56,8 +56,7 @@ class StreamClaims:
             for w in held.waiting:
                 key = _claim(w.req.request_id, w.req.peer_id)
                 if key in held.submitted_ids:
-                    kept.append(w)  # a repeat: answered ALREADY_SERVED when the prefill is done
-                    continue
+                    continue  # a repeat (refused on arrival since issue 22; dropped here too): the first copy is served
                 held.submitted += 1
                 held.submitted_ids.add(key)
                 taken.append(w.req)

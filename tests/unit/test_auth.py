@@ -1,5 +1,5 @@
-"""The control-plane token (issue 9 P3) and input checks (P4): signed ZMQ frames, bootstrap calls
-with a bearer token, one log line for a 400, host names checked."""
+"""The control-plane token (issue 9 P3) and input checks (P4): signed ZMQ frames, signed bootstrap
+calls (issue 22: keys derived from the token, which never travels), one log line for a 400, host names checked."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ import msgspec
 import pytest
 import zmq
 
-from pd_connector import auth
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import RouteCache, register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
+from pd_connector.bootstrap.signing import signed_headers
 from pd_connector.config import ConfigError, parse_config, token_of
+from pd_connector.keys import frame_key
 from pd_connector.kv_params import KVParamsError, host_port, parse_kv_params
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import RegisterRank
+from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer
 
 from .conftest import HOST, free_port, wait_for
 from .transfer_rig import BLOCK_SIZE, Rig, recv_job
@@ -41,15 +43,15 @@ def test_token_from_file_or_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_frames_are_signed_and_checked() -> None:
-    key = TOKEN.encode()
-    frame = auth.sign(key, b"payload")
-    assert auth.verify(key, frame) == b"payload"
-    assert auth.sign(None, b"x") == b"x" and auth.verify(None, b"x") == b"x"
-    for bad in (b"payload", frame[:-1] + b"!", auth.sign(b"another-token-0123456", b"payload")):
-        with pytest.raises(auth.AuthError):
-            auth.verify(key, bad)
-    assert auth.check_bearer(key, f"Bearer {TOKEN}") and not auth.check_bearer(key, None)
-    assert not auth.check_bearer(key, "Bearer wrong")
+    key, to = frame_key(TOKEN.encode()), "tcp://127.0.0.1:5001"
+    frame = FrameSealer(key, "tcp://127.0.0.1:5000").seal(to, b"payload")
+    opened = FrameOpener(key, to).open(frame)
+    assert opened.payload == b"payload" and opened.sender == "tcp://127.0.0.1:5000"
+    assert FrameSealer(None, "x").seal(to, b"x") == b"x" and FrameOpener(None, to).open(b"x").payload == b"x"
+    other = FrameSealer(frame_key(b"another-token-0123456"), "tcp://127.0.0.1:5000").seal(to, b"payload")
+    for bad in (b"payload", frame[:-1] + b"!", other):
+        with pytest.raises(FrameRefused):
+            FrameOpener(key, to).open(bad)
 
 
 @pytest.fixture
@@ -74,10 +76,10 @@ def test_bootstrap_calls_without_the_token_are_refused(
     with caplog.at_level(logging.WARNING, logger="pd_connector"):
         assert not register_rank(f"{HOST}:{secure_server.port}", info, retries=1, interval_s=0.01, timeout_s=5)
         assert httpx.get(f"{base}/bootstrap/route", trust_env=False).status_code == 401
-        wrong = {"Authorization": "Bearer nope"}
-        assert httpx.get(f"{base}/bootstrap/route", headers=wrong, trust_env=False).status_code == 401
-    assert "missing or wrong token" in caplog.text and HOST in caplog.text
-    assert secure_server.state.refused == 3
+        for wrong in ({"Authorization": f"Bearer {TOKEN}"}, signed_headers(b"not-the-token-0123456789", "GET", "/")):
+            assert httpx.get(f"{base}/bootstrap/route", headers=wrong, trust_env=False).status_code == 401
+    assert "missing or malformed call signature" in caplog.text and HOST in caplog.text
+    assert secure_server.state.refused == 4
     assert httpx.get(f"{base}/bootstrap/health", trust_env=False).status_code == 200
     key = TOKEN.encode()
     assert register_rank(f"{HOST}:{secure_server.port}", info, retries=1, interval_s=0.01, timeout_s=5, token=key)
@@ -87,7 +89,8 @@ def test_bootstrap_calls_without_the_token_are_refused(
 def test_a_bad_bootstrap_body_is_one_log_line(secure_server: BootstrapServer, caplog: pytest.LogCaptureFixture) -> None:
     url = f"http://{HOST}:{secure_server.port}/bootstrap/register_rank"
     with caplog.at_level(logging.WARNING):
-        resp = httpx.put(url, content=b"\x00garbage", headers=auth.bearer(TOKEN.encode()), trust_env=False)
+        headers = signed_headers(TOKEN.encode(), "PUT", "/bootstrap/register_rank", b"\x00garbage")
+        resp = httpx.put(url, content=b"\x00garbage", headers=headers, trust_env=False)
     assert resp.status_code == 400 and "RegisterRank" in resp.json()["error"]
     lines = [r for r in caplog.records if "register_rank" in r.getMessage()]
     assert len(lines) == 1 and lines[0].exc_info is None and "Traceback" not in caplog.text

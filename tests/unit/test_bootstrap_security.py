@@ -14,7 +14,6 @@ import httpx
 import msgspec
 import pytest
 
-from pd_connector import auth
 from pd_connector.bootstrap.client import (
     BootstrapError,
     BootstrapUntrusted,
@@ -26,6 +25,7 @@ from pd_connector.bootstrap.exposure import exposure_of, is_loopback
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.bootstrap.trust import TrustedHosts, split_addr
 from pd_connector.config import ConfigError, parse_config, trusted_hosts_of
+from pd_connector.keys import derive_keys
 from pd_connector.protocol import RegisterRank
 
 from .conftest import HOST, free_port
@@ -255,9 +255,16 @@ def test_trusted_hosts_parse_and_match() -> None:
 
 
 def test_trusted_hosts_default_and_config() -> None:
-    default = trusted_hosts_of(parse_config("kv_consumer", {"bootstrap_host": "10.0.0.9"}))
-    assert default.allows("127.0.0.1") and default.allows("::1") and default.allows("localhost")
-    assert default.allows("10.0.0.9") and not default.allows("10.0.0.10")
+    # Default: what D was configured with. Loopback only for a deployment on loopback (issue 22 item 2).
+    on_loopback = trusted_hosts_of(parse_config("kv_consumer", {"bootstrap_host": "10.0.0.9"}))
+    assert on_loopback.allows("127.0.0.1") and on_loopback.allows("::1") and on_loopback.allows("localhost")
+    assert on_loopback.allows("10.0.0.9") and not on_loopback.allows("10.0.0.10")
+    networked = {"bootstrap_host": "10.0.0.9", "local_ip": "10.0.0.5", "insecure": True}
+    default = trusted_hosts_of(parse_config("kv_consumer", networked))
+    assert default.allows("10.0.0.9") and not default.allows("10.0.0.5")
+    assert not any(default.allows(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    unset = trusted_hosts_of(parse_config("kv_consumer", {"local_ip": "10.0.0.5", "insecure": True}))
+    assert not unset.allows("127.0.0.1") and unset.describe() == "none"  # the default 127.0.0.1 is not trusted
     listed = trusted_hosts_of(parse_config("kv_consumer", {"trusted_bootstrap_hosts": "10.0.0.0/24, p.svc"}))
     assert listed.allows("10.0.0.10") and listed.allows("p.svc") and not listed.allows("127.0.0.1")
     assert parse_config("kv_consumer", {"trusted_bootstrap_hosts": ["*"]}).trusted_bootstrap_hosts == ("*",)
@@ -294,6 +301,6 @@ def test_for_config_carries_token_and_trust(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text(TOKEN.decode())
     cache = RouteCache.for_config(parse_config("kv_consumer", {"auth_token_file": str(path)}))
-    assert cache._headers == auth.bearer(TOKEN)  # noqa: SLF001 - what every call sends
+    assert cache._key == derive_keys(TOKEN).bootstrap  # noqa: SLF001 - what every call is signed with
     with pytest.raises(BootstrapUntrusted):
         cache.get("192.0.2.1:18800")

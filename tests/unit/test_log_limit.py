@@ -83,7 +83,7 @@ def test_a_flood_of_unauthenticated_bootstrap_calls_writes_a_few_lines(pd_logs: 
         assert server.state.refused == FLOOD + 3
     finally:
         server.stop()
-    lines = [r.getMessage() for r in pd_logs.records if "missing or wrong token" in r.getMessage()]
+    lines = [r.getMessage() for r in pd_logs.records if "missing or malformed call signature" in r.getMessage()]
     assert sum("GET /bootstrap/route" in line for line in lines) == 10  # the default burst
     assert sum("PUT /bootstrap/register_rank" in line for line in lines) == 3
 

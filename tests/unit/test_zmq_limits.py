@@ -19,9 +19,11 @@ import zmq
 
 from pd_connector import auth
 from pd_connector import protocol as proto
+from pd_connector.keys import frame_key
 from pd_connector.metadata import SendJob
 from pd_connector.transfer import channel as channel_module
 from pd_connector.transfer.channel import Channel
+from pd_connector.transfer.frames import FrameSealer
 from pd_connector.transfer.liveness import PeerState, PeerWatch
 from pd_connector.transfer.stats import TransferStats
 from pd_connector.transfer.wire_checks import (
@@ -128,11 +130,14 @@ def test_a_refused_frame_is_never_decoded(
     monkeypatch.setattr(proto, "decode", lambda frame: decoded.append(frame) or real(frame))
     ear = _ear(ears)
     payload = proto.encode(CANCEL)
-    _raw_send(ear.channel.endpoint, payload, auth.sign(b"wrong-token-0123456789abcdef", payload), b"x" * 10)
+    wrong = FrameSealer(frame_key(b"wrong-token-0123456789abcdef"), "tcp://127.0.0.1:1")
+    _raw_send(ear.channel.endpoint, payload, wrong.seal(ear.channel.endpoint, payload), b"x" * 10)
     wait_for(lambda: ear.stats.snapshot().auth_refused == 3, 5, what="three refused frames")
     assert decoded == [] and ear.messages == []
     assert "not decoded" in pd_logs.text and "r-1" not in pd_logs.text  # not even for the log line
-    _raw_send(ear.channel.endpoint, auth.sign(TOKEN, payload))
+    _raw_send(
+        ear.channel.endpoint, FrameSealer(frame_key(TOKEN), "tcp://127.0.0.1:1").seal(ear.channel.endpoint, payload)
+    )
     wait_for(lambda: ear.messages == [CANCEL], 5, what="the signed frame")
     assert decoded == [payload]  # decoded once, after its MAC matched
 

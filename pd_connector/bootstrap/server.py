@@ -216,8 +216,7 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
                 state.refused += 1
                 refusals.warning(
                     ("token", _peer_host(request), _route_of(app, request)),
-                    "bootstrap: refusing %s %s from %s: %s",
-                    request.method,
+                    "bootstrap: refusing %s from %s: %s",
                     _route_of(app, request),
                     _peer(request),
                     refusal.message,

@@ -31,11 +31,12 @@ import pytest
 import zmq
 
 from launch.processes import PDStack, ProcessGroup, free_port, vllm_env, vllm_serve_cmd
-from pd_connector import auth
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
+from pd_connector.keys import frame_key
 from pd_connector.layout import Region
+from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer
 from tests.e2e.conftest import D_KV_WAIT_TIMEOUT_S
 from tests.e2e.helpers import (
     PROMPT_LENGTHS,
@@ -68,6 +69,8 @@ class FakePrefill:
         self._pull = self._zmq.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self.rank_port = self._pull.bind_to_random_port(f"tcp://{HOST}")
+        endpoint, key = f"tcp://{HOST}:{self.rank_port}", frame_key(self.token)
+        self._opener, self._sealer = FrameOpener(key, endpoint), FrameSealer(key, endpoint)  # a real P's envelope
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="fake-prefill", daemon=True)
         self.server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), HOST, free_port(), self.token)
@@ -95,8 +98,8 @@ class FakePrefill:
                 if not self._pull.poll(50):
                     continue
                 try:
-                    msg = proto.decode(auth.verify(self.token, self._pull.recv()))
-                except (auth.AuthError, proto.ProtocolError):
+                    msg = proto.decode(self._opener.open(self._pull.recv()).payload)
+                except (FrameRefused, proto.ProtocolError):
                     continue
                 if isinstance(msg, proto.PeerHello):
                     self._hellos[msg.peer_id] = msg
@@ -107,7 +110,7 @@ class FakePrefill:
                         sock = push[msg.endpoint] = self._zmq.socket(zmq.PUSH)
                         sock.setsockopt(zmq.LINGER, 0)
                         sock.connect(msg.endpoint)
-                    sock.send(auth.sign(self.token, proto.encode(self._done(msg))))
+                    sock.send(self._sealer.seal(msg.endpoint, proto.encode(self._done(msg))))
         finally:
             for sock in push.values():
                 sock.close(linger=0)

@@ -19,8 +19,10 @@ import pytest
 import zmq
 
 from launch.processes import PDStack, ProcessGroup, free_port, start_pd_stack
-from pd_connector import auth
 from pd_connector import protocol as proto
+from pd_connector.bootstrap.signing import signed_headers
+from pd_connector.keys import frame_key
+from pd_connector.transfer.frames import FrameSealer
 from tests.e2e.helpers import PROMPT_LENGTHS, START_TIMEOUT_S, assert_matches_reference, count_in_log, wait_kv_free
 
 pytestmark = pytest.mark.e2e
@@ -34,9 +36,14 @@ class TokenStack:
         self.stack, self.token = stack, token
         self.bootstrap = f"http://{stack.host}:{stack.bootstrap_port}"
 
-    def bootstrap_call(self, method: str, path: str, token: bytes | None, **kw: object) -> httpx.Response:
+    def bootstrap_call(
+        self, method: str, path: str, token: bytes | None, body: object = None, headers: dict | None = None
+    ) -> httpx.Response:
+        """A call signed with ``token``'s bootstrap key (issue 22), or with ``headers`` as given."""
+        content = b"" if body is None else body if isinstance(body, bytes) else msgspec.json.encode(body)
+        headers = signed_headers(token, method, path, content) if headers is None else headers
         return httpx.request(
-            method, f"{self.bootstrap}{path}", headers=auth.bearer(token), timeout=10, trust_env=False, **kw
+            method, f"{self.bootstrap}{path}", content=content, headers=headers, timeout=10, trust_env=False
         )
 
     def health(self) -> dict:
@@ -80,16 +87,21 @@ def test_bootstrap_calls_without_the_token_are_refused_and_counted(token_stack: 
     attacker = free_port()
     forged = proto.RegisterRank(1, 0, 1, 0, "127.0.0.1", attacker, 32, "float32", num_layers=2)
     wrong = b"not-the-token-0123456789abcdef"
+    replayed = signed_headers(token_stack.token, "GET", "/bootstrap/route")
+    assert token_stack.bootstrap_call("GET", "/bootstrap/route", None, headers=replayed).status_code == 200
+    bearer = {"Authorization": f"Bearer {token_stack.token.decode()}"}  # the token itself no longer opens anything
     calls = [
-        ("PUT", "/bootstrap/register_rank", None, {"content": msgspec.json.encode(forged)}),
-        ("PUT", "/bootstrap/register_rank", wrong, {"content": msgspec.json.encode(forged)}),
+        ("PUT", "/bootstrap/register_rank", None, {"body": forged}),
+        ("PUT", "/bootstrap/register_rank", wrong, {"body": forged}),
+        ("PUT", "/bootstrap/register_rank", None, {"body": forged, "headers": bearer}),
         ("GET", "/bootstrap/route", None, {}),
         ("GET", "/bootstrap/route", wrong, {}),
-        ("POST", "/bootstrap/register_dp_rank", None, {"json": {"bootstrap_room": 7, "dp_rank": 0}}),
-        ("POST", "/bootstrap/query_dp_ranks", None, {"json": {"bootstrap_rooms": [7]}}),
+        ("GET", "/bootstrap/route", None, {"headers": replayed}),  # a captured call, replayed
+        ("POST", "/bootstrap/register_dp_rank", None, {"body": {"bootstrap_room": 7, "dp_rank": 0}}),
+        ("POST", "/bootstrap/query_dp_ranks", None, {"body": {"bootstrap_rooms": [7]}}),
     ]
     for method, path, token, kw in calls:
-        resp = token_stack.bootstrap_call(method, path, token, **kw)
+        resp = token_stack.bootstrap_call(method, path, token, **kw)  # type: ignore[arg-type]
         assert resp.status_code == 401, (method, path, resp.text)
     assert token_stack.health()["refused"] == before + len(calls)
     assert token_stack.route().rank(0, 0, 0) == real  # the forged registration changed nothing
@@ -116,14 +128,16 @@ def test_a_forged_hello_is_refused_and_counted(token_stack: TokenStack) -> None:
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(f"tcp://{rank.rank_ip}:{rank.rank_port}")
         sock.send(payload)  # unsigned
-        sock.send(auth.sign(b"not-the-token-0123456789abcdef", payload))  # signed with a wrong token
+        wrong = FrameSealer(frame_key(b"not-the-token-0123456789abcdef"), endpoint)  # signed with a wrong token
+        signed = wrong.seal(f"tcp://{rank.rank_ip}:{rank.rank_port}", payload)
+        sock.send(signed)
         sock.close()
     finally:
         ctx.term()
     log = token_stack.stack.prefill.log_path
     deadline = time.monotonic() + 10
     # Refused frames are never decoded (issue 22): the line names the size and why, not who it claims to be.
-    sizes = f"(?:{len(payload)}|{len(payload) + auth.MAC_BYTES})"
+    sizes = f"(?:{len(payload)}|{len(signed)})"
     while count_in_log(log, rf"refusing ZMQ frame on .* \({sizes} bytes, not decoded\)") < 2:
         assert time.monotonic() < deadline, "P did not log the refused frames"
         time.sleep(0.2)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("proxy")
 
+_IDLE, _HEAD, _BODY = Phase.IDLE, Phase.HEAD, Phase.BODY  # module globals: one lookup each on the hot path
 HotHandler = Callable[[Any], Awaitable[web.StreamResponse]]
 
 
@@ -51,10 +52,10 @@ class HotConnection(asyncio.Protocol):
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
         # Deadlines.
-        self._phase = Phase.IDLE
+        self._phase = _IDLE
         self._timer: asyncio.TimerHandle | None = None
         self._body_at = 0.0
-        self._head_bytes = 0
+        self._head_bytes = self._head_first = 0
         self._done = 0  # requests parsed to their end
         self._reading_paused = False
         self._write_timer: asyncio.TimerHandle | None = None
@@ -95,7 +96,7 @@ class HotConnection(asyncio.Protocol):
         self.idle_since = None
         self._chunk = data
         self._chunk_fresh = not self._in_message
-        began_in_head = self._phase is Phase.HEAD
+        began_in_head = self._phase is _HEAD
         done = self._done
         if self._in_message and self._raw is not None:
             self._raw.append(data)
@@ -117,19 +118,21 @@ class HotConnection(asyncio.Protocol):
             self._to_aiohttp()
             return
         phase = self._phase
-        if phase is Phase.IDLE:
+        if phase is _IDLE:
             if self._task is None:
                 self.idle_since = self.loop.time()
                 if self._done == done and self._timer is None:  # bytes that began no request
                     self._arm(self.limits.header_timeout)
         elif self._reading_paused:
             pass
-        elif phase is Phase.HEAD:
+        elif phase is _HEAD:
             if began_in_head:
                 self._head_bytes += len(data)
                 if self._head_bytes > MAX_HEAD_BYTES:
                     self._refuse(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
                     return
+            else:
+                self._head_first = len(data)  # the read it began in (not counted above: it may hold more)
             if self._timer is None:
                 self._arm(self.limits.header_timeout)
         else:
@@ -181,13 +184,13 @@ class HotConnection(asyncio.Protocol):
         if self.transport is None or self._closing or self._reading_paused:
             return
         phase = self._phase
-        if phase is Phase.BODY:
+        if phase is _BODY:
             quiet = self.loop.time() - self._body_at
             if quiet < self.limits.body_timeout:
                 self._arm(self.limits.body_timeout - quiet)
                 return
             self._refuse(408, f"no byte of the request body for {self.limits.body_timeout:g} s")
-        elif phase is Phase.HEAD:
+        elif phase is _HEAD:
             self._refuse(408, f"request headers not complete within {self.limits.header_timeout:g} s")
         elif self._task is None:
             logger.info("closing the connection of %s: no request within %gs", self.remote, self.limits.header_timeout)
@@ -203,11 +206,9 @@ class HotConnection(asyncio.Protocol):
             self._write_left = left
             self._write_timer = self.loop.call_later(self.limits.write_timeout, self._write_stalled)
             return
+        timeout = self.limits.write_timeout
         logger.warning(
-            "client %s read nothing for %gs (%d bytes unsent): closing its connection and its request",
-            self.remote,
-            self.limits.write_timeout,
-            left,
+            "client %s read nothing for %gs (%d bytes unsent): cutting its request", self.remote, timeout, left
         )
         self.abort()
 
@@ -221,9 +222,9 @@ class HotConnection(asyncio.Protocol):
         if self._reading_paused and self.transport is not None and not self._closing:
             self._reading_paused = False
             self.transport.resume_reading()
-            if self._phase is Phase.HEAD:
+            if self._phase is _HEAD:
                 self._arm(self.limits.header_timeout)
-            elif self._phase is Phase.BODY:
+            elif self._phase is _BODY:
                 self._body_at = self.loop.time()
                 self._arm(self.limits.body_timeout)
 
@@ -231,8 +232,8 @@ class HotConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_message = True
-        self._phase = Phase.HEAD
-        self._head_bytes = 0
+        self._phase = _HEAD
+        self._head_bytes = self._head_first = 0
         self._url = b""
         self._headers = []
         self._handler = None
@@ -247,9 +248,14 @@ class HotConnection(asyncio.Protocol):
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
-        self._phase = Phase.BODY
-        self._disarm()
-        if len(self._url) + sum(len(n) + len(v) + 4 for n, v in self._headers) + 16 > MAX_HEAD_BYTES:
+        self._phase = _BODY
+        if self._timer is not None:
+            self._disarm()
+        # The reads it came in bound the head's size; counted exactly only when they could exceed the limit.
+        if (
+            self._head_first + self._head_bytes + len(self._chunk) > MAX_HEAD_BYTES
+            and self._head_size() > MAX_HEAD_BYTES
+        ):
             self._refuse(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
             raise _Stop
         path = self._url.split(b"?", 1)[0].decode("latin-1")
@@ -274,6 +280,9 @@ class HotConnection(asyncio.Protocol):
         if self.parser.get_http_version() == "1.1" and headers.get("Expect", "").lower() == "100-continue":
             self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
 
+    def _head_size(self) -> int:
+        return len(self._url) + sum(len(n) + len(v) + 4 for n, v in self._headers) + 16
+
     def on_body(self, body: bytes) -> None:
         if self._body is None:
             return
@@ -283,9 +292,10 @@ class HotConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
-        self._phase = Phase.IDLE
+        self._phase = _IDLE
         self._done += 1
-        self._disarm()
+        if self._timer is not None:
+            self._disarm()
         handler = self._handler
         if handler is None:
             return
@@ -298,7 +308,7 @@ class HotConnection(asyncio.Protocol):
         assert handler is not None
         self._body = None
         self._in_message = False
-        self._phase = Phase.IDLE
+        self._phase = _IDLE
         self._linger = True
         self._dispatch(handler, None, False)
         self._closing = True  # after the dispatch: nothing more is parsed or read
@@ -340,13 +350,15 @@ class HotConnection(asyncio.Protocol):
             if not self._queue:
                 break
             request, handler = self._queue.popleft()
-            self._resume_reading()
+            if self._reading_paused:
+                self._resume_reading()
         self._task = None
         if self._closing:
             self.close()
         elif not self._in_message:
             self.idle_since = self.loop.time()
-        self._resume_reading()
+        if self._reading_paused:
+            self._resume_reading()
 
     async def _answer(self, request: RawRequest, handler: HotHandler) -> bool:
         """Run ``handler`` and send its answer; whether the connection may serve another request."""

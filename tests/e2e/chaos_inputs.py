@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -141,57 +142,50 @@ def decode_probes(url: str, model: str, bootstrap_port: int) -> list[Probe]:
     ]
 
 
-def bootstrap_probes(url: str, token: str) -> list[Probe]:
-    """Calls with the right token but bad bodies/methods (the token-less ones are the spoofing phase's)."""
-    auth = {**JSON, "Authorization": f"Bearer {token}"}
+#: Signs one bootstrap call: (method, path and query, body) -> its headers (chaos_stack.call_headers).
+Signer = Callable[[str, str, bytes], dict[str, str]]
+
+
+def _signed(name: str, method: str, url: str, content: bytes, sign: Signer) -> Probe:
+    """A probe whose call carries a valid signature (or the token, before signed calls): only its
+    body, method or path is wrong."""
+    target = httpx.URL(url).raw_path.decode()
+    return Probe(name, method, url, content, {**JSON, **sign(method, target, content)})
+
+
+def bootstrap_probes(url: str, sign: Signer) -> list[Probe]:
+    """Calls signed with the token but with bad bodies/methods (the unsigned ones are the spoofing phase's)."""
     reg = f"{url}/bootstrap/register_rank"
+    dp, query = f"{url}/bootstrap/register_dp_rank", f"{url}/bootstrap/query_dp_ranks"
     # Outside the 1-rank topology, so none of them may replace the live rank's entry.
     rank = {
         "attn_tp_size": 1, "attn_tp_rank": 7, "attn_dp_size": 1, "attn_dp_rank": 0,
         "rank_ip": "127.0.0.1", "rank_port": 1, "block_size": 32, "kv_cache_dtype": "float32",
     }  # fmt: skip
-    return [
-        Probe("bootstrap: bad JSON", "PUT", reg, b"{{{", auth),
-        Probe("bootstrap: empty body", "PUT", reg, b"", auth),
-        Probe("bootstrap: body a list", "PUT", reg, b"[]", auth),
-        Probe("bootstrap: rank_port a string", "PUT", reg, _json({**rank, "rank_port": "x"}), auth),
-        Probe("bootstrap: tp rank outside the topology", "PUT", reg, _json(rank), auth),
-        Probe("bootstrap: tp size mismatch", "PUT", reg, _json({**rank, "attn_tp_size": 4, "attn_tp_rank": 0}), auth),
-        Probe("bootstrap: rank_ip with NUL", "PUT", reg, _json({**rank, "rank_ip": "1.2.3.4\x00"}), auth),
-        Probe("bootstrap: rank_ip 1 MB", "PUT", reg, _json({**rank, "rank_ip": "9" * 1_000_000}), auth),
-        Probe(
-            "bootstrap: dp_rank outside",
-            "POST",
-            f"{url}/bootstrap/register_dp_rank",
-            _json({"bootstrap_room": 1, "dp_rank": 99}),
-            auth,
-        ),
-        Probe(
-            "bootstrap: dp room a string",
-            "POST",
-            f"{url}/bootstrap/register_dp_rank",
-            _json({"bootstrap_room": "r", "dp_rank": 0}),
-            auth,
-        ),
-        Probe(
-            "bootstrap: query rooms not a list",
-            "POST",
-            f"{url}/bootstrap/query_dp_ranks",
-            _json({"bootstrap_rooms": 5}),
-            auth,
-        ),
-        Probe("bootstrap: GET on register_rank", "GET", reg, b"", auth),
-        Probe("bootstrap: DELETE on route", "DELETE", f"{url}/bootstrap/route", b"", auth),
-        Probe("bootstrap: unknown path", "GET", f"{url}/bootstrap/../../etc/passwd", b"", auth),
-        Probe("bootstrap: wrong token", "GET", f"{url}/bootstrap/route", b"", {"Authorization": "Bearer " + "x" * 40}),
-        Probe(
-            "bootstrap: token of wrong scheme",
-            "GET",
-            f"{url}/bootstrap/route",
-            b"",
-            {"Authorization": f"Basic {token}"},
-        ),
+    signed = [
+        ("bootstrap: bad JSON", "PUT", reg, b"{{{"),
+        ("bootstrap: empty body", "PUT", reg, b""),
+        ("bootstrap: body a list", "PUT", reg, b"[]"),
+        ("bootstrap: rank_port a string", "PUT", reg, _json({**rank, "rank_port": "x"})),
+        ("bootstrap: tp rank outside the topology", "PUT", reg, _json(rank)),
+        ("bootstrap: tp size mismatch", "PUT", reg, _json({**rank, "attn_tp_size": 4, "attn_tp_rank": 0})),
+        ("bootstrap: rank_ip with NUL", "PUT", reg, _json({**rank, "rank_ip": "1.2.3.4\x00"})),
+        ("bootstrap: rank_ip 1 MB", "PUT", reg, _json({**rank, "rank_ip": "9" * 1_000_000})),
+        ("bootstrap: dp_rank outside", "POST", dp, _json({"bootstrap_room": 1, "dp_rank": 99})),
+        ("bootstrap: dp room a string", "POST", dp, _json({"bootstrap_room": "r", "dp_rank": 0})),
+        ("bootstrap: query rooms not a list", "POST", query, _json({"bootstrap_rooms": 5})),
+        ("bootstrap: GET on register_rank", "GET", reg, b""),
+        ("bootstrap: DELETE on route", "DELETE", f"{url}/bootstrap/route", b""),
+        ("bootstrap: unknown path", "GET", f"{url}/bootstrap/../../etc/passwd", b""),
     ]
+    probes = [
+        *(_signed(name, method, target, body, sign) for name, method, target, body in signed),
+        Probe("bootstrap: wrong token", "GET", f"{url}/bootstrap/route", b"", {"Authorization": "Bearer " + "x" * 40}),
+    ]
+    other_call = sign("GET", "/bootstrap/health", b"")
+    if not other_call.get("Authorization", "").startswith("Bearer "):  # calls are signed (issue 22)
+        probes.append(Probe("bootstrap: signature of another call", "GET", f"{url}/bootstrap/route", b"", other_call))
+    return probes
 
 
 #: JSON nested deeper than Python's (and msgspec's) recursion limit: parsers raise RecursionError,
@@ -200,14 +194,13 @@ DEEP_ARRAY = b"[" * 100_000 + b"]" * 100_000
 DEEP_UNDER_A_KEY = b'{"x": ' + DEEP_ARRAY + b"}"
 
 
-def deep_json_probes(router_url: str, decode_url: str, bootstrap_url: str, token: str) -> dict[str, Probe]:
-    """One too-deeply-nested body for each server, by target name."""
-    auth = {**JSON, "Authorization": f"Bearer {token}"}
+def deep_json_probes(router_url: str, decode_url: str, bootstrap_url: str, sign: Signer) -> dict[str, Probe]:
+    """One too-deeply-nested body for each server, by target name (the bootstrap call signed)."""
     return {
         "router": Probe("Router: deeply nested JSON", "POST", f"{router_url}/v1/completions", DEEP_ARRAY, JSON),
         "decode": Probe("D: deeply nested JSON", "POST", f"{decode_url}/v1/completions", DEEP_ARRAY, JSON),
-        "bootstrap": Probe(
-            "bootstrap: deeply nested JSON", "POST", f"{bootstrap_url}/bootstrap/query_dp_ranks", DEEP_UNDER_A_KEY, auth
+        "bootstrap": _signed(
+            "bootstrap: deeply nested JSON", "POST", f"{bootstrap_url}/bootstrap/query_dp_ranks", DEEP_UNDER_A_KEY, sign
         ),
     }
 

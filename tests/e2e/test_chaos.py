@@ -1,10 +1,13 @@
-"""Chaos test (issue 9 point 7): one token-protected 1P1D stack through seven kinds of trouble.
+"""Chaos test (issue 9 point 7, issue 22): one token-protected 1P1D stack through eleven kinds of trouble.
 
 Phases, in order, each checked on its own (tests below): load at concurrency 16 with random client
 disconnects; malformed input to the Router, D and the bootstrap server; garbage on P's and D's ZMQ
-rank ports and on the bootstrap port; a spoofed registration without the token; P frozen (SIGSTOP)
-under load and resumed; P killed (SIGKILL) under load and restarted on the same ports; D killed
-mid-stream and restarted. After each: every client call ended (none hung) with a complete answer or
+rank ports and on the bootstrap port; replayed frames and bootstrap calls; a spoofed registration
+without the token; slowloris on the Router; P frozen (SIGSTOP) under load and resumed; a flood of
+refused frames while liveness must keep live peers alive and find a frozen P; clients leaving while
+P is frozen mid-request (D keeps the blocks until P answered); P killed (SIGKILL) under load and
+restarted on the same ports; D killed mid-stream and restarted (chaos_hardening.py holds the
+issue 22 phases, chaos_attacks.py their tools, chaos_stack.py the stack and its settings). After each: every client call ended (none hung) with a complete answer or
 a clear error, P and D hold no KV within the configured timeouts, the instances not killed answer
 /health. At the end a few prompts through the Router equal a colocated vLLM token for token.
 
@@ -16,15 +19,11 @@ test log (printed, and each phase's as a ``record_property``).
 
 from __future__ import annotations
 
-import json
-import logging
 import random
-import re
 import signal
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx
@@ -32,7 +31,6 @@ import pytest
 
 from launch.processes import (
     ManagedProcess,
-    PDStack,
     ProcessGroup,
     free_port,
     signal_group,
@@ -41,112 +39,28 @@ from launch.processes import (
     vllm_serve_cmd,
     wait_http_ok,
 )
+from tests.e2e import chaos_hardening as hardening
 from tests.e2e import chaos_inputs as inputs
 from tests.e2e import chaos_tools as ct
+from tests.e2e.chaos_stack import (
+    CHECK_LENGTHS,
+    FREEZE_S,
+    KV_FREE_SLACK_S,
+    KV_WAIT_TIMEOUT_S,
+    PEER_TIMEOUT_S,
+    ROOM_TIMEOUT_S,
+    ROUTER_ARGS,
+    SEED,
+    VLLM_ARGS,
+    ZMQ_REFUSED,
+    Chaos,
+    done,
+    has_config_key,
+    phase,
+)
 from tests.e2e.helpers import START_TIMEOUT_S, complete, count_in_log, prompt_of_length
 
 pytestmark = pytest.mark.e2e
-logger = logging.getLogger(__name__)
-
-SEED = 20261201
-ROOM_TIMEOUT_S = 10.0
-KV_WAIT_TIMEOUT_S = 10.0
-PEER_TIMEOUT_S = 3.0
-#: KV must be free within the configured timeout plus this (polling, the engine's step cadence).
-KV_FREE_SLACK_S = 5.0
-KV_FREE_LIMIT_S = max(ROOM_TIMEOUT_S, KV_WAIT_TIMEOUT_S) + KV_FREE_SLACK_S
-FREEZE_S = 5.0
-#: No torch.compile warm-up: the stack starts three times (and colocated once) within the test's budget;
-#: the colocated reference runs with the same flags.
-VLLM_ARGS = ("--enforce-eager",)
-#: Prompt lengths (tokens) of the final comparison with colocated vLLM.
-CHECK_LENGTHS = (1, 33, 129, 257)
-D_ENDPOINT = re.compile(r"KV transfer manager \(decode\) listening on (tcp://\S+?),")
-ZMQ_REFUSED = r"refusing ZMQ frame|dropping malformed ZMQ frame"
-
-
-def _has_config_key(key: str) -> bool:
-    from pd_connector.config import DisaggConfig
-
-    return key in {f.name for f in fields(DisaggConfig)}
-
-
-@dataclass
-class Chaos:
-    """The stack under test and what the phases found."""
-
-    stack: PDStack
-    group: ProcessGroup
-    token: str
-    rng: random.Random
-    figures_path: Path
-    tiny_model: Path
-    figures: list[ct.PhaseFigures] = field(default_factory=list)
-    #: Colocated vLLM's token ids per (prompt length, stream), filled while D restarts.
-    reference: dict[tuple[int, bool], list[int]] = field(default_factory=dict)
-    t_start: float = field(default_factory=time.monotonic)
-
-    @property
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
-
-    @property
-    def bootstrap_url(self) -> str:
-        return f"http://{self.stack.host}:{self.stack.bootstrap_port}"
-
-    def route(self) -> dict:
-        resp = httpx.get(f"{self.bootstrap_url}/bootstrap/route", headers=self.auth, timeout=10, trust_env=False)
-        assert resp.status_code == 200, f"route: HTTP {resp.status_code} {resp.text[:200]}"
-        return resp.json()
-
-    def record(self, fig: ct.PhaseFigures, record_property) -> None:
-        """Keep ``fig``, rewrite the figures file, print and record it."""
-        self.figures.append(fig)
-        summary = {
-            "seed": SEED,
-            "timeouts_s": {"room": ROOM_TIMEOUT_S, "kv_wait": KV_WAIT_TIMEOUT_S, "peer": self.peer_timeout},
-            "elapsed_s": round(time.monotonic() - self.t_start, 1),
-            "phases": [f.as_dict() for f in self.figures],
-        }
-        self.figures_path.write_text(json.dumps(summary, indent=2))
-        line = json.dumps(fig.as_dict())
-        print(f"chaos phase {fig.name}: {line}")
-        logger.info("chaos phase %s: %s", fig.name, line)
-        record_property(f"chaos_{fig.name}", line)
-
-    @property
-    def peer_timeout(self) -> float | None:
-        return PEER_TIMEOUT_S if _has_config_key("peer_timeout_s") else None
-
-    def kv_free(self, fig: ct.PhaseFigures, sides: str = "PD", limit: float = KV_FREE_LIMIT_S) -> None:
-        urls = {"P": self.stack.prefill_url, "D": self.stack.decode_url}
-        for side in sides:
-            fig.kv_free_s[side] = ct.seconds_to_kv_free(urls[side], limit)
-
-    def assert_healthy(self, sides: str = "PD") -> None:
-        urls = {"P": self.stack.prefill_url, "D": self.stack.decode_url, "R": self.stack.router_url}
-        for side in sides:
-            assert ct.healthy(urls[side]), f"{side} ({urls[side]}) is not healthy"
-
-    def wait_router_healthy(self, timeout: float = 60.0) -> float:
-        """The Router's /health probes P and D itself: 200 once both answer."""
-        return ct.wait_until("the Router sees P and D healthy", lambda: ct.healthy(self.stack.router_url), timeout)
-
-    def load(self, n: int, fig: ct.PhaseFigures, disconnect_share: float = 0.0) -> list[ct.Result]:
-        todo = ct.plans(self.rng, n, disconnect_share)
-        results = ct.run_load(self.stack.router_url, self.stack.model, todo)
-        fig.add(results)
-        return results
-
-    def kill(self, proc: ManagedProcess) -> None:
-        """SIGKILL ``proc``'s whole process group (API server, EngineCore, workers) and reap it."""
-        signal_group(proc.pid, signal.SIGKILL)
-        proc.popen.wait(timeout=10)
-        self.group.stop(proc, grace_s=5)  # takes it off the group's list; kills any straggler
-
-    def restart(self, proc: ManagedProcess, name: str, cpus: str) -> ManagedProcess:
-        """The same command line again (same HTTP and bootstrap ports), in this group."""
-        return self.group.start(name, proc.cmd, env=vllm_env(cpus))
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +70,7 @@ def chaos(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     token_file = log_dir / "pd-token"
     token_file.write_text(token)
     common: dict[str, object] = {"auth_token_file": str(token_file)}
-    if _has_config_key("peer_timeout_s"):
+    if has_config_key("peer_timeout_s"):
         common["peer_timeout_s"] = PEER_TIMEOUT_S
     with ProcessGroup(log_dir) as group:
         stack = start_pd_stack(
@@ -167,6 +81,7 @@ def chaos(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             timeout=START_TIMEOUT_S,
             p_args=VLLM_ARGS,
             d_args=VLLM_ARGS,
+            router_args=ROUTER_ARGS,
         )
         state = Chaos(stack, group, token, random.Random(SEED), log_dir / "chaos-figures.json", tiny_model)
         yield state
@@ -174,28 +89,19 @@ def chaos(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         print(f"chaos: {len(state.figures)} phases in {total} s after the stack start; figures in {state.figures_path}")
 
 
-def _phase(name: str) -> tuple[ct.PhaseFigures, float]:
-    return ct.PhaseFigures(name), time.monotonic()
-
-
-def _done(chaos: Chaos, fig: ct.PhaseFigures, t0: float, record_property) -> None:
-    fig.seconds = round(time.monotonic() - t0, 1)
-    chaos.record(fig, record_property)
-
-
 def test_1_load_with_client_disconnects(chaos: Chaos, record_property) -> None:
-    fig, t0 = _phase("load_disconnects")
+    fig, t0 = phase("load_disconnects")
     results = chaos.load(64, fig, disconnect_share=0.25)
     ct.assert_all_answered(fig.name, results)
     assert fig.disconnects >= 8, f"only {fig.disconnects} of 64 requests disconnected"
     assert fig.clear_errors == 0, f"errors without any fault: {fig.sample_errors}"
     chaos.kv_free(fig)
     chaos.assert_healthy()
-    _done(chaos, fig, t0, record_property)
+    done(chaos, fig, t0, record_property)
 
 
 def test_2_malformed_input(chaos: Chaos, record_property) -> None:
-    fig, t0 = _phase("malformed_input")
+    fig, t0 = phase("malformed_input")
     stack = chaos.stack
     logs = stack.log_paths
     tracebacks = {name: count_in_log(path, "Traceback") for name, path in logs.items()}
@@ -203,7 +109,7 @@ def test_2_malformed_input(chaos: Chaos, record_property) -> None:
     probes = [
         *inputs.router_probes(stack.router_url, stack.model),
         *inputs.decode_probes(stack.decode_url, stack.model, stack.bootstrap_port),
-        *inputs.bootstrap_probes(chaos.bootstrap_url, chaos.token),
+        *inputs.bootstrap_probes(chaos.bootstrap_url, chaos.signed),
     ]
     answers = [inputs.send(p) for p in probes]
     bad = [f"{a.probe.name}: {a.problem}" for a in answers if a.problem]
@@ -233,31 +139,28 @@ def test_2_malformed_input(chaos: Chaos, record_property) -> None:
     assert fig.ok == fig.requests, f"requests failed after the malformed ones: {fig.sample_errors}"
     chaos.kv_free(fig)
     chaos.assert_healthy()
-    _done(chaos, fig, t0, record_property)
+    done(chaos, fig, t0, record_property)
 
 
 @pytest.mark.parametrize("target", ["router", "decode", "bootstrap"])
 def test_2b_deeply_nested_json_is_a_client_error(chaos: Chaos, target: str, record_property) -> None:
-    fig, t0 = _phase(f"deep_json_{target}")
+    fig, t0 = phase(f"deep_json_{target}")
     stack = chaos.stack
-    probe = inputs.deep_json_probes(stack.router_url, stack.decode_url, chaos.bootstrap_url, chaos.token)[target]
+    probe = inputs.deep_json_probes(stack.router_url, stack.decode_url, chaos.bootstrap_url, chaos.signed)[target]
     answer = inputs.send(probe)
     fig.extra = {"status": answer.status}
     try:
         assert answer.problem is None, f"{probe.name}: {answer.problem}"
     finally:
         chaos.assert_healthy("PDR")
-        _done(chaos, fig, t0, record_property)
+        done(chaos, fig, t0, record_property)
 
 
 def test_3_garbage_on_the_wire(chaos: Chaos, record_property) -> None:
-    fig, t0 = _phase("garbage_frames")
+    fig, t0 = phase("garbage_frames")
     stack = chaos.stack
     route = chaos.route()
-    p_endpoints = [f"tcp://{r['rank_ip']}:{r['rank_port']}" for r in route["ranks"].values()]
-    found = D_ENDPOINT.findall(stack.decode.log_path.read_text(errors="replace"))
-    assert p_endpoints and found, f"rank endpoints not found: P {p_endpoints}, D {found}"
-    d_endpoint = found[-1]
+    p_endpoints, d_endpoint = chaos.rank_endpoints()
     refused_before = {
         s: count_in_log(p, ZMQ_REFUSED) for s, p in (("P", stack.prefill.log_path), ("D", stack.decode.log_path))
     }
@@ -280,11 +183,21 @@ def test_3_garbage_on_the_wire(chaos: Chaos, record_property) -> None:
     ct.assert_all_answered(fig.name, chaos.load(16, fig))
     assert fig.ok == fig.requests, f"requests failed after the garbage: {fig.sample_errors}"
     chaos.kv_free(fig)
-    _done(chaos, fig, t0, record_property)
+    done(chaos, fig, t0, record_property)
+
+
+def test_3b_replayed_frames_and_calls_are_refused(chaos: Chaos, record_property) -> None:
+    fig, t0 = phase("replay")
+    try:
+        hardening.replay(chaos, fig)
+    finally:
+        done(chaos, fig, t0, record_property)  # figures even when it waits for replay protection
+    chaos.kv_free(fig)
+    chaos.assert_healthy("PDR")
 
 
 def test_4_spoofed_registration_is_refused(chaos: Chaos, record_property) -> None:
-    fig, t0 = _phase("spoofed_registration")
+    fig, t0 = phase("spoofed_registration")
     route = chaos.route()
     url = chaos.bootstrap_url
     trap = socket.socket()
@@ -322,11 +235,19 @@ def test_4_spoofed_registration_is_refused(chaos: Chaos, record_property) -> Non
         trap.close()
     chaos.kv_free(fig)
     chaos.assert_healthy()
-    _done(chaos, fig, t0, record_property)
+    done(chaos, fig, t0, record_property)
+
+
+def test_4b_slowloris_on_the_router(chaos: Chaos, record_property) -> None:
+    fig, t0 = phase("slowloris")
+    hardening.slowloris_phase(chaos, fig)
+    chaos.kv_free(fig)
+    chaos.assert_healthy()
+    done(chaos, fig, t0, record_property)
 
 
 def test_5_prefill_frozen_under_load(chaos: Chaos, record_property) -> None:
-    fig, t0 = _phase("prefill_sigstop")
+    fig, t0 = phase("prefill_sigstop")
     stack = chaos.stack
     running = ct.start_load(stack.router_url, stack.model, ct.plans(chaos.rng, 32, 0.0))
     time.sleep(1.0)
@@ -345,11 +266,31 @@ def test_5_prefill_frozen_under_load(chaos: Chaos, record_property) -> None:
     ct.assert_all_answered(fig.name, chaos.load(8, after))
     assert after.ok == after.requests, f"requests failed after P resumed: {after.sample_errors}"
     fig.extra["after_ok"] = f"{after.ok}/{after.requests}"
-    _done(chaos, fig, t0, record_property)
+    done(chaos, fig, t0, record_property)
+
+
+def test_5b_refused_frame_flood_during_liveness(chaos: Chaos, record_property) -> None:
+    fig, t0 = phase("flood_liveness")
+    hardening.flood_during_liveness(chaos, fig)
+    chaos.kv_free(fig)
+    chaos.assert_healthy("PDR")
+    done(chaos, fig, t0, record_property)
+
+
+def test_5c_cancel_while_the_push_is_stuck(chaos: Chaos, record_property) -> None:
+    fig, t0 = phase("cancel_frozen_push")
+    hardening.cancel_while_prefill_frozen(chaos, fig)
+    chaos.kv_free(fig)
+    chaos.assert_healthy("PDR")
+    after = ct.PhaseFigures("after")
+    ct.assert_all_answered(fig.name, chaos.load(8, after))
+    assert after.ok == after.requests, f"requests failed after the cancels: {after.sample_errors}"
+    fig.extra["after_ok"] = f"{after.ok}/{after.requests}"
+    done(chaos, fig, t0, record_property)
 
 
 def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
-    fig, t0 = _phase("prefill_sigkill")
+    fig, t0 = phase("prefill_sigkill")
     stack = chaos.stack
     running = ct.start_load(stack.router_url, stack.model, ct.plans(chaos.rng, 32, 0.0))
     time.sleep(1.5)
@@ -371,7 +312,7 @@ def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
     assert after.ok == after.requests, f"requests failed after P's restart: {after.sample_errors}"
     fig.extra["after_ok"] = f"{after.ok}/{after.requests}"
     chaos.kv_free(fig)
-    _done(chaos, fig, t0, record_property)
+    done(chaos, fig, t0, record_property)
 
 
 def _start_colocated(chaos: Chaos) -> tuple[ManagedProcess, str]:
@@ -394,7 +335,7 @@ def _fill_reference(chaos: Chaos, proc: ManagedProcess, url: str) -> None:
 
 
 def test_7_decode_killed_mid_stream_and_restarted(chaos: Chaos, record_property) -> None:
-    fig, t0 = _phase("decode_sigkill")
+    fig, t0 = phase("decode_sigkill")
     stack = chaos.stack
     todo = [ct.Plan(p.prompt_len, p.salt, True, 48) for p in ct.plans(chaos.rng, 24, 0.0)]
     running = ct.start_load(stack.router_url, stack.model, todo)
@@ -418,11 +359,11 @@ def test_7_decode_killed_mid_stream_and_restarted(chaos: Chaos, record_property)
     assert after.ok == after.requests, f"requests failed after D's restart: {after.sample_errors}"
     fig.extra["after_ok"] = f"{after.ok}/{after.requests}"
     chaos.kv_free(fig)
-    _done(chaos, fig, t0, record_property)
+    done(chaos, fig, t0, record_property)
 
 
 def test_8_answers_equal_colocated_after_the_chaos(chaos: Chaos, record_property) -> None:
-    fig, t0 = _phase("correctness")
+    fig, t0 = phase("correctness")
     if not chaos.reference:
         _fill_reference(chaos, *_start_colocated(chaos))
     for n in CHECK_LENGTHS:
@@ -433,4 +374,4 @@ def test_8_answers_equal_colocated_after_the_chaos(chaos: Chaos, record_property
             fig.ok += 1
     chaos.kv_free(fig)
     chaos.assert_healthy("PDR")
-    _done(chaos, fig, t0, record_property)
+    done(chaos, fig, t0, record_property)

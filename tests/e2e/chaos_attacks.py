@@ -7,8 +7,7 @@
 - `slowloris`: many connections that each send one byte of a request and nothing more; when and how
   the server closed each.
 - `FramePeer`: a ZMQ peer holding the deployment's token, sealing frames exactly as a rank does
-  (``pd_connector.transfer.frames``, keyed with ``keys.frame_key``; before issue 22's envelope:
-  ``auth.sign``) and opening the answers it receives.
+  (``pd_connector.transfer.frames``, keyed with ``keys.frame_key``) and opening the answers it receives.
 - `metric_total`: the sum of a Prometheus counter's samples on a /metrics page.
 """
 
@@ -28,6 +27,8 @@ import httpx
 import zmq
 
 from pd_connector import protocol as proto
+from pd_connector.keys import frame_key
+from pd_connector.transfer.frames import FrameOpener, FrameSealer
 
 
 # -- logs ----------------------------------------------------------------------------------------
@@ -224,27 +225,11 @@ class FramePeer:
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._push: dict[str, zmq.Socket] = {}
-        try:  # issue 22: an envelope naming sender, session, sequence, time and receiver
-            from pd_connector.keys import frame_key
-            from pd_connector.transfer.frames import FrameOpener, FrameSealer
-        except ImportError:  # before it: the token's HMAC over the payload alone
-            self._sealer = self._opener = None
-        else:
-            key = frame_key(self._token)
-            self._sealer, self._opener = FrameSealer(key, self.endpoint), FrameOpener(key, self.endpoint)
-
-    @property
-    def envelope(self) -> bool:
-        """Whether frames carry issue 22's envelope (sender, session, sequence, receiver)."""
-        return self._sealer is not None
+        key = frame_key(self._token)
+        self._sealer, self._opener = FrameSealer(key, self.endpoint), FrameOpener(key, self.endpoint)
 
     def seal(self, receiver: str, msg: proto.Message) -> bytes:
-        payload = proto.encode(msg)
-        if self._sealer is not None:
-            return self._sealer.seal(receiver, payload)
-        from pd_connector import auth
-
-        return auth.sign(self._token, payload)  # type: ignore[attr-defined]
+        return self._sealer.seal(receiver, proto.encode(msg))
 
     def send_raw(self, endpoint: str, frame: bytes) -> None:
         sock = self._push.get(endpoint)
@@ -260,11 +245,18 @@ class FramePeer:
         if not self._pull.poll(int(timeout_s * 1000)):
             return None
         frame = self._pull.recv()
-        if self._opener is not None:
-            return frame, proto.decode(self._opener.open(frame).payload)
-        from pd_connector import auth
+        return frame, proto.decode(self._opener.open(frame).payload)
 
-        return frame, proto.decode(auth.verify(self._token, frame))  # type: ignore[attr-defined]
+    def ping(self, endpoint: str, timeout_s: float) -> float | None:
+        """Seconds until the rank at ``endpoint`` answered a Ping sealed for it (its Pong), None if it did
+        not within ``timeout_s``; other frames received meanwhile are dropped."""
+        t0 = time.monotonic()
+        self.send_raw(endpoint, self.seal(endpoint, proto.Ping(about=endpoint, reply_to=self.endpoint)))
+        while (left := t0 + timeout_s - time.monotonic()) > 0:
+            got = self.receive(left)
+            if got is not None and isinstance(got[1], proto.Pong) and got[1].about == endpoint:
+                return time.monotonic() - t0
+        return None
 
     def close(self) -> None:
         for sock in self._push.values():

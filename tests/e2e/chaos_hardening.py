@@ -9,8 +9,9 @@ chaos_attacks.py.
   (``replay``) and D refuses them too (``misdirected``: sealed for P), as it refuses P's own Pong; a
   signed bootstrap call is answered once and refused (401, counted) when replayed.
 - `flood_during_liveness`: random frames (no valid MAC) at a steady rate on P's and D's rank ports.
-  While they come, requests through the Router complete and no peer is declared lost (the heartbeats
-  keep live peers alive); then P is frozen (SIGSTOP) under load, still flooded, and D must declare it
+  While they come, requests through the Router complete, no peer is declared lost, and a peer with
+  the token pinging P and D every 0.25 s gets every Pong within a third of peer_timeout_s (the
+  heartbeats keep live peers alive); then P is frozen (SIGSTOP) under load, still flooded, and D must declare it
   lost within peer_timeout_s plus slack: its listener's timers keep running under the flood.
 - `slowloris`: connections that each send one byte of a request to the Router are all closed
   within its header deadline (``--header-timeout``, 3 s here) plus slack, while requests are served.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,6 +51,10 @@ PEER_LOST_LINE = r"peer (tcp://\S+) did not answer for ([0-9.]+) s"
 #: Frames a second on each flooded rank port, and their size (above a signed envelope: the MAC is computed).
 FLOOD_RATE = 5000
 FLOOD_FRAME_BYTES = 400
+#: A peer holding the token pings P and D this often during the flood; each must answer within PING_BOUND_S
+#: (a third of peer_timeout_s: a rank that answers slower than that under a flood risks being found lost).
+PING_EVERY_S = 0.25
+PING_BOUND_S = PEER_TIMEOUT_S / 3
 #: A frozen P is declared lost within peer_timeout_s plus this (the loads under way when it froze,
 #: ticks every 50 ms, the log copied to its file).
 LIVENESS_SLACK_S = 2.0
@@ -85,7 +91,6 @@ def replay(chaos: Chaos, fig: ct.PhaseFigures) -> None:
         peer.send_raw(d_endpoint, frame)  # sealed for P, replayed to D
         peer.send_raw(d_endpoint, pong_frame)  # a frame P signed, captured by its receiver, replayed to D
         third = peer.receive(2.0)
-        fig.extra["envelope"] = peer.envelope
         fig.extra["replayed_frame_answered"] = second is not None
         assert second is None, f"P answered a replayed frame ({second[1]}): no replay protection on the ZMQ wire"
         assert third is None, f"D answered a frame sealed for P: {third[1]}"
@@ -140,12 +145,24 @@ def flood_during_liveness(chaos: Chaos, fig: ct.PhaseFigures) -> None:
     try:
         with Flood([*p_endpoints, d_endpoint], chaos.rng, FLOOD_RATE, FLOOD_FRAME_BYTES) as flood:
             live = ct.PhaseFigures("live")
-            results = chaos.load(12, live)
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pinger") as pool:
+                stop = threading.Event()
+                pinging = pool.submit(_ping_while, chaos.token, [p_endpoints[0], d_endpoint], stop)
+                try:
+                    results = chaos.load(12, live)
+                finally:
+                    stop.set()
+                rtts = pinging.result(timeout=30)
             fig.add(results)
             ct.assert_all_answered(fig.name, results)
             assert live.ok == live.requests, f"requests failed under the flood: {live.sample_errors}"
             spurious = {s: [m.group(0) for _, m in w.matching(PEER_LOST_LINE)] for s, w in watch.items()}
             fig.extra["live_requests_ok"] = f"{live.ok}/{live.requests}"
+            fig.extra["pings_under_flood"] = _rtt_figures(rtts)
+            unanswered = {ep: sum(r is None for r in rs) for ep, rs in rtts.items()}
+            assert not any(unanswered.values()), f"Pings unanswered under the flood: {unanswered}"
+            slowest = max(r for rs in rtts.values() for r in rs if r is not None)
+            assert slowest <= PING_BOUND_S, f"a rank answered a Ping after {slowest:.2f} s under the flood"
             assert not any(spurious.values()), f"a live peer was declared lost under the flood: {spurious}"
             detected = _frozen_prefill_detected(chaos, fig, watch["D"])
         fig.extra["flood"] = {
@@ -165,6 +182,30 @@ def flood_during_liveness(chaos: Chaos, fig: ct.PhaseFigures) -> None:
     }
     fig.extra["auth_refused_counted"] = refused
     assert refused["D"] > 0, f"D counted no refused frame of the flood: {refused}"
+
+
+def _ping_while(token: str, endpoints: list[str], stop: threading.Event) -> dict[str, list[float | None]]:
+    """A peer with the token pings each endpoint in turn (every PING_EVERY_S) until ``stop``: its round trips."""
+    rtts: dict[str, list[float | None]] = {ep: [] for ep in endpoints}
+    peer = FramePeer(token)
+    try:
+        while not stop.is_set():
+            for ep in endpoints:
+                rtts[ep].append(peer.ping(ep, PEER_TIMEOUT_S))
+            stop.wait(PING_EVERY_S)
+    finally:
+        peer.close()
+    return rtts
+
+
+def _rtt_figures(rtts: dict[str, list[float | None]]) -> dict[str, dict[str, float | int]]:
+    out = {}
+    for ep, rs in rtts.items():
+        got = sorted(r for r in rs if r is not None)
+        median = got[len(got) // 2] if got else 0.0
+        out[ep] = {"pings": len(rs), "answered": len(got), "median_ms": round(median * 1e3, 1)}
+        out[ep]["max_ms"] = round(max(got, default=0.0) * 1e3, 1)
+    return out
 
 
 def _frozen_prefill_detected(chaos: Chaos, fig: ct.PhaseFigures, d_watch: LogWatch) -> tuple[float, float]:
@@ -274,8 +315,10 @@ def _check_releases(
     early = [room for room in answered if releases[room][0] < t_cont]
     p_cancels = {int(m.group(1)) for _, m in watch["P"].matching(P_CANCEL_LINE, t_stop)}
     p_stopped = {int(m.group(1)) for _, m in watch["P"].matching(P_STOPPED_LINE, t_stop)}
+    first_release = min(releases[room][0] for room in cancelled)
     fig.extra.update(
         released_after_prefill_answered=len(answered), released_otherwise=other,
+        first_release_after_sigcont_s=round(first_release - t_cont, 2),
         held_s={"min": min(held.values()), "max": max(held.values())},
         p_cancels_logged=len(p_cancels & set(cancelled)), p_pushes_stopped_between_batches=len(p_stopped),
     )  # fmt: skip

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from launch.processes import ManagedProcess, PDStack, ProcessGroup, signal_group, vllm_env
+from pd_connector.bootstrap.signing import signed_headers
 from tests.e2e import chaos_tools as ct
 
 logger = logging.getLogger(__name__)
@@ -50,12 +51,7 @@ def has_config_key(key: str) -> bool:
 
 def call_headers(token: str, method: str, target: str, body: bytes = b"") -> dict[str, str]:
     """The ``Authorization`` of one bootstrap call made with ``token``: signed (method, path, body hash,
-    time, a fresh nonce: ``pd_connector.bootstrap.signing``, issue 22), or the bearer token of a tree
-    from before signed calls. A signed header is good for one call."""
-    try:
-        from pd_connector.bootstrap.signing import signed_headers
-    except ImportError:  # before signed bootstrap calls: the token itself
-        return {"Authorization": f"Bearer {token}"}
+    time, a fresh nonce: ``pd_connector.bootstrap.signing``); good for one call."""
     return signed_headers(token.encode(), method, target, body)
 
 

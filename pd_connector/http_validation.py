@@ -139,6 +139,14 @@ class CompatibilityCheck:
             return exc
         if route is None:
             return None
+        rank = params.prefill_dp_rank
+        if rank is not None and not 0 <= rank < route.dp_size:
+            return Problem(
+                400,
+                "invalid_request_error",
+                f"kv_transfer_params.prefill_dp_rank {rank}: the prefill deployment at {addr} has DP ranks "
+                f"0..{route.dp_size - 1}",
+            )
         mismatch = route_mismatch(route, addr, local[0], local[1], None, local[2])
         return Problem(INCOMPATIBLE_STATUS, INCOMPATIBLE_TYPE, mismatch) if mismatch is not None else None
 

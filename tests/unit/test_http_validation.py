@@ -298,6 +298,18 @@ def test_dtype_mismatch_is_409(prefill_bootstrap: int) -> None:
         assert r.status_code == 409 and "dtype mismatch" in r.json()["error"]["message"]
 
 
+def test_a_prefill_dp_rank_the_deployment_lacks_is_a_400_naming_it(prefill_bootstrap: int) -> None:
+    body = _d_body(prefill_bootstrap)
+    body["kv_transfer_params"]["prefill_dp_rank"] = 3
+    with TestClient(_compat_app(block_size=32)) as c:
+        r = post(c, "/v1/completions", body)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "prefill_dp_rank 3" in message and "0..0" in message
+        body["kv_transfer_params"]["prefill_dp_rank"] = 0
+        assert post(c, "/v1/completions", body).status_code == 200
+
+
 def test_compatible_deployment_passes(prefill_bootstrap: int) -> None:
     with TestClient(_compat_app(block_size=32)) as c:
         r = post(c, "/v1/completions", _d_body(prefill_bootstrap))

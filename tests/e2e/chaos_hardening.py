@@ -43,6 +43,7 @@ from pd_connector.transfer.backend import BATCH_STALL_S, WRITE_RETRIES
 from tests.e2e import chaos_tools as ct
 from tests.e2e.chaos_attacks import Flood, FramePeer, LogWatch, metric_total, slowloris
 from tests.e2e.chaos_stack import FREEZE_S, HEADER_TIMEOUT_S, PEER_TIMEOUT_S, Chaos
+from tests.e2e.helpers import complete, prompt_of_length
 
 REFUSED_METRIC = "vllm:pd_kv_auth_refused"
 REPLAY_LINE = r"refusing ZMQ frame.*(?:repeats or precedes|replay)"
@@ -212,6 +213,11 @@ def _frozen_prefill_detected(chaos: Chaos, fig: ct.PhaseFigures, d_watch: LogWat
     """P frozen (SIGSTOP) under load while the flood goes on: seconds until D logged it lost, and the
     silence D logged; both within peer_timeout_s plus slack."""
     stack = chaos.stack
+    # D keeps P's route for ROUTE_TTL_S (10 s); an expired one is read again from P's bootstrap server,
+    # which the freeze stops too, so D would have nothing pending with P's ranks for liveness to watch.
+    # One answered request right before the load keeps the route fresh through the freeze.
+    warm = complete(stack.router_url, stack.model, prompt_of_length(40, salt=5), stream=False, max_tokens=2)
+    assert warm["token_ids"], warm
     todo = [ct.Plan(chaos.rng.randint(200, 300), chaos.rng.randint(0, 150), False, 4) for _ in range(16)]
     running = ct.start_load(stack.router_url, stack.model, todo, concurrency=8)
     time.sleep(1.0)  # loads under way: D watches P

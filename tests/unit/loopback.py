@@ -1,4 +1,4 @@
-"""Loopback helpers for the unit tests: the host, free ports, polling."""
+"""Loopback helpers for the unit tests: the host, free ports, polling, raw ZMQ frames."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import zmq
 
 HOST = "127.0.0.1"
 
@@ -29,3 +30,17 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: floa
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what or predicate}")
         time.sleep(interval)
+
+
+def push_raw(endpoint: str, *frames: bytes) -> None:
+    """Send ``frames`` as they are to a PULL socket at ``endpoint`` (a peer that skips the Channel)."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(endpoint)
+        for frame in frames:
+            sock.send(frame)
+        sock.close()
+    finally:
+        ctx.term()

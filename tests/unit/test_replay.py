@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import zmq
 
 from pd_connector import protocol as proto
 from pd_connector.keys import frame_key
@@ -22,6 +21,7 @@ from pd_connector.transfer.states import RoomState
 from pd_connector.transfer.stats import TransferStats
 
 from .conftest import HOST, free_port, wait_for
+from .loopback import push_raw
 from .test_layerwise import chunk, layer_mode, run_step
 from .transfer_rig import BLOCK_SIZE, Rig, recv_job
 
@@ -117,28 +117,17 @@ def ears() -> Iterator[list[Ear]]:
         ear.channel.close()
 
 
-def _push(endpoint: str, *frames: bytes) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(endpoint)
-    for frame in frames:
-        sock.send(frame)
-    sock.close()
-    ctx.term()
-
-
 def test_a_replayed_transfer_request_is_refused(ears: list[Ear]) -> None:
     ear = Ear()
     ears.append(ear)
     d = FrameSealer(KEY, PEER)  # D's session: what it put on the wire once
     captured = d.seal(ear.channel.endpoint, proto.encode(proto.TransferRequest(9, "r-9", "d0", [1, 2], 0)))
-    _push(ear.channel.endpoint, captured)
+    push_raw(ear.channel.endpoint, captured)
     wait_for(lambda: len(ear.messages) == 1, 5, what="the request")
-    _push(ear.channel.endpoint, captured, captured)
+    push_raw(ear.channel.endpoint, captured, captured)
     wait_for(lambda: ear.stats.snapshot().auth_refused == 2, 5, what="both replays refused")
     later = d.seal(ear.channel.endpoint, proto.encode(proto.TransferCancel(9, "r-9", "d0")))
-    _push(ear.channel.endpoint, later)  # the session goes on: its next number is accepted
+    push_raw(ear.channel.endpoint, later)  # the session goes on: its next number is accepted
     wait_for(lambda: len(ear.messages) == 2, 5, what="the cancel")
     assert isinstance(ear.messages[0], proto.TransferRequest) and isinstance(ear.messages[1], proto.TransferCancel)
 
@@ -148,10 +137,10 @@ def test_a_captured_pong_does_not_keep_a_dead_peer_alive(ears: list[Ear]) -> Non
     ear = Ear(watched=dead, timeout_s=1.0)
     ears.append(ear)
     pong = FrameSealer(KEY, dead).seal(ear.channel.endpoint, proto.encode(proto.Pong(about=dead)))
-    _push(ear.channel.endpoint, pong)  # its last genuine Pong, captured on the way
+    push_raw(ear.channel.endpoint, pong)  # its last genuine Pong, captured on the way
     started = time.monotonic()
     while not ear.lost and time.monotonic() - started < 3:
-        _push(ear.channel.endpoint, pong)  # replayed over and over
+        push_raw(ear.channel.endpoint, pong)  # replayed over and over
         time.sleep(0.1)
     assert [lost.endpoint for lost in ear.lost] == [dead] and time.monotonic() - started < 2.0
     assert ear.stats.snapshot().auth_refused >= 5
@@ -164,7 +153,7 @@ def test_a_live_peer_cannot_answer_for_a_dead_one(ears: list[Ear]) -> None:
     liar = FrameSealer(KEY, PEER)  # a key holder, alive, vouching for another endpoint
     started = time.monotonic()
     while not ear.lost and time.monotonic() - started < 3:
-        _push(ear.channel.endpoint, liar.seal(ear.channel.endpoint, proto.encode(proto.Pong(about=dead))))
+        push_raw(ear.channel.endpoint, liar.seal(ear.channel.endpoint, proto.encode(proto.Pong(about=dead))))
         time.sleep(0.1)
     assert [lost.endpoint for lost in ear.lost] == [dead]
     assert ear.stats.snapshot().bad_frames >= 5

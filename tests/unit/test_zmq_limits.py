@@ -35,6 +35,7 @@ from pd_connector.transfer.wire_checks import (
 )
 
 from .conftest import HOST, wait_for
+from .loopback import push_raw
 from .transfer_rig import BLOCK_SIZE, Rig, recv_job
 
 TOKEN = b"zmq-limits-test-token-0123456789"
@@ -74,19 +75,6 @@ def _ear(ears: list[Ear], **kw: Any) -> Ear:
     return ear
 
 
-def _raw_send(endpoint: str, *frames: bytes) -> None:
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(endpoint)
-        for frame in frames:
-            sock.send(frame)
-        sock.close()
-    finally:
-        ctx.term()
-
-
 CANCEL = proto.TransferCancel(room=5, request_id="r-1", peer_id="10.0.0.2:7000/dp0/tp0")
 
 
@@ -111,8 +99,8 @@ def test_every_socket_caps_the_frame_size_and_the_largest_message_fits(ears: lis
 def test_a_frame_over_the_cap_never_reaches_the_rank(ears: list[Ear], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(channel_module, "MAX_FRAME_BYTES", 4096)
     ear = _ear(ears, token=None)
-    _raw_send(ear.channel.endpoint, proto.encode(msgspec.structs.replace(CANCEL, request_id="x" * 8000)))
-    _raw_send(ear.channel.endpoint, proto.encode(CANCEL))  # a fresh connection with a small frame
+    push_raw(ear.channel.endpoint, proto.encode(msgspec.structs.replace(CANCEL, request_id="x" * 8000)))
+    push_raw(ear.channel.endpoint, proto.encode(CANCEL))  # a fresh connection with a small frame
     wait_for(lambda: ear.messages, 5, what="the small frame")
     time.sleep(0.2)
     assert ear.messages == [CANCEL]  # the big one was dropped by ZMQ, unread
@@ -131,11 +119,11 @@ def test_a_refused_frame_is_never_decoded(
     ear = _ear(ears)
     payload = proto.encode(CANCEL)
     wrong = FrameSealer(frame_key(b"wrong-token-0123456789abcdef"), "tcp://127.0.0.1:1")
-    _raw_send(ear.channel.endpoint, payload, wrong.seal(ear.channel.endpoint, payload), b"x" * 10)
+    push_raw(ear.channel.endpoint, payload, wrong.seal(ear.channel.endpoint, payload), b"x" * 10)
     wait_for(lambda: ear.stats.snapshot().auth_refused == 3, 5, what="three refused frames")
     assert decoded == [] and ear.messages == []
     assert "not decoded" in pd_logs.text and "r-1" not in pd_logs.text  # not even for the log line
-    _raw_send(
+    push_raw(
         ear.channel.endpoint, FrameSealer(frame_key(TOKEN), "tcp://127.0.0.1:1").seal(ear.channel.endpoint, payload)
     )
     wait_for(lambda: ear.messages == [CANCEL], 5, what="the signed frame")
@@ -158,7 +146,7 @@ def test_identifiers_with_control_characters_are_refused_and_escaped(
     done = proto.TransferDone(
         room=1, request_id="r-1", tp_rank=0, status=proto.DoneStatus.INTERNAL_ERROR, error="a\nb\x1b[2J"
     )
-    _raw_send(
+    push_raw(
         ear.channel.endpoint,
         proto.encode(hello),
         proto.encode(msgspec.structs.replace(CANCEL, request_id="r\r\u2028x")),

@@ -11,7 +11,7 @@ chaos_attacks.py.
 - `flood_during_liveness`: random frames (no valid MAC) at a steady rate on P's and D's rank ports.
   While they come, requests through the Router complete, no peer is declared lost, and a peer with
   the token pinging P and D every 0.25 s gets every Pong within a third of peer_timeout_s (the
-  heartbeats keep live peers alive); then P is frozen (SIGSTOP) under load, still flooded, and D must declare it
+  heartbeats keep live peers alive); then P is frozen (SIGSTOP), still flooded, requests come, and D must declare it
   lost within peer_timeout_s plus slack: its listener's timers keep running under the flood.
 - `slowloris`: connections that each send one byte of a request to the Router are all closed
   within its header deadline (``--header-timeout``, 3 s here) plus slack, while requests are served.
@@ -213,16 +213,18 @@ def _frozen_prefill_detected(chaos: Chaos, fig: ct.PhaseFigures, d_watch: LogWat
     """P frozen (SIGSTOP) under load while the flood goes on: seconds until D logged it lost, and the
     silence D logged; both within peer_timeout_s plus slack."""
     stack = chaos.stack
-    # D keeps P's route for ROUTE_TTL_S (10 s); an expired one is read again from P's bootstrap server,
-    # which the freeze stops too, so D would have nothing pending with P's ranks for liveness to watch.
-    # One answered request right before the load keeps the route fresh through the freeze.
+    # D watches P only while a load waits on it. The tiny model prefills a few hundred tokens in
+    # milliseconds, so a load started before the freeze may be over by then (CI saw D watch nothing and
+    # declare nothing); so P is frozen first and the requests come after: D, asked at the same time as P,
+    # sends its TransferRequests to the frozen ranks and waits. D keeps P's route for ROUTE_TTL_S (10 s);
+    # an expired one is read from P's bootstrap server, which the freeze stops too, so one answered
+    # request right before keeps the route fresh through the freeze.
     warm = complete(stack.router_url, stack.model, prompt_of_length(40, salt=5), stream=False, max_tokens=2)
     assert warm["token_ids"], warm
-    todo = [ct.Plan(chaos.rng.randint(200, 300), chaos.rng.randint(0, 150), False, 4) for _ in range(16)]
-    running = ct.start_load(stack.router_url, stack.model, todo, concurrency=8)
-    time.sleep(1.0)  # loads under way: D watches P
+    todo = [ct.Plan(chaos.rng.randint(200, 300), chaos.rng.randint(0, 150), False, 4) for _ in range(8)]
     t_stop = time.monotonic()
     signal_group(stack.prefill.pid, signal.SIGSTOP)
+    running = ct.start_load(stack.router_url, stack.model, todo, concurrency=8)
     try:
         limit = PEER_TIMEOUT_S + LIVENESS_SLACK_S
         ct.wait_until(

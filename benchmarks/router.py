@@ -8,8 +8,9 @@ a non-streaming one, the prefill call, with a small JSON body):
 - ``direct``: the load generator talks to the backend's decode port itself;
 - ``router``: ``python -m proxy`` (this repository), default flags (log level INFO: one log
   line per request) but ``--workers`` (``--router-workers``, default one per router CPU);
-- ``ascend_proxy``: ``load_balance_proxy_server_example.py`` from
-  ``../shared/peers/vllm-ascend-0.23.0.post1/`` (unmodified, default flags; it calls P, then D);
+- ``ascend_proxy``: vLLM-Ascend 0.23.0.post1's ``load_balance_proxy_server_example.py`` (unmodified,
+  default flags; it calls P, then D), found through ``PDC_VLLM_ASCEND_PEERS`` (``launch/ascend_peers.py``)
+  or ``--ascend-proxy``; without it this target is left out and the JSON's ``left_out`` says why;
 - ``vllm_router`` / ``sglang_router``: the pip packages ``vllm-router`` / ``sglang-router`` in
   their PD modes, when installed (``pip install -e .[bench]``); see ``router_targets.py``.
 
@@ -68,10 +69,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.router_backend import run, serve_backend  # noqa: E402
 from benchmarks.router_targets import installed, targets  # noqa: E402
+from launch import ascend_peers  # noqa: E402
 
-ASCEND_PROXY = (
-    REPO_ROOT.parent / "shared" / "peers" / "vllm-ascend-0.23.0.post1" / "load_balance_proxy_server_example.py"
-)
 HOST = "127.0.0.1"
 
 
@@ -299,7 +298,9 @@ def main() -> int:
     parser.add_argument("--latency-duration", type=float, default=2.0, help="seconds per latency phase (default: 2)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the targets (default: 3)")
     parser.add_argument("--chunks", type=int, default=4, help="token events per backend stream (default: 4)")
-    parser.add_argument("--ascend-proxy", type=Path, default=ASCEND_PROXY, help="path of vLLM-Ascend's example proxy")
+    parser.add_argument(
+        "--ascend-proxy", type=Path, help=f"path of vLLM-Ascend's example proxy (default: from {ascend_peers.ENV_VAR})"
+    )
     parser.add_argument(
         "--targets", nargs="+", help="only these of router, ascend_proxy, vllm_router, sglang_router (default: all)"
     )
@@ -324,7 +325,13 @@ def main() -> int:
     if args.serve_backend:
         serve_backend(args.serve_backend, args.chunks)
         return 0
-    if not args.ascend_proxy.is_file():
+    left_out: dict[str, str] = {}
+    if args.ascend_proxy is None:
+        args.ascend_proxy, why = ascend_peers.example_proxy()
+        if args.ascend_proxy is None:
+            left_out["ascend_proxy"] = why
+            print(f"ascend_proxy target left out: {why}", file=sys.stderr, flush=True)
+    elif not args.ascend_proxy.is_file():
         parser.error(f"vLLM-Ascend's example proxy not found at {args.ascend_proxy}")
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="router-bench-"))
@@ -334,8 +341,9 @@ def main() -> int:
     metrics_ports = {name: free_port() for name in names}
     prefill_port, decode_port = free_port(), free_port()
     router_workers = args.router_workers or len(args.router_cpus)
-    wanted = targets(ports, prefill_port, decode_port, args.ascend_proxy, metrics_ports, router_workers)
+    wanted = targets(ports, prefill_port, decode_port, args.ascend_proxy or Path(), metrics_ports, router_workers)
     wanted = [t for t in wanted if args.targets is None or t.name in args.targets or t.name == "router"]
+    wanted = [t for t in wanted if t.name not in left_out]
     target_names = ("direct", *(t.name for t in wanted))
     processes: list[Process] = []
     try:
@@ -395,6 +403,7 @@ def main() -> int:
             "vllm_router_added_p50_ms": vllm["added_p50_ms"] if vllm else None,
             "vs_ours": _vs_ours(results),
             "optional_routers_installed": installed(),
+            "left_out": left_out,
             "concurrency": args.concurrency,
             "latency_concurrency": 1,
             "rounds": args.rounds,

@@ -1,7 +1,7 @@
 """vLLM-Ascend's example proxy, unmodified, in front of a PDConnector P and D (issue 8).
 
-`load_balance_proxy_server_example.py` (vllm-ascend 0.23.0.post1, in ../shared/peers/) calls P
-first with `kv_transfer_params: {do_remote_decode: true, remote_*: null}` (no room), then calls D
+`load_balance_proxy_server_example.py` (vllm-ascend 0.23.0.post1; PDC_VLLM_ASCEND_PEERS says where it
+is, see launch/ascend_peers.py) calls P first with `kv_transfer_params: {do_remote_decode: true, remote_*: null}` (no room), then calls D
 with whatever kv_transfer_params P answered. PDConnector's P picks the room and answers with D's
 complete parameters, so the KV still moves P -> D over Mooncake TCP. Greedy answers must be
 token-identical to a colocated vLLM, every request must have been a KV push, and neither side may
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from launch import ascend_peers
 from launch.processes import ProcessGroup, free_ports, vllm_env, vllm_serve_cmd, wait_all_healthy
 from tests.e2e.helpers import (
     PROMPT_LENGTHS,
@@ -27,18 +28,24 @@ from tests.e2e.helpers import (
     wait_kv_free,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]
+#: vLLM-Ascend's example proxy, or None and why. Absent: the test is skipped before any vLLM starts,
+#: naming the variable; under CI (CI=true) it fails instead.
+PROXY_SCRIPT, MISSING = ascend_peers.example_proxy()
+_skip = [pytest.mark.skip(reason=f"vLLM-Ascend's example proxy: {MISSING}")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.vllm023,
+    *(_skip if PROXY_SCRIPT is None and not ascend_peers.required() else []),
+]
 
 HOST = "127.0.0.1"
-PEER = Path(__file__).resolve().parents[2].parent / "shared" / "peers" / "vllm-ascend-0.23.0.post1"
-PROXY = PEER / "load_balance_proxy_server_example.py"
 #: 20 prompts: 1 token to more than 8 blocks, around every block boundary.
 PROMPTS = list(range(len(PROMPT_LENGTHS)))[-20:]
 
 
 def test_vllm_ascend_example_proxy_in_front_of_pdconnector(reference: dict, tiny_model: Path, tmp_path: Path) -> None:
-    if not PROXY.is_file():
-        pytest.skip(f"vLLM-Ascend's example proxy is not at {PROXY}")
+    if PROXY_SCRIPT is None:
+        pytest.fail(f"CI=true and vLLM-Ascend's example proxy is missing: {MISSING}")
     missing = [m for m in ("fastapi", "httpx", "uvicorn") if importlib.util.find_spec(m) is None]
     assert not missing, f"the example proxy needs {missing} (pd-connector's base dependencies)"
     assert len(PROMPTS) == 20 and PROMPT_LENGTHS[PROMPTS[0]] <= 5
@@ -56,7 +63,7 @@ def test_vllm_ascend_example_proxy_in_front_of_pdconnector(reference: dict, tiny
         )
         proxy_cmd = [
             sys.executable,
-            str(PROXY),
+            str(PROXY_SCRIPT),
             "--host", HOST,
             "--port", str(proxy_port),
             "--prefiller-hosts", HOST,

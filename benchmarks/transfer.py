@@ -229,7 +229,7 @@ def main() -> None:
         "ratio": round(raw_s / conn_s, 3),
         "rounds": args.rounds,
         "backend": args.backend,
-        "transport": p_mgr.cfg.protocol if args.backend == "mooncake" else args.backend,
+        "transport": getattr(p_mgr.cfg.backend_options, "protocol", "") if args.backend == "mooncake" else args.backend,
         "pid": os.getpid(),
     }
     print(json.dumps(result))

@@ -65,10 +65,12 @@ class SettingError(ValueError):
 # ------------------------------------------------------------------ parse time
 
 
-def resolve(is_prefill: bool, values: dict[str, Any], tls: Any, env: Mapping[str, str] | None = None) -> None:
+def resolve(
+    is_prefill: bool, values: dict[str, Any], tls: Any, env: Mapping[str, str] | None = None, *, hixl: bool = False
+) -> None:
     """Fold vLLM-Ascend's settings into the coerced ``values`` of parse_config (in place).
 
-    ``tls``: the ``tls_config`` value, None when absent. ``values["protocol"]`` must be set.
+    ``tls``: the ``tls_config`` value, None when absent. ``hixl``: the backend moves bytes over HIXL.
     """
     env = os.environ if env is None else env
     if tls is not None:
@@ -76,7 +78,7 @@ def resolve(is_prefill: bool, values: dict[str, Any], tls: Any, env: Mapping[str
     hold_from_env(is_prefill, values, env)
     qos = values.get("qos_priority", DEFAULT_QOS)
     check_qos(qos)
-    if values.get("protocol") == "ascend":
+    if hixl:
         merged_resource_config(env.get(RESOURCE_CONFIG_ENV), qos)  # a malformed one stops the server now
 
 
@@ -240,7 +242,7 @@ def apply_transport_env(cfg: DisaggConfig, env: MutableMapping[str, str] | None 
 
     Every value is checked before the environment is changed.
     """
-    if cfg.protocol != "ascend":
+    if not cfg.backend_options.uses_hixl:
         return
     env = os.environ if env is None else env
     resource = merged_resource_config(env.get(RESOURCE_CONFIG_ENV), cfg.qos_priority)

@@ -2,7 +2,9 @@
 
 Everything comes from vLLM's `--kv-transfer-config`: `kv_role` decides the
 instance's side (producer = prefill, consumer = decode) and
-`kv_connector_extra_config` holds the keys below. Unknown keys and bad values
+`kv_connector_extra_config` holds the keys below, plus the options of the chosen
+transfer backend (declared and parsed by the backend, see ``pd_connector.backends``;
+Mooncake's include vLLM-Ascend's ``use_ascend_direct``). Unknown keys and bad values
 raise `ConfigError` with a message that names the key.
 """
 
@@ -11,17 +13,14 @@ from __future__ import annotations
 import functools
 import ipaddress
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pd_connector import ascend_settings
+from pd_connector import ascend_settings, backends
 from pd_connector.auth import AuthError, load_token
 from pd_connector.bootstrap.trust import TrustedHosts, TrustError
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from pd_connector.peer_sizes import SideSizes, SizesError, parse_sizes
-from pd_connector.platform_transport import default_protocol
-from pd_connector.transfer.mooncake import PROTOCOLS as MOONCAKE_PROTOCOLS
-from pd_connector.transfer.registry import DEFAULT_BACKEND, known_backends, unknown_backend_message
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -43,11 +42,10 @@ class DisaggConfig:
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     # Address this rank advertises to peers (ZMQ and Mooncake). Never probed.
     local_ip: str = "127.0.0.1"
-    # Transfer backend (transfer.registry), and Mooncake's transport: tcp (CPU), rdma, ascend (HIXL on NPUs).
-    # parse_config fills in the platform's transport (platform_transport.default_protocol) when absent.
-    backend: str = DEFAULT_BACKEND
-    protocol: str = "tcp"
-    device_name: str = ""
+    # Transfer backend (pd_connector.backends), and its own options, parsed by it from its keys (Mooncake's:
+    # protocol, device_name, use_ascend_direct, ascend_local_comm_res_path; transfer.mooncake).
+    backend: str = backends.DEFAULT_BACKEND
+    backend_options: backends.BackendOptions = field(default_factory=backends.default_options)
     # P: how long a finished prefill holds its KV blocks waiting for D.
     room_timeout_s: float = 120.0
     # D: how long a request waits for its KV before the load counts as failed.
@@ -61,7 +59,7 @@ class DisaggConfig:
     http_timeout_s: float = 10.0
     # Worker threads that run backend writes on P (and D's handshakes).
     transfer_threads: int = 4
-    # Largest batch of (src, dst, len) entries handed to the backend in one call.
+    # Largest batch of (src, dst, len) entries handed to the backend in one call (at most its batch_limit).
     max_batch_entries: int = 1024
     # Bytes of the buffer that reshuffles heads for mixed TP on token-major (NHD) KV: P allocates it on the
     # KV's device, 2 MiB-aligned, and registers it with the KV (transfer.staging); 0: mixed TP on NHD is refused.
@@ -72,14 +70,11 @@ class DisaggConfig:
     # not know them (independent dense DP ranks). -1: take them from vLLM's parallel config.
     dp_rank: int = -1
     dp_size: int = -1
-    # vLLM-Ascend's keys: the P and D deployments' {dp_size, tp_size} (checked, see peer_sizes),
-    # use_ascend_direct (means protocol "ascend") and the A5 HIXL endpoint directory (ascend_env).
+    # vLLM-Ascend's keys: the P and D deployments' {dp_size, tp_size} (checked, see peer_sizes).
     prefill: SideSizes | None = None
     decode: SideSizes | None = None
-    use_ascend_direct: bool = False
-    ascend_local_comm_res_path: str = ""
     # HIXL channel QoS when this side initiates the transfer (0..4), merged into ASCEND_GLOBAL_RESOURCE_CONFIG
-    # on the ascend transport (ascend_settings); also there: tls_config, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT.
+    # when the backend uses HIXL (ascend_settings); also there: tls_config, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT.
     qos_priority: int = ascend_settings.DEFAULT_QOS
     # Control-plane secret (pd_connector.auth): a file or an environment variable holding it.
     auth_token_file: str = ""
@@ -114,8 +109,6 @@ _FIELD_TYPES: dict[str, type] = {
     "bootstrap_port": int,
     "local_ip": str,
     "backend": str,
-    "protocol": str,
-    "device_name": str,
     "room_timeout_s": float,
     "kv_wait_timeout_s": float,
     "peer_timeout_s": float,
@@ -130,8 +123,6 @@ _FIELD_TYPES: dict[str, type] = {
     "dp_size": int,
     "prefill": SideSizes,
     "decode": SideSizes,
-    "use_ascend_direct": bool,
-    "ascend_local_comm_res_path": str,
     "qos_priority": int,
     "auth_token_file": str,
     "auth_token_env": str,
@@ -143,7 +134,7 @@ _FIELD_TYPES: dict[str, type] = {
     "verify_kv": bool,
     "transfer_mode": str,
 }
-assert set(_FIELD_TYPES) == {f.name for f in fields(DisaggConfig)} - {"mode"}
+assert set(_FIELD_TYPES) == {f.name for f in fields(DisaggConfig)} - {"mode", "backend_options"}
 
 
 def _coerce(key: str, value: Any, typ: type) -> Any:
@@ -194,20 +185,15 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
         )
     extra = dict(extra or {})
     tls = extra.pop(ascend_settings.TLS_CONFIG, None)  # vLLM-Ascend's form of the bootstrap_ssl_* keys
-    unknown = sorted(set(extra) - set(_FIELD_TYPES))
+    owners = backends.option_owners()  # backend option key -> the backends that take it
+    unknown = sorted(set(extra) - set(_FIELD_TYPES) - set(owners))
     if unknown:
-        known = sorted([*_FIELD_TYPES, *ascend_settings.EXTRA_KEYS])
+        known = sorted({*_FIELD_TYPES, *owners, *ascend_settings.EXTRA_KEYS})
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {known}")
-    values = {key: _coerce(key, val, _FIELD_TYPES[key]) for key, val in extra.items()}
-    if values.get("use_ascend_direct"):
-        if values.setdefault("protocol", "ascend") != "ascend":
-            raise ConfigError(
-                f"kv_connector_extra_config.use_ascend_direct is true (the ascend transport) but protocol is "
-                f"{values['protocol']!r}; drop one of them"
-            )
-    values.setdefault("protocol", default_protocol())
+    values = {key: _coerce(key, extra.pop(key), typ) for key, typ in _FIELD_TYPES.items() if key in extra}
+    values["backend_options"] = _backend_options(values.get("backend", backends.DEFAULT_BACKEND), extra, owners)
     try:  # tls_config, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, qos_priority
-        ascend_settings.resolve(mode == PREFILL, values, tls)
+        ascend_settings.resolve(mode == PREFILL, values, tls, hixl=values["backend_options"].uses_hixl)
     except ascend_settings.SettingError as exc:
         raise ConfigError(str(exc)) from None
     own = values.get(mode)
@@ -226,6 +212,24 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
     return cfg
 
 
+def _backend_options(name: str, raw: dict[str, Any], owners: dict[str, list[str]]) -> backends.BackendOptions:
+    """Backend ``name``'s options from its keys in ``raw`` (the extra config's keys left after DisaggConfig's)."""
+    try:
+        spec = backends.spec_of(name)
+    except backends.UnknownBackendError as exc:
+        raise ConfigError(f"kv_connector_extra_config.backend: {exc}") from None
+    foreign = sorted(set(raw) - set(spec.keys))
+    if foreign:
+        key = foreign[0]
+        raise ConfigError(
+            f"kv_connector_extra_config.{key} is an option of the {owners[key]} backend(s), not of backend {name!r}"
+        )
+    try:
+        return spec.parse({key: _coerce(key, val, spec.keys[key]) for key, val in raw.items()})
+    except backends.OptionError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 @functools.lru_cache(maxsize=8)
 def _token(token_file: str, token_env: str) -> bytes | None:
     return load_token(token_file, token_env)
@@ -239,13 +243,6 @@ def token_of(cfg: DisaggConfig) -> bytes | None:
 def _validate(cfg: DisaggConfig) -> None:
     if not 1 <= cfg.bootstrap_port <= 65535:
         raise ConfigError(f"kv_connector_extra_config.bootstrap_port must be in 1..65535, got {cfg.bootstrap_port}")
-    if cfg.backend not in known_backends():
-        raise ConfigError(f"kv_connector_extra_config.backend: {unknown_backend_message(cfg.backend)}")
-    if cfg.protocol not in MOONCAKE_PROTOCOLS:
-        raise ConfigError(
-            f"kv_connector_extra_config.protocol (Mooncake transport) must be one of {MOONCAKE_PROTOCOLS}, "
-            f"got {cfg.protocol!r}"
-        )
     try:
         ip = ipaddress.ip_address(cfg.local_ip)
     except ValueError:
@@ -283,10 +280,11 @@ def _validate(cfg: DisaggConfig) -> None:
         raise ConfigError(
             f"kv_connector_extra_config.transfer_mode must be one of {TRANSFER_MODES}, got {cfg.transfer_mode!r}"
         )
-    if not 1 <= cfg.max_batch_entries <= 1024:
+    limit = cfg.backend_options.batch_limit
+    if not 1 <= cfg.max_batch_entries <= limit:
         raise ConfigError(
-            f"kv_connector_extra_config.max_batch_entries must be in 1..1024 (Mooncake's per-peer queue), "
-            f"got {cfg.max_batch_entries}"
+            f"kv_connector_extra_config.max_batch_entries must be in 1..{limit} (the {cfg.backend!r} backend's "
+            f"largest batch), got {cfg.max_batch_entries}"
         )
 
 

@@ -1,8 +1,9 @@
 """Start-up checks of a worker rank, before it opens its transfer backend.
 
 - vLLM-Ascend's ``prefill`` / ``decode`` sizes against what this rank runs as;
-- the transport against the memory the KV lives in (``tcp`` cannot read NPU memory);
-- the registered region count (KV plus P's NHD staging buffer) against the transport's limit (256 on ``ascend``).
+- the KV's memory against what the backend reaches and how many regions it takes (KV plus P's NHD
+  staging buffer), as its options tell (``BackendOptions.memory_problem``: Mooncake's ``tcp`` cannot
+  read NPU memory, its ``ascend`` transport takes 256 regions).
 
 Each failure is a ``RankSetupError`` whose message names both values.
 """
@@ -12,11 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pd_connector.ascend_env import setup_local_comm_res
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import memory_ranges
 from pd_connector.peer_sizes import sizes_mismatch
-from pd_connector.platform_transport import region_limit_problem, transport_problem
 
 
 class RankSetupError(ValueError):
@@ -61,10 +60,9 @@ def check_kv_memory(
     ranges: Sequence[tuple[int, int]],
     staging: Sequence[tuple[int, int]] = (),
 ) -> None:
-    """The transport must reach the KV's memory and take this many regions: the KV's plus the staging buffer's."""
-    problem = transport_problem(cfg.protocol, kv_device_types(kv_caches)) or region_limit_problem(
-        cfg.protocol, len(ranges) + len(staging), staging=len(staging)
-    )
+    """The backend must reach the KV's memory and take this many regions: the KV's plus the staging buffer's."""
+    regions = len(ranges) + len(staging)
+    problem = cfg.backend_options.memory_problem(kv_device_types(kv_caches), regions, len(staging))
     if problem is not None:
         raise RankSetupError(problem)
 
@@ -76,13 +74,12 @@ def prepare_rank(
     vllm_dp_size: int,
     staging: Sequence[tuple[int, int]] = (),
 ) -> list[tuple[int, int]]:
-    """Run every start-up check and set the ascend transport's environment; the ranges to register.
+    """Run every start-up check and the backend's own rank set-up; the ranges to register.
 
     ``staging``: the NHD staging buffer's range (``transfer.staging``), registered with the KV's.
     """
     check_sizes(cfg, tp_size, vllm_dp_size)
     ranges = memory_ranges(kv_caches)
     check_kv_memory(cfg, kv_caches, ranges, staging)
-    if cfg.ascend_local_comm_res_path:
-        setup_local_comm_res(cfg.ascend_local_comm_res_path, local_rank())
+    cfg.backend_options.prepare_rank(local_rank())  # Mooncake: ascend_local_comm_res_path's endpoint file
     return ranges + list(staging)

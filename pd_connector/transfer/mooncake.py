@@ -1,18 +1,27 @@
-"""Mooncake TransferEngine as a TransferBackend (P2PHANDSHAKE, batched writes).
+"""Mooncake TransferEngine as a TransferBackend (P2PHANDSHAKE, batched writes), and its options.
 
 Transports (``kv_connector_extra_config.protocol``): `tcp` (CPU, any machine), `rdma`,
 `ascend` (HIXL on NPUs; the NPU must already be set as the current device, which
-vLLM-Ascend's worker does before it builds the connector). The descriptor peers write
-to is the engine's session, ``ip:rpc_port``, as ASCII bytes.
+vLLM-Ascend's worker does before it builds the connector). Left out: the platform's
+(``ascend`` on NPUs, ``tcp`` elsewhere). The descriptor peers write to is the engine's
+session, ``ip:rpc_port``, as ASCII bytes.
+
+Its keys (``MooncakeOptions``): ``protocol``, ``device_name`` (the RDMA NIC), and vLLM-Ascend's
+``use_ascend_direct`` (means protocol ``ascend``) and ``ascend_local_comm_res_path`` (the A5 HIXL
+endpoint directory, ``ascend_env``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pd_connector.ascend_env import setup_local_comm_res
+from pd_connector.backends import BackendSpec, OptionError
+from pd_connector.platform_transport import on_npu
 from pd_connector.transfer.backend import BATCH_STALL_S, Ints, TransferError, Wanted, write_in_batches
 
 if TYPE_CHECKING:
@@ -22,6 +31,71 @@ logger = logging.getLogger(__name__)
 
 #: Mooncake transports (the ``protocol`` option).
 PROTOCOLS = ("tcp", "rdma", "ascend")
+#: Most entries of one batch write: Mooncake's per-peer queue.
+BATCH_LIMIT = 1024
+#: Device types whose memory each transport cannot read or write.
+_UNREACHABLE: dict[str, frozenset[str]] = {"tcp": frozenset({"npu"}), "rdma": frozenset({"npu"})}
+#: Most registered memory regions per transport (vLLM-Ascend: MAX_HCCL_REGISTER_REGIONS = 256).
+REGION_LIMITS: dict[str, int] = {"ascend": 256}
+
+_KEY = "kv_connector_extra_config"
+
+
+def default_protocol() -> str:
+    """The Mooncake transport of this platform: ``ascend`` on NPUs, ``tcp`` elsewhere."""
+    return "ascend" if on_npu() else "tcp"
+
+
+@dataclass(frozen=True)
+class MooncakeOptions:
+    """The Mooncake backend's keys, parsed (``parse``) and asked by the start-up checks."""
+
+    protocol: str = "tcp"
+    device_name: str = ""
+    use_ascend_direct: bool = False
+    ascend_local_comm_res_path: str = ""
+    batch_limit: int = BATCH_LIMIT
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> MooncakeOptions:
+        """Options from the given keys (coerced to KEYS' types); the protocol defaults to the platform's."""
+        values = dict(raw)
+        if values.get("use_ascend_direct") and values.setdefault("protocol", "ascend") != "ascend":
+            raise OptionError(
+                f"{_KEY}.use_ascend_direct is true (the ascend transport) but protocol is "
+                f"{values['protocol']!r}; drop one of them"
+            )
+        values.setdefault("protocol", default_protocol())
+        if values["protocol"] not in PROTOCOLS:
+            raise OptionError(
+                f"{_KEY}.protocol (Mooncake transport) must be one of {PROTOCOLS}, got {values['protocol']!r}"
+            )
+        return cls(**values)
+
+    @property
+    def uses_hixl(self) -> bool:
+        return self.protocol == "ascend"
+
+    def memory_problem(self, device_types: Iterable[str], regions: int, staging: int) -> str | None:
+        bad = sorted(set(device_types) & _UNREACHABLE.get(self.protocol, frozenset()))
+        if bad:
+            return (
+                f"{_KEY}.protocol {self.protocol!r} cannot read KV cache memory on device {bad[0]!r}; "
+                "use protocol 'ascend' (Mooncake's NPU build) for KV in NPU memory"
+            )
+        limit = REGION_LIMITS.get(self.protocol)
+        if limit is None or regions <= limit:
+            return None
+        what = f"the KV cache needs {regions} memory regions registered"
+        fix = "fewer layers per worker (a larger TP/PP size) or KV tensors allocated next to each other fit"
+        if staging:
+            what += f" ({regions - staging} of KV and {staging} NHD staging buffer)"
+            fix += f"; so does {_KEY}.staging_bytes 0 (no mixed TP on NHD) or decode.tp_size equal to prefill's"
+        return f"{what}, but the {self.protocol!r} transport takes at most {limit} (REGION_LIMITS); {fix}"
+
+    def prepare_rank(self, local_rank: int) -> None:
+        if self.ascend_local_comm_res_path:
+            setup_local_comm_res(self.ascend_local_comm_res_path, local_rank)
 
 
 class MooncakeBackend:
@@ -58,7 +132,10 @@ class MooncakeBackend:
 
     @classmethod
     def from_config(cls, cfg: DisaggConfig) -> MooncakeBackend:
-        return cls.open(cfg.local_ip, cfg.protocol, cfg.device_name)
+        options = cfg.backend_options
+        if not isinstance(options, MooncakeOptions):
+            raise TransferError(f"the Mooncake backend needs MooncakeOptions, got {type(options).__name__}")
+        return cls.open(cfg.local_ip, options.protocol, options.device_name)
 
     @property
     def descriptor(self) -> bytes:
@@ -95,3 +172,10 @@ class MooncakeBackend:
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
         self._registered.clear()
+
+
+BACKEND = BackendSpec(
+    open=MooncakeBackend.from_config,
+    keys={"protocol": str, "device_name": str, "use_ascend_direct": bool, "ascend_local_comm_res_path": str},
+    parse=MooncakeOptions.parse,
+)

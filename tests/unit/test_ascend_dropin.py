@@ -17,12 +17,13 @@ import torch
 
 from pd_connector import platform_transport
 from pd_connector.ascend_env import ENV_VAR, endpoint_file, setup_local_comm_res
-from pd_connector.config import ConfigError, parse_config
+from pd_connector.config import ConfigError, DisaggConfig, parse_config
 from pd_connector.layout import LayoutError, block_dim, memory_ranges, regions_of_kv_caches, regions_of_tensor
 from pd_connector.metadata import SendJob
 from pd_connector.peer_sizes import SideSizes
 from pd_connector.rank_checks import RankSetupError, check_kv_memory, check_sizes
 from pd_connector.tp_mapping import is_head_major
+from pd_connector.transfer.mooncake import MooncakeOptions, default_protocol
 
 from .test_layout import _apply, _storages, whole_block_writes
 from .transfer_rig import Rig, recv_job, snapshot
@@ -73,8 +74,9 @@ def test_vllm_ascend_extra_config_is_accepted() -> None:
     cfg = parse_config("kv_producer", extra)
     assert cfg.prefill == SideSizes(dp_size=2, tp_size=8)
     assert cfg.decode == SideSizes(dp_size=32, tp_size=1)
-    assert cfg.use_ascend_direct and cfg.protocol == "ascend"
-    assert cfg.ascend_local_comm_res_path == "/etc/hixlep"
+    assert cfg.backend_options == MooncakeOptions(
+        protocol="ascend", use_ascend_direct=True, ascend_local_comm_res_path="/etc/hixlep"
+    )
     assert cfg.dp_size == 2  # P's deployment DP size comes from prefill.dp_size
     assert parse_config("kv_consumer", extra).dp_size == -1  # D: dp_size is a P setting
 
@@ -105,19 +107,24 @@ def test_bad_ascend_keys_are_refused_by_name(extra: dict, words: list[str]) -> N
         assert word in str(info.value)
 
 
+def protocol_of(cfg: DisaggConfig) -> str:
+    assert isinstance(cfg.backend_options, MooncakeOptions)
+    return cfg.backend_options.protocol
+
+
 def test_use_ascend_direct_false_keeps_the_platform_default() -> None:
-    assert parse_config("kv_producer", {"use_ascend_direct": False}).protocol == "tcp"
+    assert protocol_of(parse_config("kv_producer", {"use_ascend_direct": False})) == "tcp"
 
 
 def test_protocol_defaults_to_the_platform_transport(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert parse_config("kv_producer", {}).protocol == "tcp"  # this CPU machine
+    assert protocol_of(parse_config("kv_producer", {})) == "tcp"  # this CPU machine
     monkeypatch.setattr(platform_transport, "_platform_device_type", lambda: "npu")
-    assert parse_config("kv_producer", {}).protocol == "ascend"
-    assert parse_config("kv_producer", {"protocol": "rdma"}).protocol == "rdma"
+    assert protocol_of(parse_config("kv_producer", {})) == "ascend"
+    assert protocol_of(parse_config("kv_producer", {"protocol": "rdma"})) == "rdma"
     # No vLLM platform to ask: torch_npu's presence decides.
     monkeypatch.setattr(platform_transport, "_platform_device_type", lambda: None)
     monkeypatch.setattr(platform_transport.importlib.util, "find_spec", lambda name: object())
-    assert platform_transport.default_protocol() == "ascend"
+    assert platform_transport.on_npu() and default_protocol() == "ascend"
 
 
 class _FakeNpuTensor:

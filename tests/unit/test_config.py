@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from pd_connector import backends
+from pd_connector.backends import NoOptions
 from pd_connector.config import DECODE, PREFILL, ConfigError, DisaggConfig, parse_config
+from pd_connector.transfer.backend import TransferBackend
+from pd_connector.transfer.mooncake import MooncakeOptions
 
 
 def test_defaults_prefill() -> None:
@@ -15,7 +19,7 @@ def test_defaults_prefill() -> None:
     assert cfg.bootstrap_port == 18800
     assert cfg.local_ip == "127.0.0.1"
     assert cfg.backend == "mooncake"
-    assert cfg.protocol == "tcp"
+    assert cfg.backend_options == MooncakeOptions(protocol="tcp")
     assert cfg.room_timeout_s == 120.0
     assert cfg.kv_wait_timeout_s == 120.0
     assert cfg.register_retries == 60
@@ -102,6 +106,45 @@ def test_protocol_is_the_mooncake_transport() -> None:
 def test_max_batch_entries_upper_bound_is_inclusive() -> None:
     assert parse_config("kv_producer", {"max_batch_entries": 1024}).max_batch_entries == 1024
     assert parse_config("kv_producer", {"max_batch_entries": 1}).max_batch_entries == 1
+    with pytest.raises(ConfigError, match=r"max_batch_entries must be in 1\.\.1024 \(the 'mooncake' backend's"):
+        parse_config("kv_producer", {"max_batch_entries": 1025})
+
+
+# ----------------------------------------------------------- backend options
+
+
+def _keyless_backend(cfg: DisaggConfig) -> TransferBackend:
+    raise AssertionError("not opened in these tests")
+
+
+@pytest.fixture
+def keyless(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A backend without option keys (and a 4-entry batch limit), registered for one test."""
+    spec = backends.BackendSpec(open=_keyless_backend, parse=lambda raw: NoOptions(batch_limit=4))
+    monkeypatch.setitem(backends._REGISTERED, "keyless", spec)
+    return "keyless"
+
+
+def test_the_backend_parses_its_own_keys_and_limits_batches(keyless: str) -> None:
+    cfg = parse_config("kv_producer", {"backend": keyless, "max_batch_entries": 4})
+    assert cfg.backend_options == NoOptions(batch_limit=4)
+    with pytest.raises(ConfigError, match=r"max_batch_entries must be in 1\.\.4 \(the 'keyless' backend's"):
+        parse_config("kv_producer", {"backend": keyless, "max_batch_entries": 5})
+
+
+def test_another_backends_key_is_refused_by_name(keyless: str) -> None:
+    with pytest.raises(
+        ConfigError, match=r"use_ascend_direct is an option of the \[.*'mooncake'.*not of backend 'keyless'"
+    ):
+        parse_config("kv_producer", {"backend": keyless, "use_ascend_direct": True})
+
+
+def test_config_imports_no_transfer_module() -> None:
+    import pd_connector.config as config_mod
+
+    with open(config_mod.__file__, encoding="utf-8") as source:
+        imports = [line for line in source if line.startswith(("import ", "from "))]
+    assert imports and not [line for line in imports if "transfer" in line]
 
 
 def test_string_coercion() -> None:
@@ -147,9 +190,8 @@ def test_numbers_pass_as_numbers() -> None:
     )
     assert isinstance(cfg.room_timeout_s, float) and cfg.room_timeout_s == 1.0
     assert cfg.kv_wait_timeout_s == 0.5
-    assert cfg.protocol == "rdma"
     assert cfg.local_ip == "10.0.0.7"
-    assert cfg.device_name == "mlx5_0"
+    assert cfg.backend_options == MooncakeOptions(protocol="rdma", device_name="mlx5_0")
 
 
 def test_ipv6_unspecified_rejected() -> None:

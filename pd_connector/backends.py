@@ -1,0 +1,142 @@
+"""Transfer backends by name (``kv_connector_extra_config.backend``, default ``mooncake``), and their options.
+
+This module is vLLM-free and imports no backend at import time: ``config`` uses it to check a backend's
+name and options when it parses, ``transfer.registry`` to open the backend at worker start. A backend
+module is imported the first time its name is used.
+
+Adding a backend: one module under ``pd_connector/transfer/`` that defines ``BACKEND = BackendSpec(...)``
+(its option keys and their types, a parser that turns them into its options, and a factory
+``(DisaggConfig) -> TransferBackend``), plus one line in ``_MODULES`` below. Its keys are accepted at the
+top level of ``kv_connector_extra_config`` (vLLM-Ascend's ``use_ascend_direct`` and
+``ascend_local_comm_res_path`` are the Mooncake backend's). Tests and plugins may also call
+``register_backend(name, factory)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pd_connector.config import DisaggConfig
+    from pd_connector.transfer.backend import TransferBackend
+
+DEFAULT_BACKEND = "mooncake"
+
+#: Backend name -> the module defining its ``BACKEND`` spec, imported on first use. One line per backend.
+_MODULES: dict[str, str] = {
+    "mooncake": "pd_connector.transfer.mooncake",
+}
+
+
+class OptionError(ValueError):
+    """A backend option is invalid; the message names the key (``kv_connector_extra_config.<key>``) and value."""
+
+
+class UnknownBackendError(ValueError):
+    """No backend is registered under this name."""
+
+
+class BackendOptions(Protocol):
+    """One backend's parsed options, and what the rest of PDConnector asks of them."""
+
+    @property
+    def batch_limit(self) -> int:
+        """Most (src, dst, len) entries one write call may take (``max_batch_entries`` is checked against it)."""
+        ...
+
+    @property
+    def uses_hixl(self) -> bool:
+        """Whether the bytes move over Ascend's HIXL, so vLLM-Ascend's QoS and timeout settings apply."""
+        ...
+
+    def memory_problem(self, device_types: Iterable[str], regions: int, staging: int) -> str | None:
+        """Why this backend cannot move KV on ``device_types`` in ``regions`` registered regions
+        (``staging`` of them P's NHD staging buffer); None when it can."""
+        ...
+
+    def prepare_rank(self, local_rank: int) -> None:
+        """Set up this worker rank's environment before the backend opens (e.g. endpoint files)."""
+        ...
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a backend without keys: no limits but the batch size, nothing to prepare."""
+
+    batch_limit: int = 1 << 16
+    uses_hixl: bool = False
+
+    def memory_problem(self, device_types: Iterable[str], regions: int, staging: int) -> str | None:
+        return None
+
+    def prepare_rank(self, local_rank: int) -> None:
+        return None
+
+
+def _no_options(raw: Mapping[str, Any]) -> NoOptions:
+    return NoOptions()
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend module declares: its option keys with their types, their parser, its factory."""
+
+    #: Factory: opens the backend for one worker rank; ``cfg.backend_options`` is what ``parse`` returned.
+    open: Callable[[DisaggConfig], TransferBackend]
+    #: Its ``kv_connector_extra_config`` keys and their types (str, int, float, bool), coerced by ``config``.
+    keys: Mapping[str, type] = field(default_factory=dict)
+    #: The given keys (coerced, unset ones absent) -> options; raises OptionError naming the key.
+    parse: Callable[[Mapping[str, Any]], BackendOptions] = _no_options
+
+
+_REGISTERED: dict[str, BackendSpec] = {}
+
+
+def register_backend(name: str, factory: Callable[[DisaggConfig], TransferBackend], options_of: str = "") -> None:
+    """Make ``name`` a valid ``backend`` value; ``factory(cfg)`` opens one for a worker rank.
+
+    Its options are those of backend ``options_of`` (default: the default backend's, so a test's
+    spy of the default backend takes the same keys).
+    """
+    if not name:
+        raise ValueError("a transfer backend needs a non-empty name")
+    _REGISTERED[name] = replace(spec_of(options_of or DEFAULT_BACKEND), open=factory)
+
+
+def known_backends() -> tuple[str, ...]:
+    return tuple(sorted({*_MODULES, *_REGISTERED}))
+
+
+def unknown_backend_message(name: str) -> str:
+    return f"unknown transfer backend {name!r}; known backends: {list(known_backends())}"
+
+
+def spec_of(name: str) -> BackendSpec:
+    """The spec of backend ``name`` (its module imported on first use); UnknownBackendError if none."""
+    spec = _REGISTERED.get(name)
+    if spec is not None:
+        return spec
+    module = _MODULES.get(name)
+    if module is None:
+        raise UnknownBackendError(unknown_backend_message(name))
+    spec = importlib.import_module(module).BACKEND
+    if not isinstance(spec, BackendSpec):
+        raise TypeError(f"{module}.BACKEND must be a BackendSpec, got {type(spec).__name__}")
+    return spec
+
+
+def option_owners() -> dict[str, list[str]]:
+    """Every backend option key -> the backends that take it."""
+    owners: dict[str, list[str]] = {}
+    for name in known_backends():
+        for key in spec_of(name).keys:
+            owners.setdefault(key, []).append(name)
+    return owners
+
+
+def default_options() -> BackendOptions:
+    """The default backend's options with none of its keys set (``DisaggConfig``'s default)."""
+    return spec_of(DEFAULT_BACKEND).parse({})

@@ -43,7 +43,7 @@ from pd_connector.transfer.backend import BATCH_STALL_S, WRITE_RETRIES
 from tests.e2e import chaos_tools as ct
 from tests.e2e.chaos_attacks import Flood, FramePeer, LogWatch, metric_total, slowloris
 from tests.e2e.chaos_stack import FREEZE_S, HEADER_TIMEOUT_S, PEER_TIMEOUT_S, Chaos
-from tests.e2e.helpers import complete, prompt_of_length
+from tests.support.serving import complete, prompt_of_length
 
 REFUSED_METRIC = "vllm:pd_kv_auth_refused"
 REPLAY_LINE = r"refusing ZMQ frame.*(?:repeats or precedes|replay)"

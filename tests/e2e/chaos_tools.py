@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import zmq
 
-from tests.e2e.helpers import kv_usage, prompt_of_length
+from tests.support.serving import kv_usage, prompt_of_length
 
 #: Seconds one client call may take before it counts as a hang.
 CLIENT_DEADLINE_S = 60.0

@@ -28,13 +28,7 @@ from launch.processes import (
     vllm_serve_cmd,
     wait_http_ok,
 )
-from tests.e2e.helpers import START_TIMEOUT_S
-
-#: Short connector timeouts of the session's P/D stack, so failure tests finish quickly.
-#: P: how long a finished prefill keeps its KV blocks for a D that never asks for them.
-P_ROOM_TIMEOUT_S = 20.0
-#: D: how long a request waits for its KV from P before the load counts as failed.
-D_KV_WAIT_TIMEOUT_S = 15.0
+from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S
 
 
 def _module_exists(name: str) -> bool:
@@ -68,7 +62,16 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     The server is stopped before this fixture returns, so it never competes with the P/D
     processes for this machine's two cores.
     """
-    from tests.e2e.helpers import BLOCK_SIZE, CHAT_PROMPTS, PROMPT_LENGTHS, SAMPLES, chat, complete, prompts, sampled
+    from tests.support.serving import (
+        BLOCK_SIZE,
+        CHAT_PROMPTS,
+        PROMPT_LENGTHS,
+        SAMPLES,
+        chat,
+        complete,
+        prompts,
+        sampled,
+    )
 
     assert len(PROMPT_LENGTHS) >= 20 and max(PROMPT_LENGTHS) > 4 * BLOCK_SIZE and min(PROMPT_LENGTHS) == 1
     with ProcessGroup(tmp_path_factory.mktemp("reference-logs")) as group:

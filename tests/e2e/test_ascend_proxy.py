@@ -19,7 +19,7 @@ import pytest
 
 from launch import ascend_peers
 from launch.processes import ProcessGroup, free_ports, vllm_env, vllm_serve_cmd, wait_all_healthy
-from tests.e2e.helpers import (
+from tests.support.serving import (
     PROMPT_LENGTHS,
     START_TIMEOUT_S,
     assert_matches_reference,

@@ -58,7 +58,7 @@ from tests.e2e.chaos_stack import (
     has_config_key,
     phase,
 )
-from tests.e2e.helpers import START_TIMEOUT_S, complete, count_in_log, prompt_of_length
+from tests.support.serving import START_TIMEOUT_S, complete, count_in_log, prompt_of_length
 
 pytestmark = pytest.mark.e2e
 

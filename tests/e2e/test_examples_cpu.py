@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch.processes import free_ports, group_alive
-from tests.e2e.helpers import START_TIMEOUT_S
+from tests.support.serving import START_TIMEOUT_S
 
 pytestmark = pytest.mark.e2e
 

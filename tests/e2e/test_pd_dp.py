@@ -34,7 +34,7 @@ from launch.processes import (
     vllm_env,
     vllm_serve_cmd,
 )
-from tests.e2e.helpers import (
+from tests.support.serving import (
     PROMPT_LENGTHS,
     START_TIMEOUT_S,
     assert_matches_reference,

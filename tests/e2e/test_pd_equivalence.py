@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.helpers import (
+from tests.support.serving import (
     CHAT_PROMPTS,
     PROMPT_LENGTHS,
     chat,

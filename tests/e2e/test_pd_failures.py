@@ -13,8 +13,14 @@ import httpx
 import pytest
 
 from launch.processes import ProcessGroup, free_port, router_cmd, wait_http_ok
-from tests.e2e.conftest import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S
-from tests.e2e.helpers import complete, count_in_log, prompt_of_length, wait_kv_free
+from tests.support.serving import (
+    D_KV_WAIT_TIMEOUT_S,
+    P_ROOM_TIMEOUT_S,
+    complete,
+    count_in_log,
+    prompt_of_length,
+    wait_kv_free,
+)
 
 pytestmark = pytest.mark.e2e
 

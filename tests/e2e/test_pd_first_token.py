@@ -21,8 +21,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.e2e.conftest import P_ROOM_TIMEOUT_S
-from tests.e2e.helpers import kv_usage, prompt_of_length, wait_kv_free
+from tests.support.serving import P_ROOM_TIMEOUT_S, kv_usage, prompt_of_length, wait_kv_free
 
 pytestmark = pytest.mark.e2e
 

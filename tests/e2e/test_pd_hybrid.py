@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from launch.processes import ProcessGroup, free_port, start_pd_stack, vllm_env, vllm_serve_cmd, wait_http_ok
-from tests.e2e.helpers import START_TIMEOUT_S, complete, count_in_log, kv_usage, prompt_of_length, wait_kv_free
+from tests.support.serving import START_TIMEOUT_S, complete, count_in_log, kv_usage, prompt_of_length, wait_kv_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]
 

@@ -37,8 +37,8 @@ from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.keys import frame_key
 from pd_connector.layout import Region
 from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer
-from tests.e2e.conftest import D_KV_WAIT_TIMEOUT_S
-from tests.e2e.helpers import (
+from tests.support.serving import (
+    D_KV_WAIT_TIMEOUT_S,
     PROMPT_LENGTHS,
     assert_matches_reference,
     count_in_log,

@@ -16,7 +16,7 @@ import pytest
 
 from launch.processes import PDStack, ProcessGroup, start_pd_stack
 from pd_connector.trace import parse_trace_line
-from tests.e2e.helpers import (
+from tests.support.serving import (
     CHAT_PROMPTS,
     PROMPT_LENGTHS,
     START_TIMEOUT_S,

@@ -33,8 +33,9 @@ import httpx
 import pytest
 
 from launch.processes import ManagedProcess, ProcessGroup, free_ports, signal_group, vllm_env, vllm_serve_cmd
-from tests.e2e.conftest import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S
-from tests.e2e.helpers import (
+from tests.support.serving import (
+    D_KV_WAIT_TIMEOUT_S,
+    P_ROOM_TIMEOUT_S,
     PROMPT_LENGTHS,
     complete,
     count_in_log,

@@ -19,8 +19,14 @@ import httpx
 import pytest
 
 from launch.processes import ProcessGroup, free_ports, router_cmd, vllm_env, vllm_serve_cmd, wait_all_healthy
-from tests.e2e.conftest import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S
-from tests.e2e.helpers import START_TIMEOUT_S, count_in_log, prompt_of_length, wait_kv_free
+from tests.support.serving import (
+    D_KV_WAIT_TIMEOUT_S,
+    P_ROOM_TIMEOUT_S,
+    START_TIMEOUT_S,
+    count_in_log,
+    prompt_of_length,
+    wait_kv_free,
+)
 
 pytestmark = pytest.mark.e2e
 

@@ -18,8 +18,7 @@ import pytest
 from launch.trace import draw, load_traces
 from pd_connector.metrics import METRIC_NAMES
 from pd_connector.trace import PHASES, TraceRecord, parse_trace_line
-from tests.e2e.conftest import D_KV_WAIT_TIMEOUT_S
-from tests.e2e.helpers import BLOCK_SIZE, count_in_log
+from tests.support.serving import BLOCK_SIZE, D_KV_WAIT_TIMEOUT_S, count_in_log
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launch.processes import ProcessGroup, start_pd_stack
-from tests.e2e.helpers import PROMPT_LENGTHS, START_TIMEOUT_S, assert_matches_reference, count_in_log, wait_kv_free
+from tests.support.serving import PROMPT_LENGTHS, START_TIMEOUT_S, assert_matches_reference, count_in_log, wait_kv_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]
 

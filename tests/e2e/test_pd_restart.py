@@ -15,7 +15,7 @@ import pytest
 
 from launch.processes import ProcessGroup, start_pd_stack, vllm_env, wait_all_healthy
 from proxy.admin_token import admin_headers
-from tests.e2e.helpers import (
+from tests.support.serving import (
     PROMPT_LENGTHS,
     START_TIMEOUT_S,
     assert_matches_reference,

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from launch.processes import ProcessGroup, free_port
-from tests.e2e.conftest import P_ROOM_TIMEOUT_S
-from tests.e2e.helpers import (
+from tests.support.serving import (
+    P_ROOM_TIMEOUT_S,
     SAMPLES,
     count_in_log,
     kv_usage,

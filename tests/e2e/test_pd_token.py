@@ -23,7 +23,7 @@ from pd_connector import protocol as proto
 from pd_connector.bootstrap.signing import signed_headers
 from pd_connector.keys import frame_key
 from pd_connector.transfer.frames import FrameSealer
-from tests.e2e.helpers import PROMPT_LENGTHS, START_TIMEOUT_S, assert_matches_reference, count_in_log, wait_kv_free
+from tests.support.serving import PROMPT_LENGTHS, START_TIMEOUT_S, assert_matches_reference, count_in_log, wait_kv_free
 
 pytestmark = pytest.mark.e2e
 

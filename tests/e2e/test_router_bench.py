@@ -11,8 +11,7 @@ import httpx
 import pytest
 
 from launch.processes import LOOPBACK, REPO_ROOT, ProcessGroup, free_ports, router_cmd, wait_all_healthy
-from tests.e2e.conftest import P_ROOM_TIMEOUT_S
-from tests.e2e.helpers import wait_kv_free
+from tests.support.serving import P_ROOM_TIMEOUT_S, wait_kv_free
 
 pytestmark = pytest.mark.e2e
 

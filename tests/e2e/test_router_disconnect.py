@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import P_ROOM_TIMEOUT_S
-from tests.e2e.helpers import prompt_of_length, wait_kv_free
+from tests.support.serving import P_ROOM_TIMEOUT_S, prompt_of_length, wait_kv_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.both_lines]
 

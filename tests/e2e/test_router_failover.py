@@ -22,8 +22,7 @@ import pytest
 
 from launch.processes import ManagedProcess, ProcessGroup, free_port, vllm_env, vllm_serve_cmd, wait_http_ok
 from proxy.admin_token import admin_headers
-from tests.e2e.conftest import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S
-from tests.e2e.helpers import START_TIMEOUT_S, prompt_of_length, wait_kv_free
+from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S, prompt_of_length, wait_kv_free
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from launch.processes import LOOPBACK, ManagedProcess, ProcessGroup, free_port, router_cmd, wait_http_ok
-from tests.e2e.helpers import prompt_of_length
+from tests.support.serving import prompt_of_length
 
 pytestmark = pytest.mark.e2e
 

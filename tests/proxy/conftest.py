@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proxy_testlib import (
+
+from tests.support.router_rig import (
     BACKEND_SPECS,
     FAKE_BACKEND,
-    REPO_ROOT,
     TEST_TIMEOUT_S,
     Backends,
     Proc,
@@ -26,10 +26,6 @@ from proxy_testlib import (
     free_port,
     start_router,
 )
-
-# In-process tests import the `proxy` package from this checkout, installed or not.
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_backend import FIRST_TOKEN_ID, PARTIAL_MARK, TOKENS
-from proxy_testlib import (
+
+from tests.support.fake_backend import FIRST_TOKEN_ID, PARTIAL_MARK, TOKENS
+from tests.support.router_rig import (
     FAKE_BACKEND,
     Backends,
     Proc,

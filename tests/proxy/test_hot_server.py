@@ -7,70 +7,20 @@ bodies, HTTP/1.0, pipelining and malformed requests are exercised exactly.
 
 from __future__ import annotations
 
-import http.client
 import json
-import socket
-from typing import IO, Any
 
-from proxy_testlib import HOST, Backends, RouterFactory, new_rid, request_body, sse_events
-
-
-class _KeepOpen:
-    """The connection's reader as http.client sees it: its close() (at a response's end) keeps it open."""
-
-    def __init__(self, file: IO[bytes]) -> None:
-        self.file = file
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.file, name)
-
-    def close(self) -> None:
-        pass
-
-
-class _Conn:
-    """One client connection; ``answer()`` reads the next whole HTTP response from it."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection((HOST, port), timeout=10)
-        self.file: IO[bytes] = self.sock.makefile("rb")
-
-    def makefile(self, *_args: Any, **_kwargs: Any) -> _KeepOpen:  # what http.client.HTTPResponse reads
-        return _KeepOpen(self.file)
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def answer(self, method: str = "POST") -> tuple[int, dict[str, str], bytes]:
-        response = http.client.HTTPResponse(self, method=method)  # type: ignore[arg-type]
-        response.begin()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-
-    def closed_by_peer(self) -> bool:
-        return self.sock.recv(1) == b""
-
-    def close(self) -> None:
-        self.file.close()
-        self.sock.close()
-
-
-def _post(path: str, body: bytes, rid: str, extra: str = "", version: str = "1.1") -> bytes:
-    head = f"POST {path} HTTP/{version}\r\nHost: router\r\nX-Request-Id: {rid}\r\nContent-Type: application/json\r\n"
-    return (head + f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
-
-
-def _body(path: str, **extra: Any) -> bytes:
-    return json.dumps(request_body(path, **extra)).encode()
+from tests.support.raw_http import RawConnection, json_body, raw_post
+from tests.support.router_rig import Backends, RouterFactory, new_rid, request_body, sse_events
 
 
 def test_one_connection_serves_generation_then_other_routes_then_generation(
     backends: Backends, router_factory: RouterFactory
 ) -> None:
     router = router_factory(backends.ok_p, backends.ok_d)
-    conn = _Conn(router.proc.port)
+    conn = RawConnection(router.proc.port)
     try:
         rid = new_rid("hot-mixed")
-        conn.send(_post("/v1/completions", _body("/v1/completions"), rid))
+        conn.send(raw_post("/v1/completions", json_body("/v1/completions"), rid))
         status, headers, body = conn.answer()
         assert status == 200, body
         assert headers["x-request-id"] == rid
@@ -79,7 +29,7 @@ def test_one_connection_serves_generation_then_other_routes_then_generation(
         status, _, body = conn.answer("GET")
         assert status == 200, body
         assert json.loads(body)["status"] == "healthy"
-        conn.send(_post("/v1/chat/completions", _body("/v1/chat/completions", stream=True), rid))
+        conn.send(raw_post("/v1/chat/completions", json_body("/v1/chat/completions", stream=True), rid))
         status, headers, body = conn.answer()
         assert status == 200, body
         assert headers["content-type"].startswith("text/event-stream")
@@ -90,11 +40,11 @@ def test_one_connection_serves_generation_then_other_routes_then_generation(
 
 def test_keep_alive_stream_then_json_and_pipelined_requests(backends: Backends, router_factory: RouterFactory) -> None:
     router = router_factory(backends.ok_p, backends.ok_d)
-    conn = _Conn(router.proc.port)
+    conn = RawConnection(router.proc.port)
     try:
         first, second = new_rid("hot-pipe1"), new_rid("hot-pipe2")
-        stream = _post("/v1/completions", _body("/v1/completions", stream=True), first)
-        conn.send(stream + _post("/v1/completions", _body("/v1/completions"), second))  # one write, two requests
+        stream = raw_post("/v1/completions", json_body("/v1/completions", stream=True), first)
+        conn.send(stream + raw_post("/v1/completions", json_body("/v1/completions"), second))  # one write, two requests
         status, headers, body = conn.answer()
         assert (status, headers["x-request-id"], headers["transfer-encoding"]) == (200, first, "chunked")
         assert sse_events(body)[-1] == "[DONE]"
@@ -107,9 +57,9 @@ def test_keep_alive_stream_then_json_and_pipelined_requests(backends: Backends, 
 
 def test_expect_100_continue_and_chunked_body(backends: Backends, router_factory: RouterFactory) -> None:
     router = router_factory(backends.ok_p, backends.ok_d)
-    conn = _Conn(router.proc.port)
+    conn = RawConnection(router.proc.port)
     try:
-        body = _body("/v1/completions")
+        body = json_body("/v1/completions")
         head = "POST /v1/completions HTTP/1.1\r\nHost: router\r\nExpect: 100-continue\r\n"
         conn.send(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
         assert conn.file.readline() == b"HTTP/1.1 100 Continue\r\n"
@@ -129,9 +79,11 @@ def test_expect_100_continue_and_chunked_body(backends: Backends, router_factory
 
 def test_http_1_0_stream_ends_with_the_connection(backends: Backends, router_factory: RouterFactory) -> None:
     router = router_factory(backends.ok_p, backends.ok_d)
-    conn = _Conn(router.proc.port)
+    conn = RawConnection(router.proc.port)
     try:
-        conn.send(_post("/v1/completions", _body("/v1/completions", stream=True), new_rid("hot-10"), version="1.0"))
+        conn.send(
+            raw_post("/v1/completions", json_body("/v1/completions", stream=True), new_rid("hot-10"), version="1.0")
+        )
         status, headers, body = conn.answer()
         assert status == 200, body
         assert "transfer-encoding" not in headers
@@ -142,31 +94,31 @@ def test_http_1_0_stream_ends_with_the_connection(backends: Backends, router_fac
 
 def test_bad_json_413_and_malformed_http(backends: Backends, router_factory: RouterFactory) -> None:
     router = router_factory(backends.ok_p, backends.ok_d, "--max-body-size", "300")
-    conn = _Conn(router.proc.port)
+    conn = RawConnection(router.proc.port)
     try:
-        conn.send(_post("/v1/completions", b"{not json", new_rid("hot-bad")))
+        conn.send(raw_post("/v1/completions", b"{not json", new_rid("hot-bad")))
         status, _, body = conn.answer()
         assert status == 400, body
         assert "not valid JSON" in json.loads(body)["error"]["message"]
         big = json.dumps(request_body("/v1/completions", prompt="x" * 400)).encode()
-        conn.send(_post("/v1/completions", big, new_rid("hot-413")))
+        conn.send(raw_post("/v1/completions", big, new_rid("hot-413")))
         status, _, body = conn.answer()
         assert status == 413, body
         assert "exceeds the limit of 300 bytes" in json.loads(body)["error"]["message"]
         assert conn.closed_by_peer()  # a body over the limit is not read: the connection closes
     finally:
         conn.close()
-    conn = _Conn(router.proc.port)
+    conn = RawConnection(router.proc.port)
     try:
-        conn.send(_post("/v1/completions", b"{not json", new_rid("hot-bad2")))
+        conn.send(raw_post("/v1/completions", b"{not json", new_rid("hot-bad2")))
         status, _, body = conn.answer()
         assert status == 400, body
-        conn.send(_post("/v1/completions", _body("/v1/completions"), new_rid("hot-after-400")))
+        conn.send(raw_post("/v1/completions", json_body("/v1/completions"), new_rid("hot-after-400")))
         status, _, body = conn.answer()
         assert status == 200, body  # the connection survived the JSON error
     finally:
         conn.close()
-    conn = _Conn(router.proc.port)
+    conn = RawConnection(router.proc.port)
     try:
         conn.send(b"POST /v1/completions HTTP/1.1\r\nContent-Length: nope\r\n\r\n")
         status, headers, body = conn.answer()
@@ -180,7 +132,7 @@ def test_bad_json_413_and_malformed_http(backends: Backends, router_factory: Rou
 
 def test_get_on_a_generation_path_is_aiohttps_405(backends: Backends, router_factory: RouterFactory) -> None:
     router = router_factory(backends.ok_p, backends.ok_d)
-    conn = _Conn(router.proc.port)
+    conn = RawConnection(router.proc.port)
     try:
         conn.send(b"GET /v1/completions HTTP/1.1\r\nHost: router\r\n\r\n")
         status, _, body = conn.answer("GET")

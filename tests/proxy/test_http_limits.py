@@ -14,11 +14,11 @@ import threading
 import time
 
 from aiohttp import web
-from proxy_testlib import HOST, Backends, RouterFactory, new_rid
-from test_hot_server import _body, _Conn, _post
 
 from proxy.hot_server import HotServer
 from proxy.server_limits import MAX_HEAD_BYTES, ServerLimits
+from tests.support.raw_http import RawConnection, json_body, raw_post
+from tests.support.router_rig import HOST, Backends, RouterFactory, new_rid
 
 LIMIT_FLAGS = ("--header-timeout", "1", "--body-timeout", "1", "--max-body-size", "2000")
 #: What a deadline of 1 s may take on a busy 2-core machine.
@@ -29,7 +29,7 @@ def _router_port(backends: Backends, router_factory: RouterFactory) -> int:
     return router_factory(backends.ok_p, backends.ok_d, *LIMIT_FLAGS).proc.port
 
 
-def _status_then_closed(conn: _Conn, within: float) -> int:
+def _status_then_closed(conn: RawConnection, within: float) -> int:
     """The status of the answer the server sends (0: none), after which it must close within ``within`` s."""
     conn.sock.settimeout(within)
     line = conn.file.readline()
@@ -40,9 +40,9 @@ def _status_then_closed(conn: _Conn, within: float) -> int:
 
 
 def _normal_request_ok(port: int) -> None:
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:
-        conn.send(_post("/v1/completions", _body("/v1/completions"), new_rid("limits-ok")))
+        conn.send(raw_post("/v1/completions", json_body("/v1/completions"), new_rid("limits-ok")))
         status, _, body = conn.answer()
         assert status == 200, body
         assert json.loads(body)["choices"]
@@ -52,13 +52,13 @@ def _normal_request_ok(port: int) -> None:
 
 def test_head_over_16_kib_is_431_whole_or_still_arriving(backends: Backends, router_factory: RouterFactory) -> None:
     port = _router_port(backends, router_factory)
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:  # a complete head, too large
-        conn.send(_post("/v1/completions", b"{}", new_rid("limits-431"), f"X-Big: {'a' * MAX_HEAD_BYTES}\r\n"))
+        conn.send(raw_post("/v1/completions", b"{}", new_rid("limits-431"), f"X-Big: {'a' * MAX_HEAD_BYTES}\r\n"))
         assert _status_then_closed(conn, SLACK_S) == 431
     finally:
         conn.close()
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:  # a head that never ends, fed in pieces faster than the header deadline
         conn.send(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nX-Endless: ")
         sent = 0
@@ -78,7 +78,7 @@ def test_head_over_16_kib_is_431_whole_or_still_arriving(backends: Backends, rou
 
 def test_header_deadline_answers_408_and_closes(backends: Backends, router_factory: RouterFactory) -> None:
     port = _router_port(backends, router_factory)
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:
         t0 = time.monotonic()
         conn.send(b"POST /v1/completions HTTP/1.1\r\nHost: rou")
@@ -90,10 +90,10 @@ def test_header_deadline_answers_408_and_closes(backends: Backends, router_facto
 
 def test_body_deadline_answers_408_and_closes(backends: Backends, router_factory: RouterFactory) -> None:
     port = _router_port(backends, router_factory)
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:
-        body = _body("/v1/completions")
-        conn.send(_post("/v1/completions", body, new_rid("limits-body"))[: -len(body) // 2])
+        body = json_body("/v1/completions")
+        conn.send(raw_post("/v1/completions", body, new_rid("limits-body"))[: -len(body) // 2])
         t0 = time.monotonic()
         time.sleep(0.5)
         conn.send(body[len(body) // 2 : len(body) // 2 + 1])  # progress resets the deadline
@@ -128,7 +128,7 @@ def test_slowloris_connections_are_all_closed_and_the_router_serves_meanwhile(
 
 def test_bytes_that_begin_no_request_are_closed_too(backends: Backends, router_factory: RouterFactory) -> None:
     port = _router_port(backends, router_factory)
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:
         conn.send(b"\r\n")
         assert _status_then_closed(conn, 1 + SLACK_S) == 0
@@ -138,21 +138,21 @@ def test_bytes_that_begin_no_request_are_closed_too(backends: Backends, router_f
 
 def test_over_limit_body_is_413_at_once_without_reading_it(backends: Backends, router_factory: RouterFactory) -> None:
     port = _router_port(backends, router_factory)
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:  # announced: answered before any body byte is sent
         head = "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Length: 100000000\r\n\r\n"
         conn.send(head.encode())
         assert _status_then_closed(conn, SLACK_S) == 413
     finally:
         conn.close()
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:  # chunked: answered once the body grows over the limit, the rest never read
         conn.send(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nTransfer-Encoding: chunked\r\n\r\n")
         conn.send(b"%x\r\n%b\r\n" % (3000, b"x" * 3000))
         assert _status_then_closed(conn, SLACK_S) == 413
     finally:
         conn.close()
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:  # with Expect: 100-continue, no 100 goes out
         head = "POST /v1/completions HTTP/1.1\r\nHost: router\r\nExpect: 100-continue\r\nContent-Length: 5000\r\n\r\n"
         conn.send(head.encode())
@@ -164,10 +164,10 @@ def test_over_limit_body_is_413_at_once_without_reading_it(backends: Backends, r
 
 def test_at_most_one_pipelined_request_waits(backends: Backends, router_factory: RouterFactory) -> None:
     port = _router_port(backends, router_factory)
-    conn = _Conn(port)
+    conn = RawConnection(port)
     try:
         rids = [new_rid(f"limits-pipe{i}") for i in range(4)]
-        conn.send(b"".join(_post("/v1/completions", _body("/v1/completions"), rid) for rid in rids))
+        conn.send(b"".join(raw_post("/v1/completions", json_body("/v1/completions"), rid) for rid in rids))
         for rid in rids[:2]:  # the one answered and the one waiting
             status, headers, body = conn.answer()
             assert (status, headers["x-request-id"]) == (200, rid), body
@@ -207,7 +207,7 @@ def test_write_deadline_cuts_a_client_that_stops_reading() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, (HOST, port))
-        await asyncio.get_running_loop().sock_sendall(sock, _post("/v1/completions", b"{}", "rid-w"))
+        await asyncio.get_running_loop().sock_sendall(sock, raw_post("/v1/completions", b"{}", "rid-w"))
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(10):
@@ -238,7 +238,7 @@ def test_reading_pauses_while_one_request_waits() -> None:
         reader, writer = await asyncio.open_connection(HOST, port)
         try:
             for i in range(3):  # three writes: the first served, the second waits, the third stays unread
-                writer.write(_post("/v1/completions", b"{}", f"r{i}"))
+                writer.write(raw_post("/v1/completions", b"{}", f"r{i}"))
                 await writer.drain()
                 await asyncio.sleep(0.2)
             (conn,) = hot.connections

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from keys_testlib import secret_file, self_signed
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_testlib import (
+
+from tests.support.key_files import secret_file, self_signed
+from tests.support.router_rig import (
     FAKE_BACKEND,
     HOST,
     Backends,

@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_testlib import (
+
+from tests.support.router_rig import (
     HOST,
     Backends,
     Router,

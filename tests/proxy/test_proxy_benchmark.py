@@ -12,9 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from proxy_testlib import REPO_ROOT
 
 from launch import ascend_peers
+from tests.support.router_rig import REPO_ROOT
 
 BENCHMARK = REPO_ROOT / "benchmarks" / "router.py"
 

@@ -11,7 +11,13 @@ from typing import Any
 
 import httpx
 import pytest
-from proxy_testlib import (
+
+from proxy.backends import BackendPool
+from proxy.cli import parse_config
+from proxy.config import Backend
+from proxy.payloads import estimate_prompt_tokens
+from proxy.routing import POLICIES, CacheAware, RouteRequest, RoutingOptions
+from tests.support.router_rig import (
     FAKE_BACKEND,
     HOST,
     Proc,
@@ -24,12 +30,6 @@ from proxy_testlib import (
     records,
     wait_until,
 )
-
-from proxy.backends import BackendPool
-from proxy.cli import parse_config
-from proxy.config import Backend
-from proxy.payloads import estimate_prompt_tokens
-from proxy.routing import POLICIES, CacheAware, RouteRequest, RoutingOptions
 
 P = tuple(Backend("prefill", "p", 8100 + i, 18800) for i in range(2))
 D = tuple(Backend("decode", "d", 8200 + i) for i in range(2))

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from proxy_testlib import REPO_ROOT
 
 from proxy.cli import parse_config
+from tests.support.router_rig import REPO_ROOT
 
 BASE = ["--prefiller-hosts", "p1", "--prefiller-ports", "8100", "--decoder-hosts", "d1", "--decoder-ports", "8200"]
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from proxy_testlib import (
+
+from tests.support.router_rig import (
     FAKE_BACKEND,
     HOST,
     Backends,

@@ -4,7 +4,8 @@ the retry avoid the attempt's prefiller too, where another one exists (issue 9 P
 from __future__ import annotations
 
 import httpx
-from proxy_testlib import Backends, RouterFactory, http_client, new_rid, records, request_body
+
+from tests.support.router_rig import Backends, RouterFactory, http_client, new_rid, records, request_body
 
 
 def test_a_decoder_5xx_retries_on_the_other_prefiller(backends: Backends, router_factory: RouterFactory) -> None:

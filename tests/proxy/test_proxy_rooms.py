@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import pytest
-from proxy_testlib import Backends, RouterFactory, http_client, new_rid, record, request_body
 
 from pd_connector.kv_params import KVParamsError, PrefillParams, parse_kv_params, prefill_refused
 from proxy.backends import BackendState
@@ -16,6 +15,7 @@ from proxy.config import Backend
 from proxy.payloads import decode_body, prefill_body, resolve_room
 from proxy.rooms import RoomsInUse
 from proxy.upstream import refused_failure
+from tests.support.router_rig import Backends, RouterFactory, http_client, new_rid, record, request_body
 
 PREFILLER = Backend("prefill", "10.0.0.7", 8100, 18800)
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from proxy_testlib import (
+
+from tests.support.router_rig import (
     HOST,
     PATHS,
     Backends,

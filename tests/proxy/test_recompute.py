@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from proxy_testlib import HOST, Router, free_port, http_client, new_rid, sse_events, start_router, wait_until
+
+from tests.support.router_rig import HOST, Router, free_port, http_client, new_rid, sse_events, start_router, wait_until
 
 TOKEN = re.compile(r" t\d+")
 CUT = re.compile(r"-rc(\d+)x(\d+)-")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy_testlib import (
+from tests.support.router_rig import (
     Backends,
     RouterFactory,
     assert_openai_error,

@@ -14,11 +14,20 @@ from typing import Any
 
 import httpx
 import pytest
-from proxy_testlib import HOST, REPO_ROOT, Backends, Router, admin_headers, request_body, start_router, wait_until
 
 from proxy import workers as workers_module
 from proxy.cli import parse_config
 from proxy.workers import Supervisor, SupervisorState
+from tests.support.router_rig import (
+    HOST,
+    REPO_ROOT,
+    Backends,
+    Router,
+    admin_headers,
+    request_body,
+    start_router,
+    wait_until,
+)
 
 
 def _listening_sockets(port: int) -> int:

@@ -1,8 +1,4 @@
-"""Helpers shared by the Router tests: free ports, polling, child processes.
-
-Kept out of ``conftest.py`` so test modules can import them (``tests/proxy`` is not a package:
-pytest puts this folder on ``sys.path``).
-"""
+"""Helpers shared by the Router tests (tests/proxy): free ports, polling, child processes."""
 
 from __future__ import annotations
 

@@ -14,6 +14,11 @@ from launch.processes import LOOPBACK, ManagedProcess, ProcessGroup, router_cmd,
 
 #: Seconds a vLLM instance may take to answer /health (each start-up costs about a minute here).
 START_TIMEOUT_S = 300.0
+#: Short connector timeouts of the session's P/D stack (tests/e2e/conftest.py), so failure tests finish quickly.
+#: P: how long a finished prefill keeps its KV blocks for a D that never asks for them.
+P_ROOM_TIMEOUT_S = 20.0
+#: D: how long a request waits for its KV from P before the load counts as failed.
+D_KV_WAIT_TIMEOUT_S = 15.0
 
 BLOCK_SIZE = 32  # launch.processes serves with --block-size 32
 # Prompt lengths in tokens (the tiny model's tokenizer is byte-level: one ASCII char = one token),

@@ -26,9 +26,8 @@ from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import create_backend
 from pd_connector.transfer.states import RoomState
 from pd_connector.transfer.stats import StatsSnapshot
-
-from .inproc_backend import register_inproc
-from .loopback import HOST, free_port, wait_for
+from tests.support.inproc_backend import register_inproc
+from tests.support.loopback import HOST, free_port, wait_for
 
 register_inproc()
 

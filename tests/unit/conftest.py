@@ -9,9 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from pd_connector.bootstrap.server import BootstrapServer
-
-from .loopback import HOST, free_port, wait_for
-from .transfer_rig import Engines, Rig, start_bootstrap
+from tests.support.loopback import HOST, free_port, wait_for
+from tests.support.transfer_rig import Engines, Rig, start_bootstrap
 
 __all__ = ["HOST", "free_port", "wait_for"]  # re-exported: tests import them from here
 

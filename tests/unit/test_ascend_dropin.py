@@ -24,9 +24,9 @@ from pd_connector.peer_sizes import SideSizes
 from pd_connector.rank_checks import RankSetupError, check_kv_memory, check_sizes
 from pd_connector.tp_mapping import is_head_major
 from pd_connector.transfer.mooncake import MooncakeOptions, default_protocol
+from tests.support.transfer_rig import Rig, recv_job, snapshot
 
 from .test_layout import _apply, _storages, whole_block_writes
-from .transfer_rig import Rig, recv_job, snapshot
 
 MiB2 = 2 << 20
 NB, BS, HEADS, HD = 12, 16, 4, 8

@@ -21,9 +21,8 @@ from pd_connector.kv_params import KVParamsError, host_port, parse_kv_params
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import RegisterRank
 from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer
-
-from .conftest import HOST, free_port, wait_for
-from .transfer_rig import BLOCK_SIZE, Rig, recv_job
+from tests.support.loopback import HOST, free_port, wait_for
+from tests.support.transfer_rig import BLOCK_SIZE, Rig, recv_job
 
 TOKEN = "s3cret-token-for-the-tests-0123"
 

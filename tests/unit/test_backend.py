@@ -17,8 +17,7 @@ from pd_connector.transfer.registry import (
     register_backend,
 )
 from pd_connector.transfer.stats import NAMES, TransferStats
-
-from .inproc_backend import InprocBackend, register_inproc
+from tests.support.inproc_backend import InprocBackend, register_inproc
 
 # ---------------------------------------------------------------- registry
 

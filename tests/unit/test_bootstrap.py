@@ -15,8 +15,7 @@ from pd_connector.bootstrap import client as bclient
 from pd_connector.bootstrap.client import BootstrapError, RouteCache, register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.protocol import RankInfo, RegisterRank, Route
-
-from .conftest import HOST, free_port
+from tests.support.loopback import HOST, free_port
 
 
 def _rank(tp: int = 0, dp: int = 0, tp_size: int = 2, dp_size: int = 1, **kw: Any) -> RegisterRank:

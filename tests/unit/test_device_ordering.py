@@ -25,10 +25,9 @@ from pd_connector.layer_chunks import LayerChunk
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.layerwise import LayerStreams, layer_regions_of
 from pd_connector.transfer.states import RoomState
-
-from .conftest import wait_for
-from .sim_device import SimDevice
-from .transfer_rig import BLOCK_SIZE, LAYERS, Rig, Side, recv_job, snapshot
+from tests.support.loopback import wait_for
+from tests.support.sim_device import SimDevice
+from tests.support.transfer_rig import BLOCK_SIZE, LAYERS, Rig, Side, recv_job, snapshot
 
 BUSY_S = 0.3  # how long the test keeps the device busy before it lets the forward's writes land
 MODES = ["layer", "request"]

@@ -33,8 +33,8 @@ from pd_connector.metadata import RecvJob, SendJob
 from pd_connector.protocol import RegisterRank
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import create_backend
+from tests.support.loopback import HOST, free_port, wait_for
 
-from .conftest import HOST, free_port, wait_for
 from .test_ascend_dropin import ascend_tensor
 from .test_nhd_mixed_tp import CountingBackend
 

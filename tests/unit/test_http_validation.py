@@ -21,7 +21,7 @@ from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.http_validation import CHECKED_PATHS, KVParamsValidationMiddleware, parse_body
 from pd_connector.protocol import RegisterRank
-from tests.unit.conftest import free_port
+from tests.support.loopback import free_port
 
 GOOD_D = {
     "do_remote_prefill": True,

@@ -18,8 +18,7 @@ from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.bootstrap.signing import CallVerifier, sign_call, signed_headers
 from pd_connector.config import parse_config
 from pd_connector.keys import BOOTSTRAP_INFO, FRAME_INFO, derive_keys, hkdf_sha256
-
-from .conftest import HOST, free_port
+from tests.support.loopback import HOST, free_port
 
 TOKEN = b"the-deployment-secret-0123456789"
 

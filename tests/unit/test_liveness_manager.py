@@ -15,9 +15,8 @@ import pytest
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.liveness import PeerState
 from pd_connector.transfer.states import RoomState
-
-from .conftest import wait_for
-from .transfer_rig import BLOCK_SIZE, Rig, recv_job
+from tests.support.loopback import wait_for
+from tests.support.transfer_rig import BLOCK_SIZE, Rig, recv_job
 
 PEER_TIMEOUT_S = 1.0
 TOKEN = "liveness-test-token-0123456789"

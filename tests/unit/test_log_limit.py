@@ -11,9 +11,8 @@ import zmq
 
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.log_limit import LogLimiter
-
-from .loopback import HOST, free_port, wait_for
-from .transfer_rig import Rig
+from tests.support.loopback import HOST, free_port, wait_for
+from tests.support.transfer_rig import Rig
 
 FLOOD = 40
 

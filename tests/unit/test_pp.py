@@ -34,9 +34,8 @@ from pd_connector.pp_stages import (
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import create_backend
-
-from .loopback import HOST, free_port, wait_for
-from .transfer_rig import BLOCK_SIZE, DTYPE, HEAD_DIM, HEADS, NUM_BLOCKS, Side, recv_job
+from tests.support.loopback import HOST, free_port, wait_for
+from tests.support.transfer_rig import BLOCK_SIZE, DTYPE, HEAD_DIM, HEADS, NUM_BLOCKS, Side, recv_job
 
 LAYERS = 6
 

@@ -17,10 +17,10 @@ from pd_connector.kv_params import prefill_refused
 from pd_connector.metadata import SendJob
 from pd_connector.scheduler import PDScheduler
 from pd_connector.transfer.states import RoomState
+from tests.support.loopback import wait_for
+from tests.support.transfer_rig import BLOCK_SIZE, Rig, assert_landed, recv_job, snapshot
 
-from .conftest import wait_for
 from .test_scheduler import FakeRequest, meta, psched  # noqa: F401 - fixture
-from .transfer_rig import BLOCK_SIZE, Rig, assert_landed, recv_job, snapshot
 
 DONE = RequestStatus.FINISHED_LENGTH_CAPPED
 

@@ -26,9 +26,9 @@ from pd_connector.rank_checks import RankSetupError
 from pd_connector.transfer.registry import register_backend
 from pd_connector.transfer.staging import STAGING_ALIGN, aligned_buffer, nhd_reshuffle, round_up
 from pd_connector.worker import PDWorker
+from tests.support.inproc_backend import InprocBackend
+from tests.support.loopback import HOST, free_port
 
-from .conftest import HOST, free_port
-from .inproc_backend import InprocBackend
 from .test_ascend_dropin import ascend_tensor
 from .test_nhd_mixed_tp import CountingBackend, Engines
 from .test_nhd_mixed_tp import test_mixed_tp_on_token_major_kv_is_byte_exact as run_mixed_tp_case

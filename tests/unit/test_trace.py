@@ -10,8 +10,7 @@ import pytest
 
 from pd_connector.metadata import SendJob
 from pd_connector.trace import PHASES, PhaseTrace, TraceBook, export_spans, parse_trace_line
-
-from . import transfer_rig as tm
+from tests.support import transfer_rig as tm
 
 
 def test_line_format_round_trips() -> None:

@@ -17,10 +17,9 @@ from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.registry import known_backends
 from pd_connector.transfer.states import LoadState, RoomState
-
-from .inproc_backend import InprocBackend
-from .loopback import HOST, free_port, wait_for
-from .transfer_rig import BLOCK_SIZE, BOTH_BACKENDS, HEADS, LAYERS, Rig, assert_landed, recv_job, snapshot
+from tests.support.inproc_backend import InprocBackend
+from tests.support.loopback import HOST, free_port, wait_for
+from tests.support.transfer_rig import BLOCK_SIZE, BOTH_BACKENDS, HEADS, LAYERS, Rig, assert_landed, recv_job, snapshot
 
 # ------------------------------------------------------------------ happy paths
 

@@ -33,9 +33,8 @@ from pd_connector.transfer.loads import Load, stop_wait_s
 from pd_connector.transfer.outbox import Outbox
 from pd_connector.transfer.states import LoadState, RoomState
 from pd_connector.transfer.stats import TransferStats
-
-from .loopback import wait_for
-from .transfer_rig import BLOCK_SIZE, LAYERS, NUM_BLOCKS, Rig, Side, recv_job
+from tests.support.loopback import wait_for
+from tests.support.transfer_rig import BLOCK_SIZE, LAYERS, NUM_BLOCKS, Rig, Side, recv_job
 
 P_BLOCKS, D_BLOCKS = [2, 4, 6, 8], [1, 3, 5, 7]  # not contiguous: one entry per block and layer (8 in all)
 

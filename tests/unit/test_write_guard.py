@@ -17,8 +17,7 @@ from pd_connector import protocol as proto
 from pd_connector.layout import LayoutError, Region, regions_of_kv_caches
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.write_guard import WriteGuard, WriteTargetError, check_own_blocks, request_blocks
-
-from .transfer_rig import BOTH_BACKENDS, NUM_BLOCKS, Rig, recv_job, snapshot
+from tests.support.transfer_rig import BOTH_BACKENDS, NUM_BLOCKS, Rig, recv_job, snapshot
 
 NB = 8
 

@@ -33,10 +33,8 @@ from pd_connector.transfer.wire_checks import (
     escaped,
     message_problem,
 )
-
-from .conftest import HOST, wait_for
-from .loopback import push_raw
-from .transfer_rig import BLOCK_SIZE, Rig, recv_job
+from tests.support.loopback import HOST, push_raw, wait_for
+from tests.support.transfer_rig import BLOCK_SIZE, Rig, recv_job
 
 TOKEN = b"zmq-limits-test-token-0123456789"
 

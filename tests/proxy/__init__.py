@@ -1,0 +1,1 @@
+"""Router tests: real `python -m proxy` processes in front of fake backends."""

@@ -28,6 +28,7 @@ DEFAULT_BACKEND = "mooncake"
 #: Backend name -> the module defining its ``BACKEND`` spec, imported on first use. One line per backend.
 _MODULES: dict[str, str] = {
     "mooncake": "pd_connector.transfer.mooncake",
+    "device_copy": "pd_connector.transfer.device_copy",
 }
 
 

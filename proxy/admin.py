@@ -26,7 +26,7 @@ from proxy.incoming import read_json
 from proxy.upstream import Failure, fetch, probe
 
 if TYPE_CHECKING:
-    from proxy.router import Router
+    from proxy.router_state import Router
 
 logger = logging.getLogger("proxy")
 

@@ -21,7 +21,7 @@ prefill instance P and one decode instance D; both requests are sent at once; D'
 
 Where things are: :mod:`proxy.exchange` (one client request, its retries and its answer),
 :mod:`proxy.attempt` (one try on one P/D pair), :mod:`proxy.admin` (``/instances``,
-``/instances/add|remove``, ``/reset_prefix_cache``), :mod:`proxy.router` (the application
+``/instances/add|remove``, ``/reset_prefix_cache``), :mod:`proxy.router_state` (the application
 state), :mod:`proxy.routing` (routing policies), :mod:`proxy.http1` (the one HTTP client for
 every backend call), :mod:`proxy.upstream` (failure classification, health checks). Routes
 here: the two generation endpoints, ``/v1/models``, ``/health``, ``/healthcheck``,
@@ -50,10 +50,11 @@ from proxy.errors import (
     json_response,
 )
 from proxy.exchange import generate
+from proxy.failure_policy import decide
 from proxy.incoming import backend_headers, request_id
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.payloads import CHAT_COMPLETIONS, COMPLETIONS
-from proxy.router import Router
+from proxy.router_state import Router
 from proxy.upstream import Failure, fetch, http_failure, passthrough_response
 from proxy.workers import MEMBERSHIP_PATHS, current_worker, refuse_membership_changes
 
@@ -104,7 +105,7 @@ def _routes(router: Router, gate: Gate) -> list[tuple[str, str, Handler]]:
             reply = await fetch(router.http, state, "GET", "/v1/models", config.request_timeout, None, headers)
             if isinstance(reply, Failure):
                 last = reply
-                if last.kind == "connect":
+                if decide(last).mark_unhealthy:
                     router.pool.mark_unhealthy(state, last.error.message)
                 logger.warning("rid=%s GET /v1/models: %s", rid, last.error.message)
                 continue

@@ -39,7 +39,7 @@ from proxy.upstream import (
 )
 
 if TYPE_CHECKING:
-    from proxy.router import Router
+    from proxy.router_state import Router
 
 logger = logging.getLogger("proxy")
 

@@ -23,7 +23,6 @@ from aiohttp import web
 
 from pd_connector.trace import PhaseTrace
 from proxy.attempt import Answered, Attempt, Call, Opened
-from proxy.backends import BackendState
 from proxy.errors import (
     CLIENT_DISCONNECTED,
     DECODE_FAILED,
@@ -32,14 +31,16 @@ from proxy.errors import (
     RouterError,
     error_response,
 )
+from proxy.failure_policy import Tried, settle
 from proxy.first_token import FirstTokenPath
-from proxy.first_token_body import FirstTokenFrom, ineligible_reason
+from proxy.first_token_body import ineligible_reason
 from proxy.http1 import UpstreamError
 from proxy.incoming import backend_headers, read_json, request_id
 from proxy.payloads import check_prefill_dp_rank, estimate_prompt_tokens, new_room, resolve_room, validate_body
+from proxy.progress import RequestProgress
 from proxy.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
-from proxy.room_release import release_abandoned
-from proxy.router import Router
+from proxy.room_release import release_attempt_room
+from proxy.router_state import Router
 from proxy.routing import RouteRequest
 from proxy.upstream import Failure, exception_failure, passthrough_response
 
@@ -88,16 +89,13 @@ class Exchange:
         self.call = call
         self.endpoint = call.endpoint
         self.rid = call.rid
-        self.room = room
+        #: The request's room, attempts and first byte (shared with the first-token path and
+        #: proxy.recompute, which run attempts of this request too).
+        self.progress = RequestProgress(room)
         self.t0 = t0
         self.deadline = t0 + router.config.request_timeout
         self.out_headers = {"X-Request-Id": call.rid}
-        self.attempt: Attempt | None = None
-        #: Who sent the client's first token.
-        self.first_token_from = FirstTokenFrom.DECODE
-        self.attempts = 0
         self.status = 0
-        self.ttfb: float | None = None
         #: The last bytes relayed to the client; a stream whose tail is ``data: [DONE]`` is complete
         #: even if the client hangs up before the Router ends the chunked body.
         self._tail = b""
@@ -114,33 +112,33 @@ class Exchange:
             return await self._attempts()
         except asyncio.CancelledError:
             if self.sent_done_event:
-                logger.debug("rid=%s room=%s client closed the connection after [DONE]", self.rid, self.room)
+                logger.debug("rid=%s room=%s client closed the connection after [DONE]", self.rid, self.progress.room)
                 raise
             self.status = CLIENT_CLOSED_REQUEST
             self.router.metrics.error(self.endpoint, CLIENT_DISCONNECTED)
             logger.warning(
                 "rid=%s room=%s client disconnected %s; closing the backend requests",
                 self.rid,
-                self.room,
-                "mid-stream" if self.ttfb is not None else "before the answer",
+                self.progress.room,
+                "mid-stream" if self.progress.ttfb is not None else "before the answer",
             )
             raise
         except Exception as exc:
-            logger.exception("rid=%s room=%s unexpected error", self.rid, self.room)
+            logger.exception("rid=%s room=%s unexpected error", self.rid, self.progress.room)
             self.status = 500
             self.router.metrics.error(self.endpoint, INTERNAL_ERROR)
-            if self.ttfb is not None:
+            if self.progress.ttfb is not None:
                 raise
             return error_response(500, f"internal Router error: {type(exc).__name__}", INTERNAL_ERROR, self.out_headers)
         finally:
-            if self.attempt is not None:
-                self.attempt.close()
+            if self.progress.attempt is not None:
+                self.progress.attempt.close()
             self._log_done()
 
     def _log_done(self) -> None:
         elapsed = time.monotonic() - self.t0
-        self.router.metrics.request_done(self.endpoint, self.status, self.ttfb, elapsed)
-        attempt = self.attempt
+        self.router.metrics.request_done(self.endpoint, self.status, self.progress.ttfb, elapsed)
+        attempt = self.progress.attempt
         if not logger.isEnabledFor(logging.INFO):
             return  # nor build the phase trace
         # One line a request (its phase trace, pd_connector.trace's summary, at its end): logging
@@ -148,16 +146,16 @@ class Exchange:
         logger.info(
             "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f first=%s%s",
             self.rid,
-            self.room,
+            self.progress.room,
             self.endpoint,
             self.call.stream,
             attempt.p.backend.address if attempt else "-",
             attempt.d.backend.address if attempt else "-",
             self.status,
-            self.attempts,
-            f"{self.ttfb * 1000:.1f}" if self.ttfb is not None else "-",
+            self.progress.attempts,
+            f"{self.progress.ttfb * 1000:.1f}" if self.progress.ttfb is not None else "-",
             elapsed * 1000,
-            self.first_token_from.value,
+            self.progress.first_token_from.value,
             "" if attempt is None else " | " + self._phase_trace(attempt, elapsed).line(),
         )
 
@@ -170,8 +168,8 @@ class Exchange:
         trace.mark("received", received)
         if attempt.p_answered_at is not None:
             trace.mark("p_answered", attempt.p_answered_at)
-        if self.ttfb is not None:
-            trace.mark("d_first_byte", received + self.ttfb)
+        if self.progress.ttfb is not None:
+            trace.mark("d_first_byte", received + self.progress.ttfb)
         trace.mark("done", received + elapsed)
         return trace
 
@@ -182,54 +180,47 @@ class Exchange:
             return await FirstTokenPath(self).run()
         return await self.pair_attempts()
 
-    async def pair_attempts(
-        self, start: int = 1, tried_p: set[BackendState] | None = None, tried_d: set[BackendState] | None = None
-    ) -> web.StreamResponse:
-        """Attempts ``start``.. on P/D pairs (P and D at once), avoiding the instances that failed."""
+    async def pair_attempts(self, start: int = 1, tried: Tried | None = None) -> web.StreamResponse:
+        """Attempts ``start``.. on P/D pairs (P and D at once), avoiding the instances that failed
+        (``tried``); each failure as :mod:`proxy.failure_policy` decides."""
         router = self.router
         config = router.config
         pool = router.pool
-        tried_p = set() if tried_p is None else tried_p
-        tried_d = set() if tried_d is None else tried_d
+        progress = self.progress
+        tried = Tried() if tried is None else tried
         failure: Failure | None = None
         for number in range(start, config.max_retries + 1):
             if number > 1:
                 router.metrics.retry(self.endpoint)
-                self.room = new_room()
+                progress.room = new_room()
                 delay = config.retry_delay * 2 ** (number - 2)
                 if delay > 0:
                     await asyncio.sleep(delay)
-            route = RouteRequest(self.room, self.call.tokens, self.call.body)
-            p = pool.pick("prefill", self.room, tried_p, route)
-            d = pool.pick("decode", self.room, tried_d, route)
+            route = RouteRequest(progress.room, self.call.tokens, self.call.body)
+            p = pool.pick("prefill", progress.room, tried.p, route)
+            d = pool.pick("decode", progress.room, tried.d, route)
             if p is None or d is None:
                 missing = "prefill" if p is None else "decode"
                 return self.error(RouterError(503, f"no {missing} instance is available", UPSTREAM_UNAVAILABLE))
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 break
-            self.attempts = number
-            self.attempt = attempt = Attempt(router, self.call, p, d, self.room, remaining)
+            progress.attempts = number
+            progress.attempt = attempt = Attempt(router, self.call, p, d, progress.room, remaining)
             outcome = await attempt.run()
             if not isinstance(outcome, Failure):
                 return await self.answer(attempt, outcome)
             failure = outcome
             attempt.close()
-            release_abandoned(router, attempt, failure)  # P finished, D unreachable: free the room now
-            router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)
-            if failure.kind == "connect":
-                pool.mark_unhealthy(failure.state, failure.error.message)
-            (tried_p if failure.state.backend.role == "prefill" else tried_d).add(failure.state)
-            if not failure.retryable or number == config.max_retries:
+            decision = settle(router, self.endpoint, failure, tried, attempt)
+            if decision.release_room:
+                release_attempt_room(router, attempt)  # P finished, D unreachable: free the room now
+            if not decision.retry or number == config.max_retries:
                 break
-            if failure.state is d and failure.kind in ("http_5xx", "error_event"):
-                # D's answer to a failed KV load: most often P's doing (P frozen or gone, D's liveness
-                # saw it), which D cannot name; the retry avoids this P too where another one exists.
-                tried_p.add(p)
             logger.warning(
                 "rid=%s room=%s attempt %d/%d failed (%s); retrying on another pair with a fresh room",
                 self.rid,
-                self.room,
+                self.progress.room,
                 number,
                 config.max_retries,
                 failure.error.message,
@@ -244,7 +235,7 @@ class Exchange:
         """The client's answer for a Router-side error (counted and logged)."""
         self.status = error.status
         self.router.metrics.error(self.endpoint, error.error_type)
-        logger.error("rid=%s room=%s answering HTTP %d: %s", self.rid, self.room, error.status, error.message)
+        logger.error("rid=%s room=%s answering HTTP %d: %s", self.rid, self.progress.room, error.status, error.message)
         return error.to_response(self.out_headers)
 
     def final_failure(self, failure: Failure) -> web.Response:
@@ -252,14 +243,14 @@ class Exchange:
         error passed through where it has one)."""
         self.status = failure.passthrough[0] if failure.passthrough else failure.error.status
         self.router.metrics.error(self.endpoint, failure.error.error_type)
-        if self.attempt is not None:
-            self.router.pair_refusals.note(self.attempt.p, failure)
+        if self.progress.attempt is not None:
+            self.router.pair_refusals.note(self.progress.attempt.p, failure)
         logger.error(
             "rid=%s room=%s answering HTTP %d after %d attempt(s): %s",
             self.rid,
-            self.room,
+            self.progress.room,
             self.status,
-            self.attempts,
+            self.progress.attempts,
             failure.error.message,
         )
         return failure.response(self.out_headers)
@@ -270,7 +261,7 @@ class Exchange:
             if self.router.config.max_recomputes and (cut := recomputed_answer(outcome.body)) is not None:
                 return await continue_answer(self, attempt, outcome, cut)
             self.status = outcome.status
-            self.ttfb = time.monotonic() - self.t0
+            self.progress.ttfb = time.monotonic() - self.t0
             return passthrough_response(outcome.status, outcome.body, outcome.content_type, self.out_headers)
         try:
             watch = stream_watch(self, None)
@@ -316,8 +307,8 @@ class Exchange:
             else:
                 await response.write(chunk)
             self._tail = (self._tail + chunk)[-64:]
-            if self.ttfb is None:
-                self.ttfb = time.monotonic() - self.t0
+            if self.progress.ttfb is None:
+                self.progress.ttfb = time.monotonic() - self.t0
             if eof_sent:
                 break
             try:
@@ -350,12 +341,12 @@ class Exchange:
 
     def _stream_cut(self, attempt: Attempt, failure: Failure) -> None:
         self.router.pair_refusals.note(attempt.p, failure)
-        self.router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind)
+        self.router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind.value)
         self.router.metrics.error(self.endpoint, failure.error.error_type)
         logger.error(
             "rid=%s room=%s stream cut after it started: %s; ending it with an error event",
             self.rid,
-            self.room,
+            self.progress.room,
             failure.error.message,
         )
         attempt.close()

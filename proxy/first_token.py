@@ -30,7 +30,8 @@ from aiohttp import web
 
 from proxy.attempt import Attempt, Call, Opened
 from proxy.backends import BackendState
-from proxy.errors import PREFILL_FAILED, UPSTREAM_UNAVAILABLE, RouterError
+from proxy.errors import UPSTREAM_UNAVAILABLE, RouterError
+from proxy.failure_policy import Decision, Tried, settle
 from proxy.first_token_body import (
     ContinuationFix,
     DropRepeatedFirst,
@@ -50,9 +51,9 @@ from proxy.http1 import encode_json
 from proxy.payloads import new_room
 from proxy.prefill_watch import WATCH_AFTER_S
 from proxy.recompute import after_relay, stream_watch
-from proxy.room_release import release_abandoned, release_room
+from proxy.room_release import release_attempt_room, release_room
 from proxy.routing import RouteRequest
-from proxy.upstream import Failure, Reply, fetch, http_failure, refused_failure
+from proxy.upstream import Failure, FailureKind, Reply, fetch, http_failure, refused_failure, unresponsive_failure
 
 if TYPE_CHECKING:
     from proxy.exchange import Exchange
@@ -61,15 +62,18 @@ logger = logging.getLogger("proxy")
 
 
 class FirstTokenPath:
-    """One client request on the first-token path (its :class:`proxy.exchange.Exchange` keeps the
-    bookkeeping: attempts, status, TTFB, the log line)."""
+    """One client request on the first-token path: its attempts go in the request's
+    :class:`proxy.progress.RequestProgress`, their failures through :mod:`proxy.failure_policy`;
+    its :class:`proxy.exchange.Exchange` answers errors, relays streams and writes the log line."""
 
     def __init__(self, exchange: Exchange) -> None:
         self.ex = exchange
         self.router = exchange.router
         self.call = exchange.call
-        self.tried_p: set[BackendState] = set()
-        self.tried_d: set[BackendState] = set()
+        #: The request's room, attempts and first byte (the exchange's log line reads them).
+        self.progress = exchange.progress
+        #: The instances that failed this request.
+        self.tried = Tried()
 
     async def run(self) -> web.StreamResponse:
         ex = self.ex
@@ -81,7 +85,7 @@ class FirstTokenPath:
             logger.warning(
                 "rid=%s room=%s %s answered without token ids; D answers from the first token",
                 ex.rid,
-                ex.room,
+                self.progress.room,
                 p.backend.name,
             )
             return await self._plain_decode(p)
@@ -94,7 +98,7 @@ class FirstTokenPath:
             logger.info(
                 "rid=%s room=%s token 1's text %r may be a partial character; D answers from the first token",
                 ex.rid,
-                ex.room,
+                self.progress.room,
                 first.text,
             )
             return await self._plain_decode(p)
@@ -109,28 +113,30 @@ class FirstTokenPath:
         for number in range(1, config.max_retries + 1):
             if number > 1:
                 router.metrics.retry(ex.endpoint)
-                ex.room = new_room()
+                self.progress.room = new_room()
                 delay = config.retry_delay * 2 ** (number - 2)
                 if delay > 0:
                     await asyncio.sleep(delay)
-            p = pool.pick("prefill", ex.room, self.tried_p, RouteRequest(ex.room, call.tokens, call.body))
+            p = pool.pick(
+                "prefill", self.progress.room, self.tried.p, RouteRequest(self.progress.room, call.tokens, call.body)
+            )
             if p is None:
                 return ex.error(RouterError(503, "no prefill instance is available", UPSTREAM_UNAVAILABLE))
             remaining = ex.deadline - time.monotonic()
             if remaining <= 0:
                 break
-            ex.attempts = number
+            self.progress.attempts = number
             outcome = await self._prefill(p, remaining)
             if isinstance(outcome, Reply):
                 return p, outcome, parse_first_token(outcome.body)
             failure = outcome
-            self._count_failure(failure)
-            if not failure.retryable or number == config.max_retries:
+            decision = settle(router, call.endpoint, failure, self.tried)
+            if not decision.retry or number == config.max_retries:
                 break
             logger.warning(
                 "rid=%s room=%s prefill attempt %d/%d failed (%s); retrying with a fresh room",
                 ex.rid,
-                ex.room,
+                self.progress.room,
                 number,
                 config.max_retries,
                 failure.error.message,
@@ -143,7 +149,7 @@ class FirstTokenPath:
         router, call = self.router, self.call
         router.metrics.backend_request(call.endpoint, p.backend)
         lease = router.pool.lease(p, call.tokens)
-        data = encode_json(prefill_first_body(call.body, self.ex.room))
+        data = encode_json(prefill_first_body(call.body, self.progress.room))
         nominal = router.config.request_timeout
         task = asyncio.get_running_loop().create_task(
             fetch(router.http, p, "POST", call.endpoint, timeout, data, call.headers, nominal)
@@ -178,28 +184,20 @@ class FirstTokenPath:
                 continue
             if task.done():
                 return None
-            route = RouteRequest(ex.room, self.call.tokens, self.call.body)
-            other = router.pool.pick("prefill", ex.room, self.tried_p | {p}, route)
+            route = RouteRequest(self.progress.room, self.call.tokens, self.call.body)
+            other = router.pool.pick("prefill", self.progress.room, self.tried.p | {p}, route)
             if other is None or other is p:
                 if not alone_logged:
                     logger.warning(
                         "rid=%s room=%s %s does not answer /health; no other prefiller, still waiting",
                         ex.rid,
-                        ex.room,
+                        self.progress.room,
                         p.backend.name,
                     )
                     alone_logged = True
                 continue
             message = f"{p.backend.name} stopped answering (its /health did not answer within {router.config.health_timeout:g}s)"
-            router.pool.mark_unhealthy(p, message)
-            return Failure(p, "timeout", RouterError(504, message, PREFILL_FAILED), True, detail="unresponsive")
-
-    def _count_failure(self, failure: Failure) -> None:
-        router = self.router
-        router.metrics.backend_error(self.call.endpoint, failure.state.backend, failure.kind)
-        if failure.kind == "connect":
-            router.pool.mark_unhealthy(failure.state, failure.error.message)
-        (self.tried_p if failure.state.backend.role == "prefill" else self.tried_d).add(failure.state)
+            return unresponsive_failure(p, message)  # marked unhealthy (proxy.failure_policy)
 
     # -- 2 and 3. token 1 to the client, then D ------------------------------------------------
 
@@ -213,11 +211,11 @@ class FirstTokenPath:
             self._release_room(p, cont, prompt_len)
             await response.prepare(ex.request)
             await response.write(first_chunk(first, final=True, token_ids=wants_token_ids(call.body)))
-            ex.ttfb = time.monotonic() - ex.t0
-            ex.first_token_from = FirstTokenFrom.PREFILL
+            self.progress.ttfb = time.monotonic() - ex.t0
+            self.progress.first_token_from = FirstTokenFrom.PREFILL
             await response.write_eof(final_events(first, include_usage(call.body)))
             return response
-        d = await self._pick_d(p, RouteRequest(ex.room, cont.tokens, cont_body), cont, prompt_len)
+        d = await self._pick_d(p, RouteRequest(self.progress.room, cont.tokens, cont_body), cont, prompt_len)
         if isinstance(d, web.StreamResponse):
             return d
         try:
@@ -226,10 +224,12 @@ class FirstTokenPath:
         except BaseException:
             self._release_room(p, cont, prompt_len)  # the client left before D was asked
             raise
-        ex.ttfb = time.monotonic() - ex.t0
-        ex.first_token_from = FirstTokenFrom.PREFILL
+        self.progress.ttfb = time.monotonic() - ex.t0
+        self.progress.first_token_from = FirstTokenFrom.PREFILL
         remaining = ex.deadline - time.monotonic()
-        attempt = Attempt(self.router, cont, p, d, ex.room, remaining, p_answered=True, prefilled_tokens=prompt_len)
+        attempt = Attempt(
+            self.router, cont, p, d, self.progress.room, remaining, p_answered=True, prefilled_tokens=prompt_len
+        )
         fix = stream_watch(ex, ContinuationFix(include_usage(call.body), wants_token_ids(call.body)), first.text, 1)
         return await self._continue(attempt, response, fix)
 
@@ -240,7 +240,7 @@ class FirstTokenPath:
         ex, router = self.ex, self.router
         config, pool = router.config, router.pool
         while True:
-            ex.attempt = attempt
+            self.progress.attempt = attempt
             outcome = await attempt.run()
             if isinstance(outcome, Opened):
                 try:
@@ -249,63 +249,64 @@ class FirstTokenPath:
                     raise asyncio.CancelledError from None  # the client went away
             if not isinstance(outcome, Failure):  # a streamed request is always Opened
                 outcome = Failure(
-                    attempt.d, "empty", RouterError(502, "decoder sent no stream", "decode_failed"), False
+                    attempt.d, FailureKind.EMPTY, RouterError(502, "decoder sent no stream", "decode_failed"), False
                 )
             failure = outcome
             attempt.close()
-            self._count_failure(failure)
-            if failure.state is attempt.d and failure.kind in ("http_5xx", "error_event"):
-                self.tried_p.add(attempt.p)  # as on the two-instance path: D's failed load is most often P's
+            decision = settle(router, self.call.endpoint, failure, self.tried, attempt)
             remaining = ex.deadline - time.monotonic()
-            if not failure.retryable or ex.attempts >= config.max_retries or remaining <= 0:
-                release_abandoned(router, attempt, failure)
+            if not decision.retry or self.progress.attempts >= config.max_retries or remaining <= 0:
+                if decision.release_room:
+                    release_attempt_room(router, attempt)
                 break
-            ex.attempts += 1
+            self.progress.attempts += 1
             router.metrics.retry(ex.endpoint)
-            if (other := self._other_d(attempt, failure)) is not None:
+            if (other := self._other_d(attempt, decision)) is not None:
                 # D never reached P: P still holds the room's KV; another decoder loads it.
                 logger.warning(
                     "rid=%s room=%s %s unreachable after the first token (%s); the same room on %s",
                     ex.rid,
-                    ex.room,
+                    self.progress.room,
                     attempt.d.backend.name,
                     failure.error.message,
                     other.backend.name,
                 )
                 attempt = Attempt(
-                    router, attempt.call, attempt.p, other, ex.room, remaining,
+                    router, attempt.call, attempt.p, other, self.progress.room, remaining,
                     p_answered=True, prefilled_tokens=attempt.prefilled_tokens,
                 )  # fmt: skip
                 continue
-            release_abandoned(router, attempt, failure)
-            ex.room = new_room()
-            route = RouteRequest(ex.room, attempt.call.tokens, attempt.call.body)
-            p = pool.pick("prefill", ex.room, self.tried_p, route)
-            d = pool.pick("decode", ex.room, self.tried_d, route)
+            if decision.release_room:
+                release_attempt_room(router, attempt)
+            self.progress.room = new_room()
+            route = RouteRequest(self.progress.room, attempt.call.tokens, attempt.call.body)
+            p = pool.pick("prefill", self.progress.room, self.tried.p, route)
+            d = pool.pick("decode", self.progress.room, self.tried.d, route)
             if p is None or d is None:
                 break
             logger.warning(
                 "rid=%s room=%s decode after the first token failed (%s); retrying the continuation on %s + %s",
                 ex.rid,
-                ex.room,
+                self.progress.room,
                 failure.error.message,
                 p.backend.name,
                 d.backend.name,
             )
-            attempt = Attempt(router, attempt.call, p, d, ex.room, remaining)
+            attempt = Attempt(router, attempt.call, p, d, self.progress.room, remaining)
         ex.stream_cut(attempt, failure)
         await response.write(failure.error.to_sse())
         await response.write_eof()
         return response
 
-    def _other_d(self, attempt: Attempt, failure: Failure) -> BackendState | None:
+    def _other_d(self, attempt: Attempt, decision: Decision) -> BackendState | None:
         """Another decoder for the same room, when ``attempt`` ran D only (P had answered) and D could
-        not be connected to; None otherwise or when every decoder failed this request."""
-        if not attempt.p_answered or failure.state is not attempt.d or failure.kind != "connect":
+        not be connected to (``decision.same_room_other_d``); None otherwise or when every decoder
+        failed this request."""
+        if not decision.same_room_other_d:
             return None
-        route = RouteRequest(self.ex.room, attempt.call.tokens, attempt.call.body)
-        other = self.router.pool.pick("decode", self.ex.room, self.tried_d, route)
-        return None if other is None or other in self.tried_d else other
+        route = RouteRequest(self.progress.room, attempt.call.tokens, attempt.call.body)
+        other = self.router.pool.pick("decode", self.progress.room, self.tried.d, route)
+        return None if other is None or other in self.tried.d else other
 
     async def _empty_first_then_decode(self, p: BackendState, first: FirstToken) -> web.StreamResponse:
         """Token 1 has no text yet: its empty chunk goes to the client at once (as one instance
@@ -314,7 +315,7 @@ class FirstTokenPath:
         ex, call = self.ex, self.call
         prompt_len = len(first.prompt_token_ids)
         cont = Call(call.endpoint, call.rid, continuation_body(call.body, first), True, prompt_len + 1, call.headers)
-        d = await self._pick_d(p, RouteRequest(ex.room, call.tokens, call.body), cont, prompt_len)
+        d = await self._pick_d(p, RouteRequest(self.progress.room, call.tokens, call.body), cont, prompt_len)
         if isinstance(d, web.StreamResponse):
             return d
         response = ex.stream_response(200, "text/event-stream")
@@ -324,10 +325,10 @@ class FirstTokenPath:
         except BaseException:
             self._release_room(p, cont, prompt_len)  # the client left before D was asked
             raise
-        ex.ttfb = time.monotonic() - ex.t0
-        ex.first_token_from = FirstTokenFrom.PREFILL_EMPTY
+        self.progress.ttfb = time.monotonic() - ex.t0
+        self.progress.first_token_from = FirstTokenFrom.PREFILL_EMPTY
         remaining = ex.deadline - time.monotonic()
-        attempt = Attempt(self.router, call, p, d, ex.room, remaining, p_answered=True)
+        attempt = Attempt(self.router, call, p, d, self.progress.room, remaining, p_answered=True)
         return await self._continue(attempt, response, stream_watch(ex, DropRepeatedFirst(), first.text, 1))
 
     async def _pick_d(
@@ -337,7 +338,7 @@ class FirstTokenPath:
         503 when no decoder is available (P's KV for the room is released through ``cont`` should a
         decoder be back; else room_timeout_s frees it), or D's own answer, passed on as it is, when D
         refused P's KV lately (:mod:`proxy.pair_refusals`)."""
-        d = self.router.pool.pick("decode", self.ex.room, self.tried_d, route)
+        d = self.router.pool.pick("decode", self.progress.room, self.tried.d, route)
         if d is None:
             self._release_room(p, cont, prompt_len)
             return self.ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
@@ -350,24 +351,28 @@ class FirstTokenPath:
         it is: P's answer had no token ids, token 1 may be a partial character, or D refused this pair."""
         ex = self.ex
         d = self.router.pool.pick(
-            "decode", ex.room, self.tried_d, RouteRequest(ex.room, self.call.tokens, self.call.body)
+            "decode",
+            self.progress.room,
+            self.tried.d,
+            RouteRequest(self.progress.room, self.call.tokens, self.call.body),
         )
         if d is None:
             return ex.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
-        attempt = Attempt(self.router, self.call, p, d, ex.room, ex.deadline - time.monotonic(), p_answered=True)
-        ex.attempt = attempt
+        attempt = Attempt(
+            self.router, self.call, p, d, self.progress.room, ex.deadline - time.monotonic(), p_answered=True
+        )
+        self.progress.attempt = attempt
         outcome = await attempt.run()
         if not isinstance(outcome, Failure):
             return await ex.answer(attempt, outcome)
         attempt.close()
-        self._count_failure(outcome)
-        release_abandoned(self.router, attempt, outcome)
-        if outcome.state is d and outcome.kind in ("http_5xx", "error_event"):
-            self.tried_p.add(p)
-        if not outcome.retryable or ex.attempts >= self.router.config.max_retries:
+        decision = settle(self.router, self.call.endpoint, outcome, self.tried, attempt)
+        if decision.release_room:
+            release_attempt_room(self.router, attempt)
+        if not decision.retry or self.progress.attempts >= self.router.config.max_retries:
             return ex.final_failure(outcome)
-        return await ex.pair_attempts(ex.attempts + 1, self.tried_p, self.tried_d)
+        return await ex.pair_attempts(self.progress.attempts + 1, self.tried)
 
     def _release_room(self, p: BackendState, cont: Call, prompt_len: int) -> None:
         """P holds the room's KV for a D that will not come: freed now (:mod:`proxy.room_release`)."""
-        release_room(self.router, p, self.ex.room, cont, prompt_len)
+        release_room(self.router, p, self.progress.room, cont, prompt_len)

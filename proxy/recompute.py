@@ -32,6 +32,7 @@ from aiohttp import web
 
 from proxy.attempt import Answered, Attempt, Call, Opened
 from proxy.backends import BackendState
+from proxy.failure_policy import Tried, settle
 from proxy.payloads import estimate_prompt_tokens, new_room
 from proxy.recompute_body import (
     Progress,
@@ -89,7 +90,7 @@ async def after_relay(
         if not isinstance(outcome, Opened):
             attempt.close()
             logger.error(
-                "rid=%s room=%s continuation answered without a stream; the answer ends as is", ex.rid, ex.room
+                "rid=%s room=%s continuation answered without a stream; the answer ends as is", ex.rid, ex.progress.room
             )
             await response.write_eof(watch.held)
             return response
@@ -108,7 +109,9 @@ async def continue_answer(
     legs = [first]
     reason = unsupported_reason(ex.endpoint, ex.call.body)
     if reason is not None:
-        logger.warning("rid=%s room=%s D stopped with recomputed; passed on as is: %s", ex.rid, ex.room, reason)
+        logger.warning(
+            "rid=%s room=%s D stopped with recomputed; passed on as is: %s", ex.rid, ex.progress.room, reason
+        )
     while reason is None and is_recomputed(legs[-1]):
         progress.text += answer_text(legs[-1])
         tokens = answer_tokens(legs[-1])
@@ -121,7 +124,9 @@ async def continue_answer(
         if answer is None:
             leg_attempt.close()
             logger.error(
-                "rid=%s room=%s continuation's answer is no JSON answer; the answer ends as is", ex.rid, ex.room
+                "rid=%s room=%s continuation's answer is no JSON answer; the answer ends as is",
+                ex.rid,
+                ex.progress.room,
             )
             break
         legs.append(answer)
@@ -131,21 +136,21 @@ async def continue_answer(
         progress.tokens += answer_tokens(legs[-1])
     body = answered.body if len(legs) == 1 else merged_answer(legs, progress)
     ex.status = status
-    ex.ttfb = time.monotonic() - ex.t0
+    ex.progress.ttfb = time.monotonic() - ex.t0
     return passthrough_response(status, body, content_type, ex.out_headers)
 
 
 async def _next_leg(ex: Exchange, progress: Progress, leg_tokens: int) -> tuple[Attempt, Opened | Answered] | None:
     """The next leg's attempt and D's answer; None (logged) when there is none to be had."""
     config = ex.router.config
-    cut_by = ex.attempt.d if ex.attempt is not None else None
+    cut_by = ex.progress.attempt.d if ex.progress.attempt is not None else None
     where = cut_by.backend.name if cut_by is not None else "D"
     if progress.continuations >= config.max_recomputes:
         logger.warning(
             "rid=%s room=%s %s stopped with recomputed after %d tokens; %d continuations made "
             "(--max-recomputes), the answer ends as is",
             ex.rid,
-            ex.room,
+            ex.progress.room,
             where,
             progress.tokens,
             progress.continuations,
@@ -157,7 +162,7 @@ async def _next_leg(ex: Exchange, progress: Progress, leg_tokens: int) -> tuple[
             "rid=%s room=%s %s stopped with recomputed after %d tokens, no token left to generate; "
             "the answer ends as is",
             ex.rid,
-            ex.room,
+            ex.progress.room,
             where,
             progress.tokens,
         )
@@ -169,7 +174,7 @@ async def _next_leg(ex: Exchange, progress: Progress, leg_tokens: int) -> tuple[
         "rid=%s room=%s %s stopped with recomputed after %d tokens (%d in all); continuation %d/%d: "
         "prompt + %d characters on a fresh pair, max_tokens %s",
         ex.rid,
-        ex.room,
+        ex.progress.room,
         where,
         leg_tokens,
         progress.tokens,
@@ -187,36 +192,32 @@ async def _run_leg(ex: Exchange, call: Call, cut_by: BackendState | None) -> tup
     ``cut_by`` where one is left), up to ``--max-retries``; the first that does not fail."""
     router = ex.router
     config, pool = router.config, router.pool
-    tried_p: set[BackendState] = set()
-    tried_d: set[BackendState] = set() if cut_by is None else {cut_by}
-    if ex.attempt is not None:
-        ex.attempt.close()  # the leg before: D is done, P detached
+    tried = Tried(d=set() if cut_by is None else {cut_by})
+    if ex.progress.attempt is not None:
+        ex.progress.attempt.close()  # the leg before: D is done, P detached
     failure: Failure | None = None
     for number in range(1, config.max_retries + 1):
-        ex.room = new_room()
-        route = RouteRequest(ex.room, call.tokens, call.body)
-        p = pool.pick("prefill", ex.room, tried_p, route)
-        d = pool.pick("decode", ex.room, tried_d, route)
+        ex.progress.room = new_room()
+        route = RouteRequest(ex.progress.room, call.tokens, call.body)
+        p = pool.pick("prefill", ex.progress.room, tried.p, route)
+        d = pool.pick("decode", ex.progress.room, tried.d, route)
         remaining = ex.deadline - time.monotonic()
         if p is None or d is None or remaining <= 0:
             break
-        ex.attempts += 1
-        ex.attempt = attempt = Attempt(router, call, p, d, ex.room, remaining)
+        ex.progress.attempts += 1
+        ex.progress.attempt = attempt = Attempt(router, call, p, d, ex.progress.room, remaining)
         outcome = await attempt.run()
         if not isinstance(outcome, Failure):
             return attempt, outcome
         failure = outcome
         attempt.close()
-        router.metrics.backend_error(ex.endpoint, failure.state.backend, failure.kind)
-        if failure.kind == "connect":
-            pool.mark_unhealthy(failure.state, failure.error.message)
-        (tried_p if failure.state.backend.role == "prefill" else tried_d).add(failure.state)
-        if not failure.retryable:
+        decision = settle(router, ex.endpoint, failure, tried, attempt)
+        if not decision.retry:
             break
         logger.warning(
             "rid=%s room=%s continuation attempt %d/%d failed (%s)",
             ex.rid,
-            ex.room,
+            ex.progress.room,
             number,
             config.max_retries,
             failure.error.message,
@@ -224,7 +225,7 @@ async def _run_leg(ex: Exchange, call: Call, cut_by: BackendState | None) -> tup
     logger.error(
         "rid=%s room=%s no pair answered the continuation (%s); the answer ends as is",
         ex.rid,
-        ex.room,
+        ex.progress.room,
         failure.error.message if failure is not None else "no instance or no time left",
     )
     return None

@@ -6,9 +6,10 @@ is left, or the decoder could not be reached and the request goes on elsewhere),
 one-token, non-streamed request to another decoder loads that KV, which frees it on P at once;
 nothing of its answer is used.
 
-Only where the decoder certainly never asked P for the room (:func:`release_abandoned`: D could
-not be connected to): a decoder that got the request may have loaded the KV already, and a
-second load of a room P no longer holds would fail on that other decoder for nothing.
+Only where the decoder certainly never asked P for the room (:func:`release_attempt_room`, as
+:mod:`proxy.failure_policy` decides: D could not be connected to): a decoder that got the
+request may have loaded the KV already, and a second load of a room P no longer holds would
+fail on that other decoder for nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from proxy.upstream import Failure, fetch
 
 if TYPE_CHECKING:
     from proxy.attempt import Attempt, Call
-    from proxy.router import Router
+    from proxy.router_state import Router
 
 logger = logging.getLogger("proxy")
 
@@ -66,8 +67,7 @@ def release_room(
     return True
 
 
-def release_abandoned(router: Router, attempt: Attempt, failure: Failure) -> None:
-    """After ``attempt`` failed with ``failure``: if P holds the room's KV and its decoder never
-    reached P (it could not be connected to), free the room now through another decoder."""
-    if failure.state is attempt.d and failure.kind == "connect" and attempt.holds_p_room():
-        release_room(router, attempt.p, attempt.room, attempt.call, attempt.prefilled_tokens, {attempt.d})
+def release_attempt_room(router: Router, attempt: Attempt) -> None:
+    """``attempt`` failed while P holds its room's KV and its decoder never reached P
+    (:attr:`proxy.failure_policy.Decision.release_room`): free the room now through another decoder."""
+    release_room(router, attempt.p, attempt.room, attempt.call, attempt.prefilled_tokens, {attempt.d})

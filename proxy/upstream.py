@@ -12,6 +12,7 @@ prefill call use it.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -36,20 +37,35 @@ class Reply:
     content_type: str
 
 
+class FailureKind(enum.Enum):
+    """What went wrong with a backend call (the value is the ``kind`` label of
+    ``pd_router_backend_errors_total``)."""
+
+    CONNECT = "connect"  # the connection could not be opened: the backend is down
+    TIMEOUT = "timeout"  # the request's deadline passed (or P stopped answering /health)
+    DISCONNECT = "disconnect"  # the connection broke before the answer
+    HTTP_4XX = "http_4xx"
+    HTTP_5XX = "http_5xx"
+    EMPTY = "empty"  # a 2xx answer with no body
+    ERROR_EVENT = "error_event"  # D's stream began with an error event
+    REFUSED = "refused"  # P holds no KV for the room: it is in use
+
+
 @dataclass(eq=False)
 class Failure:
     """A failed backend request: what the client gets if it is final, and whether to try another pair."""
 
     state: BackendState
-    #: ``connect``, ``timeout``, ``disconnect``, ``http_4xx``, ``http_5xx``, ``empty``, ``error_event``,
-    #: ``refused`` (P holds no KV for the room: it is in use).
-    kind: str
+    kind: FailureKind
     error: RouterError
     retryable: bool
     #: A backend's own error answer ``(status, body, content type)``, passed to the client as is.
     passthrough: tuple[int, bytes, str] | None = None
     #: What went wrong, without the backend's name (``ConnectFailed: ...``, ``HTTP 503``).
     detail: str = ""
+    #: P stopped answering ``/health`` while its request ran (:mod:`proxy.prefill_watch`): given up
+    #: as a retryable timeout, and the backend is down (:mod:`proxy.failure_policy`).
+    unresponsive: bool = False
 
     def response(self, headers: dict[str, str]) -> web.Response:
         """The client's answer when this failure is final."""
@@ -73,7 +89,7 @@ def exception_failure(state: BackendState, exc: BaseException, timeout: float) -
     """Classify a transport failure talking to ``state``'s backend.
 
     Connection could not be opened (:class:`proxy.http1.ConnectFailed`): 503, retryable (and
-    the caller marks the backend unhealthy). Deadline passed (a ``TimeoutError``): 504, final.
+    :mod:`proxy.failure_policy` marks the backend unhealthy). Deadline passed (a ``TimeoutError``): 504, final.
     Connection broke before the answer (any other error): 502, retryable.
     """
     name = state.backend.name
@@ -81,12 +97,12 @@ def exception_failure(state: BackendState, exc: BaseException, timeout: float) -
     error_type = _error_type(state)
     if isinstance(exc, ConnectFailed):
         error = RouterError(503, f"{name} could not be reached ({detail})", error_type)
-        return Failure(state, "connect", error, True, detail=detail)
+        return Failure(state, FailureKind.CONNECT, error, True, detail=detail)
     if isinstance(exc, TimeoutError):
         message = f"{name} did not answer in time (request timeout {timeout:g}s; {detail})"
-        return Failure(state, "timeout", RouterError(504, message, error_type), False, detail=detail)
+        return Failure(state, FailureKind.TIMEOUT, RouterError(504, message, error_type), False, detail=detail)
     error = RouterError(502, f"connection to {name} failed ({detail})", error_type)
-    return Failure(state, "disconnect", error, True, detail=detail)
+    return Failure(state, FailureKind.DISCONNECT, error, True, detail=detail)
 
 
 def http_failure(state: BackendState, status: int, body: bytes, content_type: str) -> Failure:
@@ -98,7 +114,7 @@ def http_failure(state: BackendState, status: int, body: bytes, content_type: st
     """
     backend = state.backend
     retryable = status >= 500 or status in RETRYABLE_STATUSES
-    kind = "http_5xx" if status >= 500 else "http_4xx"
+    kind = FailureKind.HTTP_5XX if status >= 500 else FailureKind.HTTP_4XX
     message = f"{backend.name} answered HTTP {status}: {excerpt(body)}"
     if backend.role == "prefill" and status >= 500:
         return Failure(state, kind, RouterError(502, message, PREFILL_FAILED), retryable, detail=f"HTTP {status}")
@@ -126,7 +142,7 @@ def error_event_failure(state: BackendState, first: bytes) -> Failure | None:
         pass
     status = code if 400 <= code < 600 else 502
     text = f"{state.backend.name} sent an error event before any data: {message}"
-    return Failure(state, "error_event", RouterError(status, text, DECODE_FAILED), status >= 500)
+    return Failure(state, FailureKind.ERROR_EVENT, RouterError(status, text, DECODE_FAILED), status >= 500)
 
 
 def refused_failure(state: BackendState, body: bytes) -> Failure | None:
@@ -143,13 +159,21 @@ def refused_failure(state: BackendState, body: bytes) -> Failure | None:
     if error is None:
         return None
     message = f"{state.backend.name} refused the request: {error}"
-    return Failure(state, "refused", RouterError(409, message, ROOM_IN_USE, "bootstrap_room"), False, None, "refused")
+    return Failure(
+        state, FailureKind.REFUSED, RouterError(409, message, ROOM_IN_USE, "bootstrap_room"), False, None, "refused"
+    )
 
 
 def empty_failure(state: BackendState, status: int) -> Failure:
     """The backend answered 2xx with no body at all: never passed on as an empty 200."""
     message = f"{state.backend.name} answered HTTP {status} with an empty body"
-    return Failure(state, "empty", RouterError(502, message, _error_type(state)), True)
+    return Failure(state, FailureKind.EMPTY, RouterError(502, message, _error_type(state)), True)
+
+
+def unresponsive_failure(state: BackendState, message: str) -> Failure:
+    """``state``'s backend stopped answering ``/health`` while its request ran: a retryable 504."""
+    error = RouterError(504, message, _error_type(state))
+    return Failure(state, FailureKind.TIMEOUT, error, True, detail="unresponsive", unresponsive=True)
 
 
 def passthrough_response(status: int, body: bytes, content_type: str, headers: dict[str, str]) -> web.Response:

@@ -24,7 +24,7 @@ from proxy.backends import BackendPool
 from proxy.cli import parse_config
 from proxy.config import AccessConfig, Backend, BackendTlsConfig
 from proxy.metrics import RouterMetrics
-from proxy.router import Router
+from proxy.router_state import Router
 from proxy.tls import client_context, server_context
 
 BASE = ["--prefiller-hosts", "p1", "--prefiller-ports", "8100", "--decoder-hosts", "d1", "--decoder-ports", "8200"]

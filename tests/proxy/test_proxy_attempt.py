@@ -15,8 +15,8 @@ import pytest
 from proxy.attempt import Answered, Attempt, AttemptState, Call, Opened
 from proxy.config import Backend, RouterConfig
 from proxy.http1 import UpstreamError
-from proxy.router import Router
-from proxy.upstream import Failure
+from proxy.router_state import Router
+from proxy.upstream import Failure, FailureKind
 
 HOST = "127.0.0.1"
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -100,7 +100,7 @@ def test_failing_prefill_ends_the_attempt_without_cancelling_the_caller() -> Non
         attempt = _attempt(router)
         assert _in_flight(router) == [(1, 7), (1, 0)]  # leases taken when the attempt is made
         outcome = await attempt.run()
-        assert isinstance(outcome, Failure) and outcome.state is attempt.p and outcome.kind == "http_5xx"
+        assert isinstance(outcome, Failure) and outcome.state is attempt.p and outcome.kind is FailureKind.HTTP_5XX
         task = asyncio.current_task()
         assert task is not None and task.cancelling() == 0
         assert attempt.d_task is not None and not attempt.d_task.done()  # D is still waiting
@@ -144,7 +144,7 @@ def test_prefill_failing_while_d_streams_closes_the_stream() -> None:
         with pytest.raises(UpstreamError):
             while await outcome.response.next_chunk():
                 pass
-        assert attempt.late_p_failure is not None and attempt.late_p_failure.kind == "http_5xx"
+        assert attempt.late_p_failure is not None and attempt.late_p_failure.kind is FailureKind.HTTP_5XX
         attempt.close()
         await asyncio.sleep(0)
         assert _in_flight(router) == [(0, 0), (0, 0)]

@@ -12,7 +12,7 @@ import pytest
 from proxy.backends import BackendState
 from proxy.config import Backend
 from proxy.http1 import READ_HIGH_WATER, ConnectFailed, ConnectionBroken, ConnState, Http1Pool, UpstreamTimeout
-from proxy.upstream import Failure, Reply, fetch, probe
+from proxy.upstream import Failure, FailureKind, Reply, fetch, probe
 
 HOST = "127.0.0.1"
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -159,7 +159,7 @@ def test_connection_refused_is_connect_failed_and_a_connect_failure() -> None:
         state = BackendState(Backend("prefill", HOST, port, 18800))
         failure = await fetch(pool, state, "GET", "/health", 5)
         assert isinstance(failure, Failure)
-        assert (failure.kind, failure.error.status, failure.retryable) == ("connect", 503, True)
+        assert (failure.kind, failure.error.status, failure.retryable) == (FailureKind.CONNECT, 503, True)
         assert failure.detail.startswith("ConnectFailed: ")
         healthy, status, error = await probe(pool, state, 5)
         assert (healthy, status) == (False, None) and error == failure.detail
@@ -364,7 +364,7 @@ def test_fetch_timeout_names_the_nominal_timeout() -> None:
         state = BackendState(Backend("decode", HOST, port))
         failure = await fetch(pool, state, "POST", "/v1/completions", 0.2, b"{}", {}, nominal_timeout=600)
         assert isinstance(failure, Failure)
-        assert (failure.kind, failure.error.status, failure.retryable) == ("timeout", 504, False)
+        assert (failure.kind, failure.error.status, failure.retryable) == (FailureKind.TIMEOUT, 504, False)
         assert "request timeout 600s" in failure.error.message
 
     _run(handler, test)

@@ -13,7 +13,7 @@ from proxy.errors import RouterError
 from proxy.http1 import ConnectFailed, ConnectionBroken, UpstreamTimeout
 from proxy.payloads import estimate_prompt_tokens, validate_body
 from proxy.routing import POLICIES, Choice, RouteRequest, candidates
-from proxy.upstream import empty_failure, error_event_failure, exception_failure, http_failure
+from proxy.upstream import FailureKind, empty_failure, error_event_failure, exception_failure, http_failure
 
 P = tuple(Backend("prefill", "p", 8100 + i, 18800) for i in range(3))
 D = tuple(Backend("decode", "d", 8200 + i) for i in range(2))
@@ -240,16 +240,16 @@ def _state(role: str) -> BackendState:
 def test_connection_refused_is_503_retryable() -> None:
     exc = ConnectFailed("cannot connect to p:8100: Connection refused")
     failure = exception_failure(_state("prefill"), exc, 600)
-    assert (failure.kind, failure.error.status, failure.retryable) == ("connect", 503, True)
+    assert (failure.kind, failure.error.status, failure.retryable) == (FailureKind.CONNECT, 503, True)
     assert failure.error.error_type == "prefill_failed"
 
 
 def test_broken_connection_is_502_retryable_and_timeout_is_504_final() -> None:
     broken = exception_failure(_state("decode"), ConnectionBroken("connection to d:8200 closed"), 600)
-    assert (broken.kind, broken.error.status, broken.retryable) == ("disconnect", 502, True)
+    assert (broken.kind, broken.error.status, broken.retryable) == (FailureKind.DISCONNECT, 502, True)
     for exc in (TimeoutError(), UpstreamTimeout("d:8200 did not answer within 5s")):
         timeout = exception_failure(_state("decode"), exc, 5)
-        assert (timeout.kind, timeout.error.status, timeout.retryable) == ("timeout", 504, False)
+        assert (timeout.kind, timeout.error.status, timeout.retryable) == (FailureKind.TIMEOUT, 504, False)
 
 
 @pytest.mark.parametrize(

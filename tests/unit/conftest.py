@@ -1,5 +1,7 @@
-"""Shared helpers for the unit tests: free loopback ports, log capture, polling, and the fixtures
-of the transfer-manager rig (tests/unit/transfer_rig.py): backends, bootstrap server, managers."""
+"""Fixtures of the unit tests: log capture, a TLS certificate, the fake-scheduler pair, and the
+transfer-manager rig (tests/support/transfer_rig.py): backends, bootstrap server, managers.
+
+Helpers that tests import live in tests/support; nothing imports this module."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ from collections.abc import Iterator
 import pytest
 
 from pd_connector.bootstrap.server import BootstrapServer
-from tests.support.loopback import HOST, free_port, wait_for
+from pd_connector.config import parse_config
+from pd_connector.scheduler import PDScheduler
+from tests.support.fake_scheduler import BS
+from tests.support.key_files import self_signed
 from tests.support.transfer_rig import Engines, Rig, start_bootstrap
-
-__all__ = ["HOST", "free_port", "wait_for"]  # re-exported: tests import them from here
 
 
 @pytest.fixture
@@ -28,6 +31,25 @@ def pd_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixtu
     finally:
         log.removeHandler(caplog.handler)
         log.setLevel(old_level)
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 / localhost and its key (PEM files): ``(certfile, keyfile)``."""
+    cert_path, key_path = self_signed(tmp_path_factory.mktemp("tls"), "bootstrap")
+    return str(cert_path), str(key_path)
+
+
+@pytest.fixture
+def dsched() -> PDScheduler:
+    """A decode-side PDScheduler (tests/support/fake_scheduler.py fakes vLLM's requests and blocks)."""
+    return PDScheduler(parse_config("kv_consumer", {}), block_size=BS)
+
+
+@pytest.fixture
+def psched() -> PDScheduler:
+    """A prefill-side PDScheduler."""
+    return PDScheduler(parse_config("kv_producer", {}), block_size=BS)
 
 
 # ------------------------------------------------------------ transfer-manager rig

@@ -24,41 +24,12 @@ from pd_connector.peer_sizes import SideSizes
 from pd_connector.rank_checks import RankSetupError, check_kv_memory, check_sizes
 from pd_connector.tp_mapping import is_head_major
 from pd_connector.transfer.mooncake import MooncakeOptions, default_protocol
+from tests.support.ascend_kv import ascend_kv, ascend_tensor
+from tests.support.byte_copies import apply_writes, storages_of, whole_block_writes
 from tests.support.transfer_rig import Rig, recv_job, snapshot
-
-from .test_layout import _apply, _storages, whole_block_writes
 
 MiB2 = 2 << 20
 NB, BS, HEADS, HD = 12, 16, 4, 8
-
-
-def ascend_tensor(shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
-    """One K or V buffer as vLLM-Ascend allocates it: int8, 2 MiB extra, a 2 MiB-aligned slice."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    raw = torch.zeros(nbytes + MiB2, dtype=torch.int8)
-    offset = (-raw.data_ptr()) % MiB2
-    aligned = raw[offset : offset + nbytes]
-    assert aligned.data_ptr() % MiB2 == 0
-    out = aligned.view(dtype).view(shape)
-    if fill:
-        out.copy_(torch.randint(-1000, 1000, shape, generator=torch.Generator().manual_seed(fill)))
-    return out
-
-
-def ascend_kv(
-    layers: int, nb: int = NB, kernel: int = 1, heads: int = HEADS, seed: int = 0, dtype: torch.dtype = torch.float16
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    shape = (nb * kernel, BS // kernel, heads, HD)
-    return {
-        f"model.layers.{i}.self_attn.attn": (
-            ascend_tensor(shape, dtype, seed and seed + 2 * i),
-            ascend_tensor(shape, dtype, seed and seed + 2 * i + 1),
-        )
-        for i in range(layers)
-    }
 
 
 # -------------------------------------------------------------- A: config keys
@@ -295,7 +266,7 @@ def test_transfer_between_kernel_block_layouts_is_byte_exact(p_kernel: int, d_ke
     src_ids, dst_ids = [0, 1, 2, 7], [5, 6, 7, 1]
     entries = whole_block_writes(src, dst, [(0, 5, 3), (7, 1, 1)])
     assert len(entries[0]) == 2 * len(src)  # one entry per run and region, kernel blocks or not
-    _apply(entries, _storages(dst_kv))
+    apply_writes(entries, storages_of(dst_kv))
     for (sk, sv), (dk, dv) in zip(src_kv.values(), dst_kv.values(), strict=True):
         for s_t, d_t in ((sk, dk), (sv, dv)):
             logical_src = s_t.reshape(NB, BS, HEADS, HD)

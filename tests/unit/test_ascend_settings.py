@@ -33,11 +33,9 @@ from pd_connector.protocol import RegisterRank
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import register_backend
 from pd_connector.worker import PDWorker
+from tests.support.ascend_kv import ascend_kv
 from tests.support.loopback import HOST, free_port
 from tests.support.transfer_rig import BLOCK_SIZE, DTYPE, LAYERS, NUM_BLOCKS, Rig, Side
-
-from .test_ascend_dropin import ascend_kv
-from .test_bootstrap_security import cert  # noqa: F401 - fixture: a self-signed certificate and key
 
 ENV_NAMES = (
     "ASCEND_GLOBAL_RESOURCE_CONFIG",

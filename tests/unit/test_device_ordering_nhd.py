@@ -29,11 +29,10 @@ from pd_connector.tp_mapping import local_heads
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.nhd_reshuffle import NhdReshuffle, token_major_views
 from pd_connector.transfer.staging import aligned_buffer
+from tests.support.ascend_kv import ascend_tensor
 from tests.support.inproc_backend import InprocBackend
 from tests.support.loopback import HOST, free_port, wait_for
 from tests.support.sim_device import SimDevice
-
-from .test_ascend_dropin import ascend_tensor
 
 NB, BS, HD, LAYERS, HEADS = 8, 16, 8, 2, 4
 STAGING = 2 * BS * 2 * HD * 2 + 64  # two blocks of a two-head slice: P gathers in several batches

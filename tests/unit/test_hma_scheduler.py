@@ -29,8 +29,7 @@ from pd_connector import vllm023_hma
 from pd_connector.connector import PDConnector
 from pd_connector.kv_groups import NULL_BLOCK
 from pd_connector.kv_params import DecodeParams, parse_kv_params
-
-from .test_real_scheduler import BLOCK, D_PARAMS, NUM_BLOCKS, PROMPT, failed_load, make_scheduler, request, step
+from tests.support.real_scheduler import BLOCK, D_PARAMS, NUM_BLOCKS, PROMPT, failed_load, make_scheduler, request, step
 
 WINDOW = BLOCK  # 52-token prompt: the window keeps tokens 37.., so sliding blocks 0 and 1 are null
 SKIPPED = (len(PROMPT) - WINDOW + 1) // BLOCK

@@ -33,10 +33,9 @@ from pd_connector.metadata import RecvJob, SendJob
 from pd_connector.protocol import RegisterRank
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import create_backend
+from tests.support.ascend_kv import ascend_tensor
 from tests.support.loopback import HOST, free_port, wait_for
-
-from .test_ascend_dropin import ascend_tensor
-from .test_nhd_mixed_tp import CountingBackend
+from tests.support.nhd_mixed_tp import CountingBackend
 
 NB, BS, HEADS, HD, LAYERS, WINDOW = 16, 16, 2, 8, 4, 20
 DTYPE = torch.float16

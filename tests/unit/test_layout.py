@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import random
 from collections.abc import Callable
 
@@ -18,20 +17,12 @@ from pd_connector.layout import (
     regions_of_kv_caches,
     regions_of_tensor,
 )
-from pd_connector.tp_mapping import HeadSlice, check_head_regions, tp_transfer_entries
+from pd_connector.tp_mapping import check_head_regions
+from tests.support.byte_copies import apply_writes, storages_of, whole_block_writes
 
 NB, BS, HEADS, HD = 12, 4, 2, 8
 F16 = torch.float16
 ITEM = 2
-
-#: Equal TP: each block moves whole (one "head" per block on both sides).
-WHOLE_BLOCKS = [HeadSlice(p_rank=0, src_head=0, dst_head=0, num_heads=1)]
-
-
-def whole_block_writes(
-    src: list[Region], dst: list[Region], runs: list[tuple[int, int, int]]
-) -> tuple[list[int], list[int], list[int]]:
-    return tp_transfer_entries(src, dst, WHOLE_BLOCKS, 1, 1, runs)
 
 
 def test_vllm_cpu_layout_one_region_per_layer() -> None:
@@ -244,33 +235,6 @@ def _block_views(kv: dict[str, object]) -> list[tuple[torch.Tensor, int]]:
     return views
 
 
-def _storages(kv: dict[str, object]) -> list[torch.Tensor]:
-    """One uint8 view per distinct storage, for counting writes and detecting stray bytes."""
-    seen: dict[int, torch.Tensor] = {}
-    for value in kv.values():
-        for part in value if isinstance(value, tuple) else [value]:
-            assert isinstance(part, torch.Tensor)
-            st = part.untyped_storage()
-            seen.setdefault(st.data_ptr(), torch.tensor([], dtype=torch.uint8).set_(st))
-    return list(seen.values())
-
-
-def _apply(entries: tuple[list[int], list[int], list[int]], dst_storages: list[torch.Tensor]) -> list[np.ndarray]:
-    """memcpy every entry; return per-storage counts of how often each destination byte was written."""
-    counts = [np.zeros(s.numel(), dtype=np.int32) for s in dst_storages]
-    for s_addr, d_addr, length in zip(*entries, strict=True):
-        assert length > 0
-        for st, cnt in zip(dst_storages, counts, strict=True):
-            base = st.data_ptr()
-            if base <= d_addr and d_addr + length <= base + st.numel():
-                cnt[d_addr - base : d_addr - base + length] += 1
-                break
-        else:
-            pytest.fail(f"entry writes outside the destination KV memory: 0x{d_addr:x}+{length}")
-        ctypes.memmove(d_addr, s_addr, length)
-    return counts
-
-
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("seed", range(6))
 def test_simulated_transfer_is_byte_exact(layout: str, seed: int) -> None:
@@ -298,9 +262,9 @@ def test_simulated_transfer_is_byte_exact(layout: str, seed: int) -> None:
     dense = all(r.blocks_contiguous for r in src_regions + dst_regions)
     assert len(entries[0]) == (len(runs) if dense else count) * len(src_regions)
 
-    dst_storages = _storages(dst_kv)
+    dst_storages = storages_of(dst_kv)
     before = [s.clone() for s in dst_storages]
-    counts = _apply(entries, dst_storages)
+    counts = apply_writes(entries, dst_storages)
 
     # Every destination block now equals its source block ...
     src_views, dst_views = _block_views(src_kv), _block_views(dst_kv)
@@ -330,8 +294,8 @@ def test_simulated_transfer_between_different_layouts() -> None:
     assert runs == [(0, 4, 3), (5, 0, 1)]
     entries = whole_block_writes(src_regions, dst_regions, runs)
     assert len(entries[0]) == 4 * len(src_regions)
-    dst_storages = _storages(dst_kv)
-    counts = _apply(entries, dst_storages)
+    dst_storages = storages_of(dst_kv)
+    counts = apply_writes(entries, dst_storages)
     assert sum(int(c.sum()) for c in counts) == 4 * sum(r.block_bytes for r in dst_regions)
     for (sv, _), (dv, _) in zip(_block_views(src_kv), _block_views(dst_kv), strict=True):
         for s, d in zip(src_ids, dst_ids, strict=True):

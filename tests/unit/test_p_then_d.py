@@ -18,8 +18,7 @@ from pd_connector.kv_params import (
     parse_kv_params,
 )
 from pd_connector.scheduler import PDScheduler
-
-from .test_scheduler import BS, FakeRequest, meta
+from tests.support.fake_scheduler import BS, FakeRequest, meta
 
 #: What vLLM-Ascend 0.23's load_balance_proxy_server_example.py sends P.
 ASCEND_PROXY_P = {

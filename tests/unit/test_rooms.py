@@ -17,10 +17,9 @@ from pd_connector.kv_params import prefill_refused
 from pd_connector.metadata import SendJob
 from pd_connector.scheduler import PDScheduler
 from pd_connector.transfer.states import RoomState
+from tests.support.fake_scheduler import FakeRequest, meta
 from tests.support.loopback import wait_for
 from tests.support.transfer_rig import BLOCK_SIZE, Rig, assert_landed, recv_job, snapshot
-
-from .test_scheduler import FakeRequest, meta, psched  # noqa: F401 - fixture
 
 DONE = RequestStatus.FINISHED_LENGTH_CAPPED
 

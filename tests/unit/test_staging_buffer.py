@@ -26,12 +26,10 @@ from pd_connector.rank_checks import RankSetupError
 from pd_connector.transfer.registry import register_backend
 from pd_connector.transfer.staging import STAGING_ALIGN, aligned_buffer, nhd_reshuffle, round_up
 from pd_connector.worker import PDWorker
+from tests.support.ascend_kv import ascend_tensor
 from tests.support.inproc_backend import InprocBackend
 from tests.support.loopback import HOST, free_port
-
-from .test_ascend_dropin import ascend_tensor
-from .test_nhd_mixed_tp import CountingBackend, Engines
-from .test_nhd_mixed_tp import test_mixed_tp_on_token_major_kv_is_byte_exact as run_mixed_tp_case
+from tests.support.nhd_mixed_tp import CountingBackend, Engines, run_mixed_tp_case
 
 MiB2 = 2 << 20
 NB, BS, HEADS, HD, LAYERS = 6, 16, 4, 8, 2

@@ -206,7 +206,7 @@ class PDWorker:
             self.cfg, spec, regions, self.backend, otlp_traces_endpoint=otlp, reshuffle=reshuffle, device=device
         )
         if self.cfg.is_prefill and self.cfg.transfer_mode == "layer":
-            self.layers = enable_layer_push(self.manager, kv_caches, num_blocks)
+            self.layers = enable_layer_push(self.manager.prefill, spec, reshuffle is not None, kv_caches, num_blocks)
         if self.cfg.is_prefill:
             self._join_prefill_deployment(spec)
 

@@ -18,11 +18,11 @@ write is queued on the forward's stream, not done. ``on_layer`` (and ``on_forwar
 marker on that stream right then; the stream keeps it per layer and every write of that layer (also
 a late reader's backlog) waits for it on the writer thread before the backend reads a byte.
 
-The claims stay P's rooms' (``prefill_side``, ``stream_claims``): a stream takes D's waiting
-requests from the room (``StreamHost.take_for_stream``), reports each one's end
-(``StreamHost.stream_done``) and the room is freed once the prefill finished and every expected
-request was served, as in request mode. D requests that come after the scheduler reported the
-prefill finished (``release``) are served by request mode's push. Models with several KV cache
+The claims stay P's rooms' (``prefill_side.PrefillSide``, the ``StreamHost``): a stream takes D's
+waiting requests from the room (``take_for_stream``; a reader is keyed by its ``rooms.ClaimKey``),
+reports each one's end (``stream_done``) and the room is freed once the prefill finished and every
+expected request was served, as in request mode. D requests that come after the scheduler reported
+the prefill finished (``release``) are served by request mode's push. Models with several KV cache
 groups and token-major KV with a staging buffer (nhd_reshuffle) stay on request mode.
 
 Reader states (``ReaderState``): STREAMING (queued writes follow the layers) -> DONE (reported
@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pd_connector import protocol as proto
 from pd_connector.device_sync import DONE, Marker
@@ -49,7 +49,11 @@ from pd_connector.layout import LayoutError, Region, block_runs
 from pd_connector.protocol import DoneStatus
 from pd_connector.tp_mapping import HeadSlice, plan_decode_rank, slices_from, tp_transfer_entries
 from pd_connector.transfer.backend import TransferBackend, TransferError
-from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.context import RankContext, RankSpec
+from pd_connector.transfer.rooms import ClaimKey
+
+if TYPE_CHECKING:
+    from pd_connector.transfer.prefill_side import PrefillSide
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class ReaderState(enum.Enum):
 
 
 class StreamHost(Protocol):
-    """What a stream needs from P's rooms (``prefill_side.PrefillSide``, via ``stream_claims``)."""
+    """What a stream needs from P's rooms (``prefill_side.PrefillSide``)."""
 
     def take_for_stream(self, room: int) -> list[proto.TransferRequest]:
         """D's requests waiting for ``room``'s prefill, now claimed by the stream."""
@@ -102,7 +106,7 @@ class Stream:
     layer_ready: list[Marker] = field(default_factory=list)  # per layer: device marker behind its KV writes
     block_ids: list[int] = field(default_factory=list)
     final_end: int | None = None  # blocks of the whole prompt, once the final chunk ran
-    readers: dict[str, Reader] = field(default_factory=dict)
+    readers: dict[ClaimKey, Reader] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -129,8 +133,8 @@ class Reader:
     started: float = field(default_factory=time.perf_counter)
 
     @property
-    def key(self) -> str:
-        return f"{self.req.request_id}@{self.req.peer_id}"
+    def key(self) -> ClaimKey:
+        return ClaimKey.of(self.req)
 
     def stop(self, status: DoneStatus, error: str) -> None:
         if self.state is ReaderState.STREAMING:
@@ -163,7 +167,7 @@ class LayerStreams:
         self._region_ranges = list(layer_regions.values())
         self._lock = threading.Lock()
         self._streams: OrderedDict[int, Stream] = OrderedDict()
-        self._readers: dict[tuple[int, str], Reader] = {}
+        self._readers: dict[tuple[int, ClaimKey], Reader] = {}
         self._step: object | None = None  # the metadata of the step being run
         self._device = ctx.device
         self._writer = ThreadPoolExecutor(
@@ -218,7 +222,7 @@ class LayerStreams:
             finished = self._take_finished()
         self._report(finished)
 
-    def stop(self, room: int, key: str, status: DoneStatus, error: str) -> bool:
+    def stop(self, room: int, key: ClaimKey, status: DoneStatus, error: str) -> bool:
         """D gave up one request (claim ``key``): no new writes; answered once in-flight ones ended."""
         with self._lock:
             reader = self._readers.get((room, key))
@@ -404,16 +408,9 @@ class LayerStreams:
 
 
 _NO_PEER = proto.PeerHello(
-    peer_id="?",
-    transfer_descriptor=b"",
-    endpoint="",
-    tp_rank=0,
-    tp_size=1,
-    block_size=0,
-    kv_dtype="",
-    num_layers=0,
+    peer_id="?", transfer_descriptor=b"", endpoint="", tp_rank=0, tp_size=1, block_size=0, kv_dtype="", num_layers=0,
     regions=[],
-)
+)  # fmt: skip
 
 
 def layer_regions_of(kv_caches: Mapping[str, Any], region_counts: Sequence[int]) -> dict[str, range]:
@@ -425,7 +422,7 @@ def layer_regions_of(kv_caches: Mapping[str, Any], region_counts: Sequence[int])
     return out
 
 
-def layer_push_refusal(spec: Any, has_reshuffle: bool) -> str | None:
+def layer_push_refusal(spec: RankSpec, has_reshuffle: bool) -> str | None:
     """Why this rank cannot stream layers (it then pushes whole requests), or None."""
     if len(set(spec.region_groups)) > 1:
         return "the model has several KV cache groups (hybrid KV cache manager)"
@@ -434,12 +431,14 @@ def layer_push_refusal(spec: Any, has_reshuffle: bool) -> str | None:
     return None
 
 
-def enable_layer_push(manager: Any, kv_caches: Mapping[str, Any], num_blocks: int) -> LayerStreams | None:
-    """P worker, transfer_mode "layer": the rank's LayerStreams, or None (logged) where it pushes whole requests."""
+def enable_layer_push(
+    prefill: PrefillSide, spec: RankSpec, has_reshuffle: bool, kv_caches: Mapping[str, Any], num_blocks: int
+) -> LayerStreams | None:
+    """P worker, transfer_mode "layer": ``prefill``'s LayerStreams, or None (logged) where
+    it pushes whole requests (``has_reshuffle``: its KV goes through a staging buffer, nhd_reshuffle)."""
     from pd_connector.layout import regions_of_kv_caches
 
-    prefill = manager.prefill
-    refusal = layer_push_refusal(manager.spec, prefill._ctx.reshuffle is not None)
+    refusal = layer_push_refusal(spec, has_reshuffle)
     if refusal is not None:
         logger.warning("transfer_mode 'layer' is not available here (%s): KV is pushed per request", refusal)
         return None

@@ -29,7 +29,7 @@ from pd_connector import protocol as proto
 from pd_connector.log_limit import LogLimiter
 
 if TYPE_CHECKING:
-    from pd_connector.transfer.rooms import Room
+    from pd_connector.transfer.rooms import ClaimKey, Room
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +160,11 @@ def _endpoint_of(peer_id: str, fallback: str, peers: Mapping[str, proto.PeerHell
     return hello.endpoint if hello is not None else fallback
 
 
-def _in_flight(room: Room) -> list[tuple[str, str]]:
-    """(request id, D peer id) of the claims of a room that still has writes running."""
+def _in_flight(room: Room) -> list[ClaimKey]:
+    """The claims (request id, D peer id) of a room that still has writes running."""
     if room.finished >= room.submitted:
         return []
-    return [tuple(key.rsplit("@", 1)) for key in room.submitted_ids - room.cancelled]  # type: ignore[misc]
+    return list(room.submitted_ids - room.cancelled)
 
 
 def decode_peers_waited_on(rooms: Iterable[Room], peers: Mapping[str, proto.PeerHello]) -> set[str]:

@@ -6,10 +6,11 @@ write (``room_push``) runs on the task pool (its threads bound to the rank's dev
 marker recorded with the `SendJob` completed (``device_sync``: the forward's KV is in memory), then `TransferDone` goes to D and the request goes to the outbox
 so vLLM frees P's blocks. A room nobody asks for is freed after room_timeout_s.
 
-Room states (``states.RoomState``): AWAITING_PREFILL (D asked first) -> READY (prefill done)
--> DRAINING (expired / cancelled, in-flight writes still running) -> CLOSED, or READY ->
-CLOSED once every expected request was served. A closed room remembers its ``CloseReason``
-for a D request that comes later.
+Every room's life is here: the table, the lock, every ``states.RoomState`` move (the states and the
+``Room`` record: ``rooms``), and the claims of both modes: a request-mode push (``room_push``) or a
+layer-wise stream (``layerwise``: this class is its ``StreamHost``, taking the room's waiting
+requests and counting each one's end). A closed room remembers its ``CloseReason`` for a D request
+that comes later.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import register_dp_rank
@@ -29,25 +30,26 @@ from pd_connector.metadata import SendJob
 from pd_connector.pp_stages import PipelineError, localize_hello
 from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.backend import TransferBackend, describe
+from pd_connector.transfer.checksum import RunningChecksum
 from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.layerwise import LayerStreams, StreamResult
 from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
-from pd_connector.transfer.peers import expected_requests_from, peer_problem, version_problem
-from pd_connector.transfer.room_push import log_push, push_room
-from pd_connector.transfer.rooms import Room, WaitingRequest, claim
+from pd_connector.transfer.room_push import PushOutcome, log_push, push_room
+from pd_connector.transfer.rooms import ClaimKey, Room, WaitingRequest, remember
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
-from pd_connector.transfer.stream_claims import StreamClaims
+from pd_connector.transfer.write_guard import WriteGuard, guard_push
+from pd_connector.transfer.write_plans import expected_requests_from, peer_problem, version_problem
 
 logger = logging.getLogger(__name__)
 
-CLOSED_ROOMS_KEPT = 100_000
 #: How long a D request for a room that was already closed (sent, expired, aborted) waits for a new
 #: prefill of the same room before it is refused with the reason the room was closed.
 CLOSED_ROOM_GRACE_S = 5.0
 _CANCELLED = "decode cancelled the transfer"
 
 
-class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mode "layer" (layerwise)
+class PrefillSide:
     def __init__(self, ctx: RankContext, backend: TransferBackend) -> None:
         self._ctx = ctx
         self._cfg = ctx.cfg
@@ -56,12 +58,13 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         self._lock = threading.Lock()
         self._rooms: dict[int, Room] = {}  # rooms not CLOSED
         self._closed: OrderedDict[int, CloseReason] = OrderedDict()
-        # D requests cancelled before their room's prefill finished: room -> request ids.
-        self._early_cancels: OrderedDict[int, set[str]] = OrderedDict()
+        # D requests cancelled before their room's prefill finished: room -> their claims.
+        self._early_cancels: OrderedDict[int, set[ClaimKey]] = OrderedDict()
         self._peers: dict[str, proto.PeerHello] = {}
         self._peer_errors: dict[str, str] = {}
         # READY rooms: the device marker their pushes wait for (the forward that wrote the KV ran).
         self._forward_done: dict[int, Marker] = {}
+        self.layers: LayerStreams | None = None  # transfer_mode "layer" (enable_layer_push)
 
     # ------------------------------------------------------------ from the worker
 
@@ -87,16 +90,18 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
                     continue
                 waiting = old.waiting if old is not None else []
                 if old is not None and old.submitted_ids:  # claims layer-wise streams took
-                    self.carry_streamed(old, ready)
+                    ready.expected = self._expected(job, ready.carry_streamed(old))
                 ready.cancelled = self._early_cancels.pop(job.room, set())
                 if ready.cancelled:
                     ready.expected = self._expected(job, waiting[0].req.peer_id if waiting else None)
-                cancelled = not waiting and not ready.submitted_ids and (
-                    ready.served if ready.cancelled else self._closed.get(job.room) is CloseReason.CANCELLED
+                cancelled = (
+                    not waiting
+                    and not ready.submitted_ids
+                    and (ready.served if ready.cancelled else self._closed.get(job.room) is CloseReason.CANCELLED)
                 )
                 if cancelled:  # D gave up before this prefill finished: free at once
                     self._rooms.pop(job.room, None)
-                    self._remember_closed(job.room, CloseReason.CANCELLED)
+                    remember(self._closed, job.room, CloseReason.CANCELLED)
                     self._ctx.outbox.sent(job.req_id)
                 else:
                     self._rooms[job.room] = ready
@@ -127,7 +132,7 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         """These rooms will never have KV (request aborted); tell their D if it asks."""
         for room in rooms:
             with self._lock:
-                self._remember_closed(room, CloseReason.ABORTED)
+                remember(self._closed, room, CloseReason.ABORTED)
                 waiting: list[WaitingRequest] = []
                 pending = self._rooms.get(room)
                 if pending is not None and pending.state is RoomState.AWAITING_PREFILL:
@@ -186,7 +191,7 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         with self._lock:
             room = self._rooms.get(req.room)
             aborted = room is None and self._closed.get(req.room) is CloseReason.ABORTED
-            repeated = room is not None and room.has_claim(claim(req.request_id, req.peer_id))
+            repeated = room is not None and room.has_claim(ClaimKey.of(req))
             if repeated:
                 pass  # a claim already taken (a replayed or repeated request): its first copy gets the answer
             elif room is not None and room.state is not RoomState.AWAITING_PREFILL:
@@ -233,21 +238,18 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         it counts as claimed, its write (if any) stops, and the room is freed at once when no other
         request is expected. A request of it still waiting for the prefill is answered ``status``."""
         dropped: list[WaitingRequest] = []
-        key = claim(cancel.request_id, cancel.peer_id)
+        key = ClaimKey.of(cancel)
         with self._lock:
             room = self._rooms.get(cancel.room)
             if room is None or room.state is RoomState.AWAITING_PREFILL:
                 # Prefill not done yet: remember the cancel (its room is freed at once if it comes).
-                self._early_cancels.setdefault(cancel.room, set()).add(key)
-                self._early_cancels.move_to_end(cancel.room)
-                while len(self._early_cancels) > CLOSED_ROOMS_KEPT:
-                    self._early_cancels.popitem(last=False)
+                remember(self._early_cancels, cancel.room, self._early_cancels.get(cancel.room, set()) | {key})
                 if room is not None:
-                    dropped = [w for w in room.waiting if claim(w.req.request_id, w.req.peer_id) == key]
-                    room.waiting = [w for w in room.waiting if claim(w.req.request_id, w.req.peer_id) != key]
+                    dropped = [w for w in room.waiting if ClaimKey.of(w.req) == key]
+                    room.waiting = [w for w in room.waiting if ClaimKey.of(w.req) != key]
                 if room is None or (not room.waiting and not room.submitted_ids):
                     self._rooms.pop(cancel.room, None)
-                    self._remember_closed(cancel.room, CloseReason.CANCELLED)
+                    remember(self._closed, cancel.room, CloseReason.CANCELLED)
             else:
                 room.cancelled.add(key)
                 assert room.job is not None
@@ -291,7 +293,7 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         if room.expected == 0:
             assert room.job is not None
             room.expected = self._expected(room.job, req.peer_id)
-        key = claim(req.request_id, req.peer_id)
+        key = ClaimKey.of(req)
         if room.state is not RoomState.READY or key in room.cancelled or room.claimed >= room.expected:
             return False
         room.submitted += 1
@@ -313,20 +315,59 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
             peer = self._peers.get(req.peer_id)
             peer_error = self._peer_errors.get(req.peer_id)
             forward_done = self._forward_done.get(job.room)
-        key = claim(req.request_id, req.peer_id)
+        key = ClaimKey.of(req)
         still_wanted = lambda: room.state is RoomState.READY and key not in room.cancelled  # noqa: E731
         done = push_room(self._ctx, self._backend, job, req, peer, peer_error, still_wanted, forward_done)
-        try:  # D first (its first token waits for this), then the log line; a failure is logged first
-            if done.ok:
-                trace.mark("push_done")
-                self._reply(req, done.status, done.error, done.nbytes, done.checksum)
-            log_push(self._ctx.stats, job, req, done.status, done.error, done.nbytes, done.entries, done.seconds)
-            if not done.ok:
-                self._reply(req, done.status, done.error, -1, None)
+        try:
+            self._report_push(job.req_id, req, done)
         finally:  # the write ended: the room closes even if D cannot be told (a bad endpoint raises)
             with self._lock:
                 room.finished += 1
                 self._finish_if_served(room)
+
+    def _report_push(self, p_req_id: str, req: proto.TransferRequest, done: PushOutcome | StreamResult) -> None:
+        """D first (its first token waits for this), then the log line; a failure is logged before D sees it."""
+        ok = done.status is DoneStatus.OK
+        if ok:
+            self._ctx.traces.get(req.room, req.room, p_req_id).mark("push_done")
+            self._reply(req, done.status, done.error, done.nbytes, done.checksum)
+        log_push(self._ctx.stats, req.room, p_req_id, req, done)
+        if not ok:
+            self._reply(req, done.status, done.error, -1, None)
+
+    # ------------------------------------------------- layer-wise streams (StreamHost)
+
+    def enable_layer_push(self, layer_regions: Mapping[str, range]) -> LayerStreams:
+        """Stream each layer's KV while the prefill runs (the worker feeds it save_kv_layer calls)."""
+        self.layers = LayerStreams(self._ctx, self._backend, self, layer_regions)
+        return self.layers
+
+    def take_for_stream(self, room: int) -> list[proto.TransferRequest]:
+        with self._lock:
+            held = self._rooms.get(room)
+            if held is None or held.state is not RoomState.AWAITING_PREFILL:
+                return []
+            return held.take_waiting()
+
+    def peer_of(self, peer_id: str) -> tuple[proto.PeerHello | None, str | None]:
+        with self._lock:
+            return self._peers.get(peer_id), self._peer_errors.get(peer_id)
+
+    def guard_of(self, peer: proto.PeerHello, req: proto.TransferRequest) -> tuple[WriteGuard, RunningChecksum | None]:
+        return guard_push(peer, req, self._spec)
+
+    def stream_done(self, p_req_id: str, done: StreamResult) -> None:
+        req = done.req
+        try:
+            self._report_push(p_req_id, req, done)
+        finally:  # the stream's writes ended: the room closes even if D cannot be told
+            with self._lock:
+                room = self._rooms.get(req.room)
+                if room is not None and ClaimKey.of(req) in room.submitted_ids:
+                    room.finished += 1
+                    self._finish_if_served(room)
+
+    # ------------------------------------------------------------- closing
 
     def _finish_if_served(self, room: Room) -> None:
         """Close a room and let vLLM free its blocks once every write for it ended. Caller holds the lock."""
@@ -336,7 +377,7 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
             self._forward_done.pop(room.room, None)
             room.state = RoomState.CLOSED
             reason = room.close_reason
-            self._remember_closed(room.room, reason)
+            remember(self._closed, room.room, reason)
             self._ctx.traces.emit(room.room, None if reason is CloseReason.SENT else reason.value)
             self._ctx.outbox.sent(room.job.req_id)
 
@@ -355,16 +396,8 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
         if not endpoint:
             logger.error("room=%d req=%s: cannot answer unknown peer %s", req.room, req.request_id, req.peer_id)
             return
-        done = proto.TransferDone(
-            room=req.room,
-            request_id=req.request_id,
-            tp_rank=self._spec.tp_rank,
-            pp_rank=self._spec.pp_rank,
-            status=status,
-            error=error,
-            nbytes=nbytes,
-            checksum=checksum,
-        )
+        spec = self._spec
+        done = proto.TransferDone(req.room, req.request_id, spec.tp_rank, status, error, nbytes, checksum, spec.pp_rank)
         if status is not DoneStatus.OK:
             self._count_refusal(req, status)
         self._ctx.send(endpoint, done)
@@ -380,13 +413,6 @@ class PrefillSide(StreamClaims):  # StreamClaims: the rooms' side of transfer_mo
                 held = req.room in self._rooms
             if not held:
                 traces.emit(req.room)
-
-    def _remember_closed(self, room: int, reason: CloseReason) -> None:
-        """Remember a room that will not (again) be sent. Caller holds the lock."""
-        self._closed[room] = reason
-        self._closed.move_to_end(room)
-        while len(self._closed) > CLOSED_ROOMS_KEPT:
-            self._closed.popitem(last=False)
 
     # -------------------------------------------------------------- timeouts
 

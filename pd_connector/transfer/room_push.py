@@ -4,7 +4,7 @@
 against D's registered KV blocks (``write_guard``), writes the room's blocks through the transfer
 backend and maps every failure to the ``DoneStatus`` D is told. It never raises: a room's end is
 always reported, so its KV is never held forever. `log_push` writes the push's log line and counts
-it; the layer-wise stream's end (``stream_claims``) logs through it too.
+it; the end of a layer-wise stream's reader (``layerwise.StreamResult``) logs through it too.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from pd_connector import protocol as proto
 from pd_connector.device_sync import Marker
@@ -21,9 +22,9 @@ from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.backend import TransferBackend, TransferError, WriteStopped
 from pd_connector.transfer.context import RankContext
-from pd_connector.transfer.peers import BlockRangeError, write_room
 from pd_connector.transfer.stats import TransferStats
 from pd_connector.transfer.write_guard import guard_push
+from pd_connector.transfer.write_plans import BlockRangeError, write_room
 
 logger = logging.getLogger("pd_connector.transfer.prefill_side")
 
@@ -97,29 +98,35 @@ def push_room(
     return PushOutcome(status, error, nbytes, entries, time.perf_counter() - t0, checksum)
 
 
-def log_push(
-    stats: TransferStats,
-    job: SendJob,
-    req: proto.TransferRequest,
-    status: DoneStatus,
-    error: str,
-    nbytes: int,
-    entries: int,
-    seconds: float,
-) -> None:
-    """The push's log line; an OK push is observed in ``stats``, a failed one counted."""
+class Pushed(Protocol):
+    """How a push ended: a request-mode ``PushOutcome`` or a layer-wise ``layerwise.StreamResult``."""
+
+    @property
+    def status(self) -> DoneStatus: ...
+    @property
+    def error(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def entries(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+
+
+def log_push(stats: TransferStats, room: int, req_id: str, req: proto.TransferRequest, done: Pushed) -> None:
+    """The log line of the push of P request ``req_id`` (room ``room``) to ``req``; an OK push is observed
+    in ``stats``, a failed one counted."""
+    status, error, nbytes, entries, seconds = done.status, done.error, done.nbytes, done.entries, done.seconds
     if status is not DoneStatus.OK:
         stats.inc("transfers_failed")  # its reason is counted when D is told (PrefillSide._reply)
         log = logger.warning if status is DoneStatus.CANCELLED else logger.error  # D gave up: no fault here
-        log(
-            "room=%d req=%s: KV push to %s failed (%s): %s", job.room, job.req_id, req.peer_id, status.name, error
-        )
+        log("room=%d req=%s: KV push to %s failed (%s): %s", room, req_id, req.peer_id, status.name, error)
         return
     stats.observe_push(nbytes, entries, seconds)
     logger.info(
         "room=%d req=%s: pushed %d blocks (%d bytes, %d entries) to %s in %.2f ms",
-        job.room,
-        job.req_id,
+        room,
+        req_id,
         len(req.dst_block_ids),
         nbytes,
         entries,

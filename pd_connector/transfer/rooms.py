@@ -1,17 +1,40 @@
 """P's rooms: one prefilled request's KV waiting for (or being written to) its D ranks.
 
-``Room`` is the per-room record ``PrefillSide`` keeps; its ``RoomState`` moves AWAITING_PREFILL ->
-READY -> SENDING/DRAINING -> closed. A claim is one D rank's ask for a room (``claim``): the D ranks
-of one request share the request id, so claims are keyed by (request id, D peer id).
+``Room`` is the record ``PrefillSide`` keeps per room; ``PrefillSide`` alone moves its
+``states.RoomState``: AWAITING_PREFILL (D asked first; its requests wait) -> READY (prefill done, KV
+held) -> DRAINING (expired: no new request, freed once in-flight writes end) -> CLOSED, or READY ->
+CLOSED once every expected claim was served or cancelled. A room that never reaches READY (aborted,
+cancelled, its waiting requests timed out) leaves the table from AWAITING_PREFILL; every room that
+leaves it is remembered by its ``CloseReason`` (``remember``: the newest ``CLOSED_ROOMS_KEPT``). A
+claim is one D rank's ask for a room
+(``ClaimKey``): the D ranks of one request share the request id, so claims are keyed by
+(request id, D peer id). The same keys name the layer-wise readers (``layerwise``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple, TypeVar
 
 from pd_connector import protocol as proto
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.states import CloseReason, RoomState
+
+#: Rooms remembered after they left the table (their CloseReason, early cancels); the oldest are forgotten.
+CLOSED_ROOMS_KEPT = 100_000
+V = TypeVar("V")
+
+
+class ClaimKey(NamedTuple):
+    """One D rank's claim on a room: the D request id is shared by all D ranks of the request."""
+
+    request_id: str
+    peer_id: str
+
+    @classmethod
+    def of(cls, msg: proto.TransferRequest | proto.TransferCancel) -> ClaimKey:
+        return cls(msg.request_id, msg.peer_id)
 
 
 @dataclass
@@ -34,14 +57,34 @@ class Room:
     finished: int = 0
     waiting: list[WaitingRequest] = field(default_factory=list)  # AWAITING_PREFILL
     # Claims are per (D request, D rank): every D rank of one request asks (and may cancel) for itself.
-    submitted_ids: set[str] = field(default_factory=set)
-    cancelled: set[str] = field(default_factory=set)  # D requests' ranks that gave up (each counts as claimed)
+    submitted_ids: set[ClaimKey] = field(default_factory=set)
+    cancelled: set[ClaimKey] = field(default_factory=set)  # D requests' ranks that gave up (each counts as claimed)
 
-    def has_claim(self, key: str) -> bool:
-        """Whether the claim ``key`` (``claim``) came already: submitted, cancelled, or waiting for the prefill."""
+    def has_claim(self, key: ClaimKey) -> bool:
+        """Whether the claim ``key`` came already: submitted, cancelled, or waiting for the prefill."""
         if key in self.submitted_ids or key in self.cancelled:
             return True
-        return any(claim(w.req.request_id, w.req.peer_id) == key for w in self.waiting)
+        return any(ClaimKey.of(w.req) == key for w in self.waiting)
+
+    def take_waiting(self) -> list[proto.TransferRequest]:
+        """AWAITING_PREFILL: a layer-wise stream takes every waiting request (each counts as submitted)."""
+        taken = []
+        for w in self.waiting:
+            key = ClaimKey.of(w.req)
+            if key in self.submitted_ids:
+                continue  # a repeat (refused on arrival since issue 22; dropped here too): the first copy is served
+            self.submitted += 1
+            self.submitted_ids.add(key)
+            taken.append(w.req)
+        self.waiting = []
+        return taken
+
+    def carry_streamed(self, old: Room) -> str:
+        """This READY room takes over the claims layer-wise streams took on ``old`` (its AWAITING_PREFILL
+        record); the D peer id of one of them (it tells how many requests to expect)."""
+        self.submitted, self.finished = old.submitted, old.finished
+        self.submitted_ids = set(old.submitted_ids)
+        return next(iter(old.submitted_ids)).peer_id
 
     @property
     def claimed(self) -> int:
@@ -62,6 +105,9 @@ class Room:
         return CloseReason.CANCELLED if self.cancelled else CloseReason.EXPIRED
 
 
-def claim(request_id: str, peer_id: str) -> str:
-    """Key of one D rank's claim on a room: the D request id is shared by all D ranks of the request."""
-    return f"{request_id}@{peer_id}"
+def remember(table: OrderedDict[int, V], room: int, value: V) -> None:
+    """``table[room] = value`` as its newest entry; the oldest beyond ``CLOSED_ROOMS_KEPT`` are forgotten."""
+    table[room] = value
+    table.move_to_end(room)
+    while len(table) > CLOSED_ROOMS_KEPT:
+        table.popitem(last=False)

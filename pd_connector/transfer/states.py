@@ -6,12 +6,12 @@ import enum
 
 
 class RoomState(enum.Enum):
-    """A room on a P rank."""
+    """A room on a P rank (``rooms.Room``; only ``prefill_side.PrefillSide`` moves it)."""
 
     AWAITING_PREFILL = "awaiting prefill"  # D asked first; its requests wait for the prefill
-    READY = "ready"  # prefill done, KV held: D requests are served
-    DRAINING = "draining"  # expired or cancelled: no new request; freed once in-flight writes end
-    CLOSED = "closed"  # freed; a late D request is refused with the CloseReason
+    READY = "ready"  # prefill done, KV held: D requests are served (request-mode pushes run in this state)
+    DRAINING = "draining"  # room_timeout_s passed: no new request; freed once in-flight writes end
+    CLOSED = "closed"  # freed (out of the table); a late D request is refused with the CloseReason
 
 
 class CloseReason(enum.Enum):

@@ -28,7 +28,7 @@ from pd_connector import protocol as proto
 from pd_connector.layout import LayoutError, Region
 from pd_connector.transfer.checksum import RunningChecksum, reader_for
 from pd_connector.transfer.context import RankSpec
-from pd_connector.transfer.peers import BlockRangeError
+from pd_connector.transfer.write_plans import BlockRangeError
 
 __all__ = ["WriteGuard", "WriteTargetError", "check_own_blocks", "guard_push", "request_blocks"]
 

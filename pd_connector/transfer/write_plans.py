@@ -1,4 +1,6 @@
-"""P side, pure: does a decode peer fit this rank, and which bytes go to it for one request."""
+"""P side, pure: the write plan of one request (which bytes go to which D blocks: ``push_entries``,
+``write_room``), how many D requests a room expects, and whether a decode peer fits this rank at all
+(``peer_problem``, ``version_problem``: checked on its hello, before any plan is made)."""
 
 from __future__ import annotations
 

@@ -12,11 +12,21 @@ import torch
 from pd_connector.layer_chunks import LayerChunk
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
-from pd_connector.transfer.layerwise import LayerStreams, layer_regions_of
+from pd_connector.transfer.layerwise import LayerStreams, enable_layer_push, layer_regions_of
 from pd_connector.transfer.states import RoomState
 
 from .conftest import wait_for
-from .transfer_rig import BLOCK_SIZE, BOTH_BACKENDS, LAYERS, Rig, Side, assert_landed, recv_job, snapshot
+from .transfer_rig import (
+    BLOCK_SIZE,
+    BOTH_BACKENDS,
+    LAYERS,
+    NUM_BLOCKS,
+    Rig,
+    Side,
+    assert_landed,
+    recv_job,
+    snapshot,
+)
 
 
 def layer_mode(rig: Rig, seed: int) -> tuple[Side, LayerStreams]:
@@ -199,3 +209,15 @@ def test_unknown_stream_calls_are_ignored(rig: Rig) -> None:
     streams.abort(509)
     streams.release(509)
     assert not streams._streams and not streams._readers
+
+
+def test_enable_layer_push_is_given_what_it_needs(rig: Rig) -> None:
+    """The worker's entry: the prefill side, the rank's spec and whether a staging buffer reshuffles its KV."""
+    p = rig.make("prefill", seed=12, transfer_mode="layer")
+    prefill = p.mgr.prefill
+    assert prefill is not None
+    assert enable_layer_push(prefill, p.mgr.spec, True, p.kv, NUM_BLOCKS) is None  # nhd_reshuffle: request mode
+    assert prefill.layers is None
+    streams = enable_layer_push(prefill, p.mgr.spec, False, p.kv, NUM_BLOCKS)
+    assert streams is not None and prefill.layers is streams
+    assert streams._layers == list(p.kv)

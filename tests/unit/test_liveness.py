@@ -19,7 +19,7 @@ from pd_connector.transfer.liveness import (
     claims_toward,
     decode_peers_waited_on,
 )
-from pd_connector.transfer.rooms import Room, WaitingRequest, claim
+from pd_connector.transfer.rooms import ClaimKey, Room, WaitingRequest
 from pd_connector.transfer.states import RoomState
 
 from .test_scheduler import D_PARAMS, FakeBlocks, FakeRequest, meta
@@ -150,8 +150,8 @@ def test_prefill_watches_the_decode_ranks_of_waiting_requests_and_running_writes
     waiting = Room(1, RoomState.AWAITING_PREFILL, waiting=[WaitingRequest(_req(1, "r1", "d1"), 9.0)])
     unknown = Room(2, RoomState.AWAITING_PREFILL, waiting=[WaitingRequest(_req(2, "r2", "d9", "tcp://h:1"), 9.0)])
     job = SendJob("p3", 3, [0], 16)
-    writing = Room(3, RoomState.READY, job, submitted=1, submitted_ids={claim("r3", "d2")})
-    done = Room(4, RoomState.READY, job, submitted=1, finished=1, submitted_ids={claim("r4", "d2")})
+    writing = Room(3, RoomState.READY, job, submitted=1, submitted_ids={ClaimKey("r3", "d2")})
+    done = Room(4, RoomState.READY, job, submitted=1, finished=1, submitted_ids={ClaimKey("r4", "d2")})
     rooms = [waiting, unknown, writing, done]
     assert decode_peers_waited_on(rooms, peers) == {A, B, "tcp://h:1"}
     assert decode_peers_waited_on([done], peers) == set()

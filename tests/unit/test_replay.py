@@ -16,9 +16,9 @@ from pd_connector.metadata import SendJob
 from pd_connector.transfer.channel import Channel
 from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer
 from pd_connector.transfer.liveness import Lost, PeerWatch
-from pd_connector.transfer.peers import version_problem
 from pd_connector.transfer.states import RoomState
 from pd_connector.transfer.stats import TransferStats
+from pd_connector.transfer.write_plans import version_problem
 
 from .conftest import HOST, free_port, wait_for
 from .loopback import push_raw

@@ -259,7 +259,7 @@ def test_p_ranks_write_each_byte_of_the_load_once(heads: int, p_tp: int, d_tp: i
     blocks in every region (what D's byte count and checksum are computed over)."""
     from pd_connector.tp_mapping import decode_contacts, local_heads
     from pd_connector.transfer.context import RankSpec
-    from pd_connector.transfer.peers import push_entries
+    from pd_connector.transfer.write_plans import push_entries
 
     layers, nb, head_bytes = 2, 16, BLOCK_SIZE * 2 * 8 * 2  # [blocks, heads, block_size, 2 * head_dim] fp16
 

@@ -91,6 +91,7 @@ def _serve(config: RouterConfig) -> int:
         ssl_context=server_context(config.tls) if config.tls else None,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         limits=ServerLimits(config.header_timeout, config.body_timeout, config.write_timeout),
+        max_body_size=config.max_body_size,
     )
     loop = _new_loop()
     asyncio.set_event_loop(loop)

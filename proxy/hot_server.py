@@ -104,6 +104,7 @@ async def serve(
     shutdown_timeout: float,
     limits: ServerLimits | None = None,
     backlog: int = 2048,
+    max_body_size: int,
 ) -> None:
     """Serve ``app`` (the hot routes on :class:`HotConnection`) until SIGINT or SIGTERM."""
     loop = asyncio.get_running_loop()
@@ -120,7 +121,7 @@ async def serve(
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    hot_server = HotServer(hot, runner.server, app._client_max_size, limits)
+    hot_server = HotServer(hot, runner.server, max_body_size, limits)
     server = await loop.create_server(
         hot_server, host or None, port, backlog=backlog, reuse_port=reuse_port or None, ssl=ssl_context
     )

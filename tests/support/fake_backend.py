@@ -1,6 +1,6 @@
 """A stand-in for a vLLM OpenAI server, for testing the Router with real HTTP processes.
 
-Run one: ``python tests/proxy/fake_backend.py --port 9001 --mode ok``; or several in one
+Run one: ``python tests/support/fake_backend.py --port 9001 --mode ok``; or several in one
 process (each on its own port): ``--specs '[{"port": 9001, "mode": "ok"}, ...]'`` (keys: the
 long options below, with underscores). Modes:
 

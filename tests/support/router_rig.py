@@ -133,7 +133,7 @@ class Backends:
     down: int
 
 
-#: Every fake backend, served by one process (tests/proxy/fake_backend.py ``--specs``).
+#: Every fake backend, served by one process (tests/support/fake_backend.py ``--specs``).
 BACKEND_SPECS: dict[str, dict[str, Any]] = {
     "ok_p": {"mode": "ok"},
     "ok_p2": {"mode": "ok"},

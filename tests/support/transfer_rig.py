@@ -2,9 +2,9 @@
 bootstrap server, all in this process on loopback. KV: 2 layers x 16 blocks, vLLM CPU layout.
 
 The bytes move through a transfer backend opened by name from the registry: the in-process one
-(tests/unit/inproc_backend.py, registered as "inproc") by default, the real Mooncake TCP backend
+(tests/support/inproc_backend.py, registered as "inproc") by default, the real Mooncake TCP backend
 where a test is parametrized with backend_name "mooncake" (BOTH_BACKENDS). The fixtures that
-build it (backend_pool, backend_name, engines, bootstrap, rig, fresh_rig) live in conftest.py."""
+build it (backend_pool, backend_name, engines, bootstrap, rig, fresh_rig) live in tests/unit/conftest.py."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ class Rig:
     ) -> Side:
         """A P (KV filled with random values from `seed`) or D (KV filled with -7) manager.
 
-        ``device``: the rank's device seam (tests/unit/sim_device.py simulates an asynchronous one)."""
+        ``device``: the rank's device seam (tests/support/sim_device.py simulates an asynchronous one)."""
         assert mode not in self.sides, "one manager per side and test (they share the KV memory)"
         extra.setdefault("kv_wait_timeout_s", 30.0)
         extra.setdefault("room_timeout_s", 30.0)

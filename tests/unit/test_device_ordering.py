@@ -1,6 +1,6 @@
 """Device ordering (issue 21): no byte leaves P before the (asynchronous) device wrote it.
 
-The forward runs on a simulated asynchronous device (tests/unit/sim_device.py): its KV writes are
+The forward runs on a simulated asynchronous device (tests/support/sim_device.py): its KV writes are
 queued and land only once the device runs (it is paused while the hooks are called). P and D are
 real KVTransferManagers (ZMQ, bootstrap, the in-process backend) as in test_layerwise /
 test_transfer_manager. With the rank's device seam (``device_sync``) D gets the forward's KV byte

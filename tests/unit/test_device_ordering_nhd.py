@@ -2,7 +2,7 @@
 
 P and D ranks are KVTransferManagers in this process (real ZMQ and bootstrap, the in-process
 backend), their KV allocated as vLLM-Ascend does (test_ascend_dropin.ascend_tensor); each rank has
-its own simulated asynchronous device (tests/unit/sim_device.py), whose index is its TP rank. The
+its own simulated asynchronous device (tests/support/sim_device.py), whose index is its TP rank. The
 forward's KV writes are queued on the P ranks' devices, which stay busy until the test lets them
 run. P1 -> D2: P gathers head slices into its staging buffer; P2 -> D1: D permutes what its two P
 ranks wrote. With each rank's device seam D gets the forward's KV byte for byte, and every device

@@ -1,7 +1,7 @@
 """No write after free (issue 22 item 3): a slow push never lands a byte in a D block after D handed the
 block back to vLLM (``finished_recving``, failed), when vLLM could give it to another request.
 
-A real prefill and decode KVTransferManager (tests/unit/transfer_rig.py: real ZMQ, bootstrap server,
+A real prefill and decode KVTransferManager (tests/support/transfer_rig.py: real ZMQ, bootstrap server,
 in-process backend); P's backend is made slow per batch and records, per D block, when each write into
 it finished; D's outbox records when each request was handed back. Every write must have landed before
 the hand-back. DecodeSide's bookkeeping with two P ranks (one fails, one still writes) is checked on

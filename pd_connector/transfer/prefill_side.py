@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from pd_connector import protocol as proto
 from pd_connector.bootstrap.client import register_dp_rank
+from pd_connector.compat import peer_problem, version_problem
 from pd_connector.config import token_of
 from pd_connector.device_sync import Marker
 from pd_connector.kv_params import host_port
@@ -39,7 +40,7 @@ from pd_connector.transfer.rooms import ClaimKey, Room, WaitingRequest, remember
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
 from pd_connector.transfer.write_guard import WriteGuard, guard_push
-from pd_connector.transfer.write_plans import expected_requests_from, peer_problem, version_problem
+from pd_connector.transfer.write_plans import expected_requests_from
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ token major (NHD: ``[blocks, block_size, heads, dim]``, not MLA, heads not outer
 absent or differs from this rank's TP size. A decode rank never gets one: it permutes what landed
 with transient tensors and registers nothing more than its KV. A prefill rank without a buffer
 advertises no token-major reshuffling, so a decode instance whose TP size would need it is refused
-at the handshake (``write_plans.peer_problem``) instead of failing a transfer.
+at the handshake (``compat.peer_problem``) instead of failing a transfer.
 
 **Allocation.** At KV registration time (``worker.PDWorker.register_kv_caches``), never from a
 transfer thread: on the KV's device, with 2 MiB of slack and sliced to a 2 MiB-aligned start, its

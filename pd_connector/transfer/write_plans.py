@@ -1,16 +1,14 @@
 """P side, pure: the write plan of one request (which bytes go to which D blocks: ``push_entries``,
-``write_room``), how many D requests a room expects, and whether a decode peer fits this rank at all
-(``peer_problem``, ``version_problem``: checked on its hello, before any plan is made)."""
+``write_room``) and how many D requests a room expects. Whether a decode peer fits this rank at all is
+``compat.peer_problem`` / ``compat.version_problem``, checked on its hello before any plan is made."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from pd_connector import protocol as proto
-from pd_connector.compat import KVFacts, kv_mismatch
 from pd_connector.kv_groups import (
     BlockTableError,
-    check_peer_groups,
     group_entries,
     group_pairs,
     recv_groups,
@@ -19,10 +17,7 @@ from pd_connector.kv_groups import (
 from pd_connector.layout import LayoutError, Region
 from pd_connector.metadata import SendJob
 from pd_connector.tp_mapping import (
-    MappingError,
-    check_head_regions,
     expected_requests,
-    needs_head_split,
     plan_decode_rank,
     slices_from,
     tp_transfer_entries,
@@ -35,54 +30,6 @@ Entries = tuple[list[int], list[int], list[int]]
 
 class BlockRangeError(LayoutError):
     """D asks for more blocks than the room holds (its prompt differs from P's)."""
-
-
-def version_problem(hello: proto.PeerHello) -> str | None:
-    """Why a decode peer speaks another ZMQ wire version than this rank (naming both); None if it does not."""
-    if hello.wire_version == proto.WIRE_VERSION:
-        return None
-    theirs = hello.wire_version or "1 or older (no version in its PeerHello)"
-    return (
-        f"incompatible decode instance {hello.peer_id}: it speaks PDConnector wire version {theirs}, "
-        f"this prefill rank speaks version {proto.WIRE_VERSION}; run the same PDConnector release on P and D"
-    )
-
-
-def peer_problem(spec: RankSpec, regions: Sequence[Region], hello: proto.PeerHello) -> str | None:
-    """Why KV of this P rank cannot go to the decode rank that sent ``hello``; None if it can."""
-    try:
-        ours = KVFacts(spec.block_size, spec.kv_dtype, spec.num_layers)
-        theirs = KVFacts(hello.block_size, hello.kv_dtype, hello.num_layers)
-        problem = kv_mismatch("this prefill instance", ours, f"decode instance {hello.peer_id}", theirs)
-        if problem is not None:
-            raise LayoutError(problem)
-        if (hello.total_kv_heads, hello.use_mla) != (spec.total_kv_heads, spec.use_mla):
-            raise LayoutError(
-                f"model mismatch: prefill has {spec.total_kv_heads} KV heads (MLA {spec.use_mla}), "
-                f"decode {hello.total_kv_heads} (MLA {hello.use_mla})"
-            )
-        check_head_regions(regions, [Region(*r) for r in hello.regions], spec.local_kv_heads, hello.local_kv_heads)
-        check_peer_groups(spec.region_groups, hello.region_groups, len(regions))
-        plan = plan_decode_rank(spec.heads, spec.tp_size, hello.tp_size, hello.tp_rank, is_mla=spec.use_mla)
-        head_major = spec.heads_outermost and hello.heads_outermost
-        staged = spec.token_major and hello.token_major  # transfer.nhd_reshuffle
-        split = needs_head_split(plan, spec.local_kv_heads, hello.local_kv_heads)
-        if split and not head_major and staged and len(set(spec.region_groups)) > 1:
-            raise MappingError(
-                f"prefill TP {spec.tp_size} / decode TP {hello.tp_size} on token-major (NHD) KV is reshuffled for "
-                "one KV cache group only, this model has several; use equal TP sizes or "
-                "--disable-hybrid-kv-cache-manager"
-            )
-        if split and not (head_major or staged):
-            raise MappingError(
-                f"prefill TP {spec.tp_size} / decode TP {hello.tp_size} split KV heads inside a block, "
-                "but the KV layout keeps heads inside tokens (NHD) and is not reshuffled on both sides "
-                "(staging_bytes 0, decode.tp_size set to prefill's TP size, or a layout other than "
-                "[blocks, block_size, heads, dim]); use equal TP sizes"
-            )
-    except LayoutError as exc:
-        return f"incompatible decode instance {hello.peer_id}: {exc}"
-    return None
 
 
 def expected_requests_from(spec: RankSpec, room: int, peer: proto.PeerHello | None) -> int:

@@ -17,7 +17,7 @@ stratified over the buckets of `--bucket-edges` (default 64-500, 500-1000, 1000-
 system and rate: TTFT and TPOT p50/p99 overall and per bucket, throughput (requests/s and
 output tokens/s) and goodput (requests/s that met both SLOs: TTFT <= --slo-ttft-ms, TPOT <=
 --slo-tpot-ms). Ratios ours/colocated and ours/vllm_mooncake per rate and bucket, and
-`acceptance` (`serving_report.py`): issue 11's criteria with pass flags. One JSON object on
+`acceptance` (`serving_report.py`): the serving criteria with pass flags. One JSON object on
 stdout, progress on stderr, a PNG of TTFT and TPOT against rate and of TTFT p50 per bucket at
 the lowest rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
 

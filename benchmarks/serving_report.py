@@ -1,7 +1,7 @@
 """The comparisons `benchmarks/serving.py` prints: ratios ours/other per rate and bucket, and `acceptance`.
 
 Pure functions over the systems' summaries (`RunStats.summary` per rate, in rate order); a
-latency ratio below 1 means ours is faster. `acceptance` answers issue 11's serving criteria:
+latency ratio below 1 means ours is faster. `acceptance` answers the serving criteria:
 
 - `ttft_p50_ratio_vs_colocated_max_low_rate`: at low load, the largest (over prompt-length
   buckets) ours/colocated TTFT; passes at <= 1.3. From the interleaved low-load run when it ran

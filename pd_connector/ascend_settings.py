@@ -16,7 +16,7 @@ the worker), as vLLM-Ascend's connectors do:
 
 - ``ASCEND_GLOBAL_RESOURCE_CONFIG`` (JSON object) gets the literal top-level key
   ``"comm_resource_config.qos"`` = ``qos_priority``; the variable is created when absent, its other
-  keys are kept, a malformed value fails before anything is written (seed 003, "QoS").
+  keys are kept, a malformed value fails before anything is written (vLLM-Ascend's QoS setting).
 - ``ASCEND_TRANSFER_TIMEOUT`` (ms), when unset, is derived from ``HCCL_RDMA_TIMEOUT`` (default 20)
   and ``HCCL_RDMA_RETRY_CNT`` (default 7) with vLLM-Ascend's formula (``transfer_timeout_ms``);
   a value the user set is kept.

@@ -1,4 +1,4 @@
-"""One shared secret for PDConnector's control plane (issue 9 P3; issue 22: the secret never travels).
+"""One shared secret for PDConnector's control plane (the secret itself never travels: keys are derived from it).
 
 The token comes from a file (``auth_token_file``) or an environment variable (``auth_token_env``)
 named in ``kv_connector_extra_config``, never from the command line itself. It is keying material

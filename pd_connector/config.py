@@ -53,7 +53,7 @@ class DisaggConfig:
     # Both: a peer rank this rank has pending work with (rooms, loads) that answers no heartbeat for this
     # long is lost: its rooms and loads fail at once (transfer.liveness).
     peer_timeout_s: float = 5.0
-    # Bootstrap registration retries (P ranks), seed 000 §5.3.
+    # Bootstrap registration retries (P ranks).
     register_retries: int = 60
     register_interval_s: float = 1.0
     http_timeout_s: float = 10.0

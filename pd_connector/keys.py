@@ -1,4 +1,4 @@
-"""Keys derived from the shared control-plane secret (issue 22 item 1): one per purpose, never the secret.
+"""Keys derived from the shared control-plane secret: one per purpose, never the secret.
 
 The configured token (``auth.load_token``) is only keying material. Each use gets its own key,
 HKDF-SHA256 (RFC 5869) of the token with a purpose label:

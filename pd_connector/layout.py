@@ -3,7 +3,7 @@
 A *region* is one (layer, K/V or MLA part) slab of KV memory seen block by
 block: `base + i * block_stride` is where block i starts and `block_bytes` of
 it belong to that block. Regions are derived from the tensors' real shapes and
-strides, so every layout in DESIGN §5 is handled by the same code:
+strides, so every layout in docs/design.md is handled by the same code:
 
 - vLLM CPU attention: one tensor per layer, blocks outermost -> 1 region/layer;
 - vLLM-Ascend: a tuple per layer, k and v `[num_blocks, block_size, heads, dim]`

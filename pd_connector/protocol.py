@@ -15,7 +15,7 @@ import msgspec
 
 #: Version of the ZMQ wire (frame envelope, transfer.frames, and these messages). 2: frames carry
 #: sender, session, sequence and receiver under a MAC keyed with a key derived from the token
-#: (issue 22). A PeerHello names it; P refuses a decode peer of another version, naming both.
+#: . A PeerHello names it; P refuses a decode peer of another version, naming both.
 WIRE_VERSION = 2
 
 

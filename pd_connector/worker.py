@@ -48,7 +48,7 @@ def _prepare_cpu_device() -> None:
     """On CPU, ask the kernel for AMX tiles before any attention kernel runs.
 
     A cold decode worker whose first step attends over KV loaded from P died
-    with SIGILL otherwise (DESIGN §7).
+    with SIGILL otherwise (docs/design.md, device ordering).
     """
     cpu = getattr(torch._C, "_cpu", None)
     if cpu is None:

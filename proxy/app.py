@@ -4,7 +4,7 @@
 endpoints runs the same handlers (:data:`HOT_ROUTES_KEY`) on a raw asyncio + httptools server,
 every other request is aiohttp's.
 
-Request lifecycle (docs/design.md §2, §4): a completion or chat request gets a bootstrap room, one
+Request lifecycle (docs/design.md, sections 2 and 4): a completion or chat request gets a bootstrap room, one
 prefill instance P and one decode instance D; both requests are sent at once; D's answer
 (JSON, or the SSE stream byte for byte) goes back to the client.
 

@@ -1,4 +1,4 @@
-"""Device check (issue 21): does P's KV push wait for an asynchronous accelerator? torch only.
+"""Device check: does P's KV push wait for an asynchronous accelerator? torch only.
 
     python scripts/device_check.py [--layers 24] [--blocks 64] [--work 16]   # prints one JSON object
 

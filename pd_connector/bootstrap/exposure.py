@@ -1,4 +1,4 @@
-"""Where the control plane may listen without a token (issue 9: closed by default).
+"""Where the control plane may listen without a token (closed by default).
 
 A rank's ZMQ socket and P's bootstrap server bind ``local_ip``; P's ranks register at
 ``bootstrap_host``. Without a shared token (``auth_token_file`` / ``auth_token_env``) anyone who

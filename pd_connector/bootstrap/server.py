@@ -1,10 +1,10 @@
-"""Bootstrap server (seed 000 §3): topology, rank table and room -> dp-rank routes.
+"""Bootstrap server: topology, rank table and room -> dp-rank routes.
 
 One per prefill deployment, run by P's leader rank (dp 0, tp 0) in a daemon
 thread. Prefill ranks register here; decode ranks read `/bootstrap/route` once
 per prefill deployment. It holds no transfer state.
 
-An entry is never silently taken over (issue 9): a registration that moves a registered rank to
+An entry is never silently taken over: a registration that moves a registered rank to
 another ip/port is accepted, and logged as a re-registration, when the deployment has a token (the
 caller carried it) or, without one, when the old endpoint no longer accepts TCP connections (the
 rank restarted or died; a stopped-but-alive process still accepts, so it counts as live). Otherwise

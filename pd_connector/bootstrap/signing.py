@@ -1,4 +1,4 @@
-"""Signed bootstrap calls (issue 22 item 1): the token never travels, a captured call cannot be replayed.
+"""Signed bootstrap calls: the token never travels, a captured call cannot be replayed.
 
 Every bootstrap call but ``/bootstrap/health`` carries
 

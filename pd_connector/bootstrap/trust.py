@@ -9,7 +9,7 @@ token. D contacts only hosts on its list:
 - a host name (``prefill-0.pd.svc``): matches that name exactly (case-insensitive);
 - ``*``: every host (an explicit opt-in).
 
-Default (the key unset): what D was configured with, nothing a request brings (issue 22 item 2):
+Default (the key unset): what D was configured with, nothing a request brings:
 D's own ``bootstrap_host``; loopback (``127.0.0.0/8``, ``::1``, ``localhost``) only when D's own
 deployment is on loopback (its ``local_ip`` is a loopback address: P and D share the host). A D on a
 cluster address does not trust loopback by default, not even a loopback ``bootstrap_host`` left at its

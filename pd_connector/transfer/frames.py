@@ -1,4 +1,4 @@
-"""The signed envelope of every ZMQ frame (issue 22 item 1): sender, session, sequence, time, receiver.
+"""The signed envelope of every ZMQ frame: sender, session, sequence, time, receiver.
 
 With a token, a frame is ``MAC(32) | header | sender | receiver | payload``:
 

@@ -1,4 +1,4 @@
-"""Liveness: heartbeats between the D ranks and P ranks that share pending work (issue 9 P6).
+"""Liveness: heartbeats between the D ranks and P ranks that share pending work.
 
 Only peers this rank has pending work with are watched: on D, the P ranks a load waits on
 (AWAITING_KV, CANCELLING); on P, the D ranks whose requests wait for a prefill or receive a write.

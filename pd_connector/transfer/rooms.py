@@ -72,7 +72,7 @@ class Room:
         for w in self.waiting:
             key = ClaimKey.of(w.req)
             if key in self.submitted_ids:
-                continue  # a repeat (refused on arrival since issue 22; dropped here too): the first copy is served
+                continue  # a repeat (refused on arrival by the frame checks; dropped here too): the first copy is served
             self.submitted += 1
             self.submitted_ids.add(key)
             taken.append(w.req)

@@ -14,8 +14,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
-from keys_testlib import secret_file, self_signed
-from proxy_testlib import REPO_ROOT
 
 from proxy.access_flags import ADMIN_TOKEN_ENV, API_KEY_ENV, BACKEND_KEY_ENV, LEGACY_BACKEND_KEY_ENV
 from proxy.admin import ADMIN_PATHS
@@ -26,6 +24,8 @@ from proxy.config import AccessConfig, Backend, BackendTlsConfig
 from proxy.metrics import RouterMetrics
 from proxy.router_state import Router
 from proxy.tls import client_context, server_context
+from tests.support.key_files import secret_file, self_signed
+from tests.support.router_rig import REPO_ROOT
 
 BASE = ["--prefiller-hosts", "p1", "--prefiller-ports", "8100", "--decoder-hosts", "d1", "--decoder-ports", "8200"]
 ENVS = (API_KEY_ENV, ADMIN_TOKEN_ENV, BACKEND_KEY_ENV, LEGACY_BACKEND_KEY_ENV)

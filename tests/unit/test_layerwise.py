@@ -9,14 +9,13 @@ import threading
 import pytest
 import torch
 
-from pd_connector.layer_chunks import LayerChunk
 from pd_connector.metadata import SendJob
 from pd_connector.protocol import DoneStatus
-from pd_connector.transfer.layerwise import LayerStreams, enable_layer_push, layer_regions_of
+from pd_connector.transfer.layerwise import enable_layer_push
 from pd_connector.transfer.states import RoomState
-
-from .conftest import wait_for
-from .transfer_rig import (
+from tests.support.layer_streams import chunk, layer_mode, run_step
+from tests.support.loopback import wait_for
+from tests.support.transfer_rig import (
     BLOCK_SIZE,
     BOTH_BACKENDS,
     LAYERS,
@@ -27,27 +26,6 @@ from .transfer_rig import (
     recv_job,
     snapshot,
 )
-
-
-def layer_mode(rig: Rig, seed: int) -> tuple[Side, LayerStreams]:
-    p = rig.make("prefill", seed=seed, transfer_mode="layer")
-    assert p.mgr.prefill is not None
-    streams = p.mgr.prefill.enable_layer_push(layer_regions_of(p.kv, [1] * LAYERS))
-    return p, streams
-
-
-def run_step(streams: LayerStreams, chunks: list[LayerChunk], layers: int | None = None) -> None:
-    """One forward pass: save_kv_layer for the first ``layers`` layers (all by default), then wait_for_save."""
-    step = object()
-    names = list(streams._layers)
-    for name in names[: LAYERS if layers is None else layers]:
-        streams.on_layer(chunks, step, name)
-    if layers is None:
-        streams.on_forward_end(chunks, step)
-
-
-def chunk(room: int, src: list[int], start: int, end: int, final: bool) -> LayerChunk:
-    return LayerChunk("p-req", room, tuple(src[:end]), start, end, final)
 
 
 def finish_prefill(p: Side, room: int, src: list[int]) -> None:

@@ -21,8 +21,7 @@ from pd_connector.transfer.liveness import (
 )
 from pd_connector.transfer.rooms import ClaimKey, Room, WaitingRequest
 from pd_connector.transfer.states import RoomState
-
-from .test_scheduler import D_PARAMS, FakeBlocks, FakeRequest, meta
+from tests.support.fake_scheduler import D_PARAMS, FakeBlocks, FakeRequest, meta
 
 A, B = "tcp://10.0.0.1:5000", "tcp://[::1]:6000"
 

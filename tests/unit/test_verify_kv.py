@@ -31,9 +31,8 @@ from pd_connector.transfer.checksum import (
     merge_ranges,
 )
 from pd_connector.transfer.states import RoomState
-
-from .conftest import wait_for
-from .transfer_rig import BLOCK_SIZE, BOTH_BACKENDS, LAYERS, Rig, recv_job
+from tests.support.loopback import wait_for
+from tests.support.transfer_rig import BLOCK_SIZE, BOTH_BACKENDS, LAYERS, Rig, recv_job
 
 
 def bytewise(data: torch.Tensor, addr: int) -> int:
@@ -213,8 +212,7 @@ def test_blocks_of_a_failed_load_never_enter_the_prefix_cache(tiny_model) -> Non
     from vllm.v1.request import Request
 
     from pd_connector.kv_params import DecodeParams
-
-    from .test_real_scheduler import BLOCK, failed_load, make_scheduler, request, step
+    from tests.support.real_scheduler import BLOCK, failed_load, make_scheduler, request, step
 
     def params(room: int) -> dict[str, Any]:
         return DecodeParams(room=room, bootstrap_host="127.0.0.1", bootstrap_port=18800, prefill_dp_rank=0).to_json()

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from pd_connector import protocol as proto
+from pd_connector.compat import version_problem
 from pd_connector.keys import frame_key
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.channel import Channel
@@ -18,12 +19,9 @@ from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer
 from pd_connector.transfer.liveness import Lost, PeerWatch
 from pd_connector.transfer.states import RoomState
 from pd_connector.transfer.stats import TransferStats
-from pd_connector.transfer.write_plans import version_problem
-
-from .conftest import HOST, free_port, wait_for
-from .loopback import push_raw
-from .test_layerwise import chunk, layer_mode, run_step
-from .transfer_rig import BLOCK_SIZE, Rig, recv_job
+from tests.support.layer_streams import chunk, layer_mode, run_step
+from tests.support.loopback import HOST, free_port, push_raw, wait_for
+from tests.support.transfer_rig import BLOCK_SIZE, Rig, recv_job
 
 TOKEN = b"replay-test-token-0123456789abcdef"
 KEY = frame_key(TOKEN)

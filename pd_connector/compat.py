@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.kv_groups import check_peer_groups
 from pd_connector.layout import LayoutError, Region
-from pd_connector.protocol import Route
+from pd_connector.messages import Route
 from pd_connector.tp_mapping import MappingError, check_head_regions, needs_head_split, plan_decode_rank
 
 if TYPE_CHECKING:

@@ -178,8 +178,11 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
 
         Returns this rank's transfer stats since the previous call (None if nothing happened);
         vLLM aggregates the workers' objects and sends the dict to the frontend's metrics.
-        The scheduler side has none.
+        The scheduler side reports the requests it served without a transfer.
         """
+        if self._scheduler is not None:  # requests served without a transfer (pd_connector.bypass)
+            bypassed = self._scheduler.bypassed.take()
+            return PDKVConnectorStats(data={"bypassed": bypassed}) if bypassed else None
         data = self._worker.take_stats() if self._worker is not None else None
         return PDKVConnectorStats(data=data) if data is not None else None
 

@@ -35,7 +35,7 @@ from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, Bootstr
 from pd_connector.compat import kv_dtype_name, model_fingerprint, route_mismatch
 from pd_connector.config import ConfigError, parse_config
 from pd_connector.kv_params import KV_PARAMS_KEY, DecodeParams, KVParamsError, host_port, parse_kv_params
-from pd_connector.protocol import Route
+from pd_connector.messages import Route
 
 logger = logging.getLogger(__name__)
 

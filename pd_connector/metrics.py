@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from pd_connector.bypass import BYPASS_KEY, BYPASS_REASONS
 from pd_connector.transfer.stats import COUNTS, FAILURE_REASONS, GAUGES, SERIES, empty_interval
 
 #: Prometheus metric names (counters are exposed with a ``_total`` suffix).
@@ -46,6 +47,10 @@ METRIC_NAMES = {
     "recvs_ok": "vllm:pd_kv_loads",
 }
 
+#: Requests a P or D instance served without a KV transfer, by reason (pd_connector.bypass);
+#: counted by the scheduler side, so not a ``vllm:pd_kv_`` transfer metric.
+BYPASS_METRIC = "vllm:pd_requests_without_transfer"
+
 _SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 _THROUGHPUT_BUCKETS = [10.0**e for e in (6, 6.5, 7, 7.5, 8, 8.5, 9, 9.5, 10, 10.5, 11)]
 _ENTRIES_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384]
@@ -59,6 +64,7 @@ class PDKVConnectorStats(KVConnectorStats):
         full = empty_interval()
         for key, value in (self.data or {}).items():
             full[key] = value
+        full[BYPASS_KEY] = dict(full.get(BYPASS_KEY) or {})
         self.data = full
 
     def reset(self) -> None:
@@ -81,6 +87,8 @@ class PDKVConnectorStats(KVConnectorStats):
             mine["failures"][reason] = mine["failures"].get(reason, 0) + n
         for name, per_rank in theirs.get("gauges", {}).items():
             mine["gauges"].setdefault(name, {}).update(per_rank)
+        for reason, n in (theirs.get(BYPASS_KEY) or {}).items():
+            mine[BYPASS_KEY][reason] = mine[BYPASS_KEY].get(reason, 0) + n
         return self
 
     def is_empty(self) -> bool:
@@ -91,6 +99,7 @@ class PDKVConnectorStats(KVConnectorStats):
             and not any(d[key] for key in COUNTS)
             and not any(d["failures"].values())
             and not any(d["gauges"].values())
+            and not any(d[BYPASS_KEY].values())
         )
 
     def reduce(self) -> dict[str, int | float]:
@@ -115,6 +124,8 @@ class PDKVConnectorStats(KVConnectorStats):
                 out[name.replace("_", " ")] = max(per_rank.values())
         out["failures"] = sum(d["failures"].values())
         out["rooms expired"] = d["rooms_expired"]
+        if any(d[BYPASS_KEY].values()):
+            out["served without transfer"] = sum(d[BYPASS_KEY].values())
         return out
 
 
@@ -175,6 +186,12 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self.failures = {
             reason: _per_engine(failures, engines, reason) for reason in FAILURE_REASONS
         }  # every reason exists (at 0) from the start
+        bypassed = self._counter_cls(
+            name=BYPASS_METRIC,
+            documentation="Requests this P or D instance served without a KV transfer, by reason (PD not used).",
+            labelnames=[*labelnames, "reason"],
+        )
+        self.bypassed = {reason: _per_engine(bypassed, engines, reason) for reason in BYPASS_REASONS}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Called by vLLM's Prometheus logger with each aggregated interval dict of an engine."""
@@ -195,3 +212,6 @@ class PDPromMetrics(KVConnectorPromMetrics):
         for reason, n in data["failures"].items():
             if n and reason in self.failures:
                 self.failures[reason][engine_idx].inc(n)
+        for reason, n in data[BYPASS_KEY].items():
+            if n and reason in self.bypassed:
+                self.bypassed[reason][engine_idx].inc(n)

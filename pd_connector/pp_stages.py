@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.layout import LayoutError, regions_of_kv_caches
 
 PARTITION_KEY = "pp_layer_partition"

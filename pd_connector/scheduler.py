@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pd_connector.bypass import BypassCounter, BypassReason, reason_for
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host
 from pd_connector.kv_groups import decode_group_blocks, replay_needs_freed_block
 from pd_connector.kv_params import (
@@ -91,6 +92,8 @@ class PDScheduler:
         self._parsed: dict[str, PrefillParams | DecodeParams | None] = {}
         # P, transfer_mode "layer": which blocks each step completes (the worker streams their layers).
         self._chunks = ChunkPlanner(block_size) if cfg.is_prefill and cfg.transfer_mode == "layer" else None
+        # Requests served without a transfer (logged and counted: pd_connector.bypass).
+        self.bypassed = BypassCounter("prefill" if cfg.is_prefill else "decode")
 
     def _params(self, request: Request) -> PrefillParams | DecodeParams | None:
         rid = request.request_id
@@ -118,6 +121,7 @@ class PDScheduler:
                 request.request_id,
                 covered,
             )
+            self.bypassed.record(request.request_id, BypassReason.PREFIX_CACHED)
             return self._free_without_load(request.request_id, params)
         # Only a load of the whole prompt makes vLLM recompute its last token (which a window may
         # not reach); with P's first token appended, D computes that token itself.
@@ -133,6 +137,7 @@ class PDScheduler:
                 request.num_prompt_tokens,
                 window,
             )
+            self.bypassed.record(request.request_id, BypassReason.WINDOW_RECOMPUTE)
             return self._free_without_load(request.request_id, params)
         return missing, True
 
@@ -218,6 +223,9 @@ class PDScheduler:
         self._recv_planned.discard(rid)
         self._awaiting_kv.discard(rid)
         self._kv_ready.discard(rid)
+        bypass = reason_for(self.cfg.is_prefill, getattr(request, "kv_transfer_params", None), params)
+        if bypass is not None:
+            self.bypassed.record(rid, bypass)
         if not self.cfg.is_prefill or not isinstance(params, PrefillParams):
             return False, None
         from vllm.v1.request import RequestStatus

@@ -22,9 +22,9 @@ from pd_connector.device_sync import for_kv_caches
 from pd_connector.kv_groups import region_groups
 from pd_connector.kv_params import host_port
 from pd_connector.layout import regions_of_kv_caches
+from pd_connector.messages import RegisterRank
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.pp_stages import PipelineError, own_stage_problem, region_layers_of, stage_range
-from pd_connector.protocol import RegisterRank
 from pd_connector.rank_checks import prepare_rank
 from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend

@@ -11,6 +11,6 @@ Run it with ``python -m proxy --prefiller-hosts ... --prefiller-ports ... --deco
 """
 
 from proxy.app import create_app
-from proxy.config import Backend, RouterConfig
+from proxy.router_config import Backend, RouterConfig
 
 __all__ = ["Backend", "RouterConfig", "create_app"]

@@ -10,12 +10,12 @@ import time
 from collections.abc import Sequence
 
 from proxy.admin_token import ensure_admin_token, remove_token_file
+from proxy.api_keys import startup_notes
 from proxy.app import HOT_ROUTES_KEY, SHUTDOWN_TIMEOUT_S, create_app
-from proxy.auth import startup_notes
 from proxy.cli import parse_config
-from proxy.config import RouterConfig
 from proxy.hot_server import ServerLimits, serve
 from proxy.log_lines import LoopFlushingHandler
+from proxy.router_config import RouterConfig
 from proxy.tls import server_context
 from proxy.workers import fork_workers
 

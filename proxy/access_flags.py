@@ -11,7 +11,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from proxy.config import AccessConfig, BackendTlsConfig, TlsConfig
+from proxy.router_config import AccessConfig, BackendTlsConfig, TlsConfig
 from proxy.tls import client_context, server_context
 
 API_KEY_ENV = "PD_ROUTER_API_KEY"

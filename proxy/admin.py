@@ -5,7 +5,7 @@
   instance joins once it answers its health check (:class:`Membership`); a removed one drains;
 - ``POST /reset_prefix_cache``: forwarded to every active backend.
 
-Every one of them is behind the admin token (:mod:`proxy.auth`; loopback callers only when
+Every one of them is behind the admin token (:mod:`proxy.api_keys`; loopback callers only when
 none is configured).
 """
 
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
-from proxy.backends import BackendState
-from proxy.config import ROLES, Backend, Role
+from proxy.backend_pool import BackendState
 from proxy.errors import INVALID_REQUEST, NOT_FOUND, RouterError, json_response
 from proxy.incoming import read_json
+from proxy.router_config import ROLES, Backend, Role
 from proxy.upstream import Failure, fetch, probe
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ logger = logging.getLogger("proxy")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-#: The admin routes' paths (:mod:`proxy.auth` guards them with the admin token).
+#: The admin routes' paths (:mod:`proxy.api_keys` guards them with the admin token).
 ADMIN_PATHS = frozenset({"/instances", "/instances/add", "/instances/remove", "/reset_prefix_cache"})
 
 
@@ -155,7 +155,7 @@ def parse_instances(payload: Any) -> list[Backend]:
     vLLM-Ascend's ``{"type": "prefill"|"decode", "instances": ["H:P", ...] | "H:P"}`` (an item
     may also be an object with host, port and bootstrap_port). A prefiller's bootstrap port
     defaults to the top-level ``bootstrap_port``, else 18800; ``bootstrap_host`` and ``dp_rank``
-    (see :class:`proxy.config.Backend`) may be given at the top level or per item.
+    (see :class:`proxy.router_config.Backend`) may be given at the top level or per item.
     """
     if not isinstance(payload, dict):
         raise RouterError(400, "request body must be a JSON object", INVALID_REQUEST)

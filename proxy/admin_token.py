@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from proxy.config import RouterConfig
+from proxy.router_config import RouterConfig
 
 #: Bytes of randomness in a generated token (URL-safe base64 text of about 43 characters).
 TOKEN_BYTES = 32

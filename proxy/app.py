@@ -25,7 +25,7 @@ Where things are: :mod:`proxy.exchange` (one client request, its retries and its
 state), :mod:`proxy.routing` (routing policies), :mod:`proxy.http1` (the one HTTP client for
 every backend call), :mod:`proxy.upstream` (failure classification, health checks). Routes
 here: the two generation endpoints, ``/v1/models``, ``/health``, ``/healthcheck``,
-``/metrics`` (:mod:`proxy.metrics`) and the admin ones.
+``/metrics`` (:mod:`proxy.router_metrics`) and the admin ones.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from aiohttp import web
 
 from proxy import admin
 from proxy.admin import ADMIN_PATHS, Handler, parse_instances
-from proxy.auth import Gate
-from proxy.backends import health_summary, pool_health
-from proxy.config import RouterConfig
+from proxy.api_keys import Gate
+from proxy.backend_pool import health_summary, pool_health
 from proxy.errors import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -52,8 +51,9 @@ from proxy.errors import (
 from proxy.exchange import generate
 from proxy.failure_policy import decide
 from proxy.incoming import backend_headers, request_id
-from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.payloads import CHAT_COMPLETIONS, COMPLETIONS
+from proxy.router_config import RouterConfig
+from proxy.router_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.router_state import Router
 from proxy.upstream import Failure, fetch, http_failure, passthrough_response
 from proxy.workers import MEMBERSHIP_PATHS, current_worker, refuse_membership_changes
@@ -165,7 +165,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app[ROUTER_KEY] = router
     app.on_startup.append(router.startup)
     app.on_cleanup.append(router.cleanup)
-    gate = Gate(config.access, router.metrics, ADMIN_PATHS)  # keys and admin token (proxy.auth)
+    gate = Gate(config.access, router.metrics, ADMIN_PATHS)  # keys and admin token (proxy.api_keys)
     routes = _routes(router, gate)
     if config.workers > 1:  # a pool change would reach one worker only (proxy.workers)
         refuse = refuse_membership_changes(config.workers)

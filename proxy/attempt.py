@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from proxy.backends import BackendState
+from proxy.backend_pool import BackendState
 from proxy.http1 import Response, UpstreamError, encode_json
 from proxy.payloads import decode_body, prefill_body
 from proxy.upstream import (

@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.access_flags import add_security_flags, security_from_args
-from proxy.config import ROUTING_POLICIES, Backend, RouterConfig
+from proxy.router_config import ROUTING_POLICIES, Backend, RouterConfig
 from proxy.routing import RoutingOptions, describe
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from proxy.backends import BackendState
+from proxy.backend_pool import BackendState
 from proxy.upstream import Failure, FailureKind
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from proxy.attempt import Attempt, Call, Opened
-from proxy.backends import BackendState
+from proxy.backend_pool import BackendState
 from proxy.errors import UPSTREAM_UNAVAILABLE, RouterError
 from proxy.failure_policy import Decision, Tried, settle
 from proxy.first_token_body import (

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from proxy.backends import BackendState
+from proxy.backend_pool import BackendState
 from proxy.upstream import Failure
 
 #: How long a refused pair stays off the first-token path.

@@ -12,8 +12,8 @@ from typing import Any
 from pd_connector.kv_params import KV_PARAMS_KEY as KV_KEY
 from pd_connector.kv_params import MAX_ROOM, MAX_SAMPLES, PREFILL_DP_RANK, DecodeParams, PrefillParams
 from pd_connector.kv_params import ROOM as ROOM_KEY
-from proxy.config import Backend
 from proxy.errors import INVALID_REQUEST, RouterError
+from proxy.router_config import Backend
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"

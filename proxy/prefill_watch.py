@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from proxy.backends import BackendState
+from proxy.backend_pool import BackendState
 from proxy.http1 import Http1Pool
 from proxy.upstream import probe
 

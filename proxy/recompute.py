@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from proxy.attempt import Answered, Attempt, Call, Opened
-from proxy.backends import BackendState
+from proxy.backend_pool import BackendState
 from proxy.failure_policy import Tried, settle
 from proxy.payloads import estimate_prompt_tokens, new_room
 from proxy.recompute_body import (

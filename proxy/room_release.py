@@ -19,7 +19,7 @@ import logging
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from proxy.backends import BackendState
+from proxy.backend_pool import BackendState
 from proxy.http1 import encode_json
 from proxy.payloads import decode_body
 from proxy.routing import RouteRequest

@@ -10,13 +10,13 @@ from typing import Any
 from aiohttp import web
 
 from proxy.admin import Membership
-from proxy.backends import BackendPool
-from proxy.config import RouterConfig
+from proxy.backend_pool import BackendPool
 from proxy.http1 import Http1Pool
-from proxy.metrics import RouterMetrics
 from proxy.pair_refusals import PairRefusals
 from proxy.prefill_watch import PrefillWatch
-from proxy.rooms import RoomsInUse
+from proxy.rooms_in_flight import RoomsInUse
+from proxy.router_config import RouterConfig
+from proxy.router_metrics import RouterMetrics
 from proxy.tls import client_context
 from proxy.upstream import check_all
 

@@ -5,7 +5,7 @@ A policy is a function ``(Choice) -> BackendState``. :data:`POLICIES` maps each
 (``--help``; README lists the same). Adding a policy is one function and one line in
 :data:`POLICIES`. A policy with state of its own (``cache-aware``: what each prefiller
 recently prefilled) is a callable object that is also a :class:`PoolPolicy`: the table holds a
-prototype, and every :class:`proxy.backends.BackendPool` routes with its own
+prototype, and every :class:`proxy.backend_pool.BackendPool` routes with its own
 :meth:`PoolPolicy.fresh` copy (tuned by :class:`RoutingOptions`), which it tells about instances
 removed from the pool (:meth:`PoolPolicy.forget`).
 
@@ -14,7 +14,7 @@ instances that have not failed this request yet; else the untried ones, healthy 
 all of them (health information may be stale, and a role is never left without an instance).
 
 This module imports nothing from :mod:`proxy` at run time but :mod:`proxy.prefix_tree`, which
-imports nothing from :mod:`proxy` (so :mod:`proxy.config` can read the table).
+imports nothing from :mod:`proxy` (so :mod:`proxy.router_config` can read the table).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from proxy.prefix_tree import PrefixTree, prompt_key
 
 if TYPE_CHECKING:
-    from proxy.backends import BackendState
-    from proxy.config import Role
+    from proxy.backend_pool import BackendState
+    from proxy.router_config import Role
 
 
 @dataclass(frozen=True, slots=True)

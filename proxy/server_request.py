@@ -1,6 +1,6 @@
 """What the Router's raw HTTP/1.1 server (:mod:`proxy.hot_server`) hands to a request handler.
 
-The generation handlers (:func:`proxy.exchange.generate`, wrapped by :mod:`proxy.auth` and
+The generation handlers (:func:`proxy.exchange.generate`, wrapped by :mod:`proxy.api_keys` and
 ``proxy.app``) are written against aiohttp's ``web.Request`` and answer with aiohttp's
 ``web.Response`` / ``web.StreamResponse``. The raw server keeps them unchanged: it passes a
 :class:`RawRequest` that has the part of ``web.Request`` they and aiohttp's response classes

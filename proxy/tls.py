@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ssl
 
-from proxy.config import BackendTlsConfig, TlsConfig
+from proxy.router_config import BackendTlsConfig, TlsConfig
 
 #: ``--ssl-cert-reqs`` values (``ssl.VerifyMode``), as ``vllm serve`` takes them.
 CERT_REQS = {int(ssl.CERT_NONE): ssl.CERT_NONE, int(ssl.CERT_OPTIONAL): ssl.CERT_OPTIONAL,

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from pd_connector.kv_params import PREFILL_ERROR, refusal_of
-from proxy.backends import BackendPool, BackendState
+from proxy.backend_pool import BackendPool, BackendState
 from proxy.errors import DECODE_FAILED, PREFILL_FAILED, ROOM_IN_USE, RouterError, excerpt
 from proxy.http1 import ConnectFailed, Http1Pool, UpstreamError
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from proxy.config import RouterConfig
+    from proxy.router_config import RouterConfig
 
 logger = logging.getLogger("proxy")
 

@@ -161,7 +161,7 @@ def _pusher_layer_mode(sync: DeviceSync, backend: TorchCopyBackend, peer: bytes,
 def _layer_streams(sync: DeviceSync, backend: TorchCopyBackend, peer: TorchCopyBackend, p_kv: dict, d_kv: dict,
                    src: list[int], dst: list[int]) -> tuple[Callable[[int], None], Callable[[], None]]:  # fmt: skip
     """The real LayerStreams (transfer/layerwise.py) fed save_kv_layer calls; ImportError without msgspec."""
-    from pd_connector import protocol as proto
+    from pd_connector import messages as proto
     from pd_connector.layer_chunks import LayerChunk
     from pd_connector.layout import regions_of_kv_caches
     from pd_connector.trace import TraceBook

@@ -29,7 +29,7 @@ import msgspec
 from pd_connector.bootstrap.signing import sign_call
 from pd_connector.bootstrap.trust import TrustedHosts, split_addr
 from pd_connector.keys import bootstrap_key
-from pd_connector.protocol import RegisterRank, Route
+from pd_connector.messages import RegisterRank, Route
 
 if TYPE_CHECKING:
     from pd_connector.config import DisaggConfig

@@ -35,7 +35,7 @@ from pd_connector.auth import AUTH_HEADER
 from pd_connector.bootstrap.signing import CallVerifier
 from pd_connector.keys import bootstrap_key
 from pd_connector.log_limit import LogLimiter
-from pd_connector.protocol import RankInfo, RegisterRank, Route, rank_key
+from pd_connector.messages import RankInfo, RegisterRank, Route, rank_key
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import zmq
 
 from pd_connector import auth
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.keys import frame_key
 from pd_connector.log_limit import LogLimiter
 from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer, canonical_endpoint, printable
@@ -146,7 +146,11 @@ class Channel:
         except FrameRefused as exc:
             self._stats.inc("auth_refused")
             self._refusals.warning(  # never decoded: who it claims to be from is not worth a parse
-                ("auth", exc.reason), "refusing ZMQ frame on %s (%d bytes, not decoded): %s", self.endpoint, len(frame), exc
+                ("auth", exc.reason),
+                "refusing ZMQ frame on %s (%d bytes, not decoded): %s",
+                self.endpoint,
+                len(frame),
+                exc,
             )
             return
         frame = opened.payload

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.config import DisaggConfig
 from pd_connector.device_sync import NO_DEVICE, DeviceSync
 from pd_connector.layout import Region

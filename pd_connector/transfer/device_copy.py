@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pd_connector.backends import BackendSpec
 from pd_connector.transfer.backend import Ints, TransferError, Wanted, write_in_batches
+from pd_connector.transfer_backends import BackendSpec
 
 if TYPE_CHECKING:
     from pd_connector.config import DisaggConfig

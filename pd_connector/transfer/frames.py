@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pd_connector.auth import MAC_BYTES, AuthError
-from pd_connector.protocol import WIRE_VERSION
+from pd_connector.messages import WIRE_VERSION
 
 VERSION = WIRE_VERSION
 _HEADER = struct.Struct(">B16sQQ")  # version, session, sequence, sent at (Unix ms)

@@ -42,11 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.device_sync import DONE, Marker
 from pd_connector.layer_chunks import LayerChunk
 from pd_connector.layout import LayoutError, Region, block_runs
-from pd_connector.protocol import DoneStatus
+from pd_connector.messages import DoneStatus
 from pd_connector.tp_mapping import HeadSlice, plan_decode_rank, slices_from, tp_transfer_entries
 from pd_connector.transfer.backend import TransferBackend, TransferError
 from pd_connector.transfer.context import RankContext, RankSpec

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.log_limit import LogLimiter
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.config import DisaggConfig
 from pd_connector.metadata import RecvJob
 from pd_connector.tp_mapping import HeadSlice

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.bootstrap.exposure import exposure_of
 from pd_connector.config import DisaggConfig, token_of
 from pd_connector.device_sync import NO_DEVICE, DeviceSync

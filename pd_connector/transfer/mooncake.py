@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.ascend_env import setup_local_comm_res
-from pd_connector.backends import BackendSpec, OptionError
 from pd_connector.platform_transport import on_npu
 from pd_connector.transfer.backend import BATCH_STALL_S, Ints, TransferError, Wanted, write_in_batches
+from pd_connector.transfer_backends import BackendSpec, OptionError
 
 if TYPE_CHECKING:
     from pd_connector.config import DisaggConfig

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.device_sync import DeviceSync, synchronize_tensor
 from pd_connector.layout import LayoutError, Region, block_dim
 from pd_connector.metadata import SendJob

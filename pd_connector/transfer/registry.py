@@ -1,15 +1,16 @@
 """Opens the transfer backend a config names, at worker start.
 
-The names, where each backend lives and how its options parse are in ``pd_connector.backends``
+The names, where each backend lives and how its options parse are in ``pd_connector.transfer_backends``
 (vLLM-free, checked when the config is parsed); this module only opens the backend. Adding a
-backend: see ``pd_connector.backends``.
+backend: see ``pd_connector.transfer_backends``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pd_connector.backends import (
+from pd_connector.transfer.backend import TransferBackend
+from pd_connector.transfer_backends import (
     DEFAULT_BACKEND,
     UnknownBackendError,
     known_backends,
@@ -17,7 +18,6 @@ from pd_connector.backends import (
     spec_of,
     unknown_backend_message,
 )
-from pd_connector.transfer.backend import TransferBackend
 
 if TYPE_CHECKING:
     from pd_connector.config import DisaggConfig

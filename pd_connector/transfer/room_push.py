@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.device_sync import Marker
 from pd_connector.layout import LayoutError
+from pd_connector.messages import DoneStatus
 from pd_connector.metadata import SendJob
-from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.backend import TransferBackend, TransferError, WriteStopped
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.stats import TransferStats

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.states import CloseReason, RoomState
 

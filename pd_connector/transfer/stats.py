@@ -16,7 +16,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from pd_connector.protocol import DoneStatus
+from pd_connector.messages import DoneStatus
 
 StatName = Literal[
     "transfers_ok",

@@ -18,7 +18,7 @@ import unicodedata
 
 import msgspec
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 
 #: The largest payload a PDConnector frame may carry. The largest legitimate messages: a
 #: TransferRequest for a 16M-token prompt at block size 16 (2^20 block ids, at most 5 msgpack bytes

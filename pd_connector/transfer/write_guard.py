@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.layout import LayoutError, Region
 from pd_connector.transfer.checksum import RunningChecksum, reader_for
 from pd_connector.transfer.context import RankSpec

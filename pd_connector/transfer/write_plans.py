@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.kv_groups import (
     BlockTableError,
     group_entries,

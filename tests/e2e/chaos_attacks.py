@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import zmq
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.keys import frame_key
 from pd_connector.transfer.frames import FrameOpener, FrameSealer
 

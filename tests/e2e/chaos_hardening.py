@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from launch.processes import signal_group
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.transfer.backend import BATCH_STALL_S, WRITE_RETRIES
 from tests.e2e import chaos_tools as ct
 from tests.e2e.chaos_attacks import Flood, FramePeer, LogWatch, metric_total, slowloris

@@ -31,7 +31,7 @@ import pytest
 import zmq
 
 from launch.processes import PDStack, ProcessGroup, free_port, vllm_env, vllm_serve_cmd
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.keys import frame_key

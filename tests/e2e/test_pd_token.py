@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from launch.processes import PDStack, ProcessGroup, free_port, start_pd_stack
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.bootstrap.signing import signed_headers
 from pd_connector.keys import frame_key
 from pd_connector.transfer.frames import FrameSealer

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from proxy.admin_token import default_token_path, ensure_admin_token, read_token, write_new_token
-from proxy.config import AccessConfig, Backend, RouterConfig
+from proxy.router_config import AccessConfig, Backend, RouterConfig
 from tests.support.router_rig import Backends, RouterFactory, admin_headers, start_router, wait_until
 
 _CONFIG = RouterConfig((Backend("prefill", "127.0.0.1", 1, 2),), (Backend("decode", "127.0.0.1", 3),), port=8123)

@@ -7,10 +7,10 @@ from typing import Any, cast
 
 import pytest
 
-from proxy.backends import BackendState
-from proxy.config import Backend
+from proxy.backend_pool import BackendState
 from proxy.errors import RouterError
 from proxy.failure_policy import Decision, Tried, decide, settle
+from proxy.router_config import Backend
 from proxy.upstream import Failure, FailureKind, unresponsive_failure
 
 #: Each kind's ``retryable`` as proxy.upstream classifies it (HTTP statuses: 503 and 400).

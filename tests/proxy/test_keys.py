@@ -17,11 +17,11 @@ from aiohttp.test_utils import make_mocked_request
 
 from proxy.access_flags import ADMIN_TOKEN_ENV, API_KEY_ENV, BACKEND_KEY_ENV, LEGACY_BACKEND_KEY_ENV
 from proxy.admin import ADMIN_PATHS
-from proxy.auth import Access, BearerCheck, Gate, Refusal, access_of, is_loopback, startup_notes
-from proxy.backends import BackendPool
+from proxy.api_keys import Access, BearerCheck, Gate, Refusal, access_of, is_loopback, startup_notes
+from proxy.backend_pool import BackendPool
 from proxy.cli import parse_config
-from proxy.config import AccessConfig, Backend, BackendTlsConfig
-from proxy.metrics import RouterMetrics
+from proxy.router_config import AccessConfig, Backend, BackendTlsConfig
+from proxy.router_metrics import RouterMetrics
 from proxy.router_state import Router
 from proxy.tls import client_context, server_context
 from tests.support.key_files import secret_file, self_signed

@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from proxy.attempt import Answered, Attempt, AttemptState, Call, Opened
-from proxy.config import Backend, RouterConfig
 from proxy.http1 import UpstreamError
+from proxy.router_config import Backend, RouterConfig
 from proxy.router_state import Router
 from proxy.upstream import Failure, FailureKind
 

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.backends import BackendPool
+from proxy.backend_pool import BackendPool
 from proxy.cli import parse_config
-from proxy.config import Backend
 from proxy.payloads import estimate_prompt_tokens
+from proxy.router_config import Backend
 from proxy.routing import POLICIES, CacheAware, RouteRequest, RoutingOptions
 from tests.support.router_rig import (
     FAKE_BACKEND,

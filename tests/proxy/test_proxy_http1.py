@@ -9,9 +9,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from proxy.backends import BackendState
-from proxy.config import Backend
+from proxy.backend_pool import BackendState
 from proxy.http1 import READ_HIGH_WATER, ConnectFailed, ConnectionBroken, ConnState, Http1Pool, UpstreamTimeout
+from proxy.router_config import Backend
 from proxy.upstream import Failure, FailureKind, Reply, fetch, probe
 
 HOST = "127.0.0.1"

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from pd_connector.kv_params import KVParamsError, PrefillParams, parse_kv_params, prefill_refused
-from proxy.backends import BackendState
-from proxy.config import Backend
+from proxy.backend_pool import BackendState
 from proxy.payloads import decode_body, prefill_body, resolve_room
-from proxy.rooms import RoomsInUse
+from proxy.rooms_in_flight import RoomsInUse
+from proxy.router_config import Backend
 from proxy.upstream import refused_failure
 from tests.support.router_rig import Backends, RouterFactory, http_client, new_rid, record, request_body
 

@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 
 from proxy.app import parse_instances
-from proxy.backends import BackendPool, BackendState
-from proxy.config import Backend
+from proxy.backend_pool import BackendPool, BackendState
 from proxy.errors import RouterError
 from proxy.http1 import ConnectFailed, ConnectionBroken, UpstreamTimeout
 from proxy.payloads import estimate_prompt_tokens, validate_body
+from proxy.router_config import Backend
 from proxy.routing import POLICIES, Choice, RouteRequest, candidates
 from proxy.upstream import FailureKind, empty_failure, error_event_failure, exception_failure, http_failure
 

@@ -28,8 +28,8 @@ from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import ConfigError, parse_config
 from pd_connector.layout import regions_of_kv_caches
+from pd_connector.messages import RegisterRank
 from pd_connector.metadata import SendJob
-from pd_connector.protocol import RegisterRank
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import register_backend
 from pd_connector.worker import PDWorker

@@ -11,15 +11,15 @@ import msgspec
 import pytest
 import zmq
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.bootstrap.client import RouteCache, register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.bootstrap.signing import signed_headers
 from pd_connector.config import ConfigError, parse_config, token_of
 from pd_connector.keys import frame_key
 from pd_connector.kv_params import KVParamsError, host_port, parse_kv_params
+from pd_connector.messages import RegisterRank
 from pd_connector.metadata import SendJob
-from pd_connector.protocol import RegisterRank
 from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer
 from tests.support.loopback import HOST, free_port, wait_for
 from tests.support.transfer_rig import BLOCK_SIZE, Rig, recv_job

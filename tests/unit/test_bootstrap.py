@@ -14,7 +14,7 @@ import pytest
 from pd_connector.bootstrap import client as bclient
 from pd_connector.bootstrap.client import BootstrapError, RouteCache, register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
-from pd_connector.protocol import RankInfo, RegisterRank, Route
+from pd_connector.messages import RankInfo, RegisterRank, Route
 from tests.support.loopback import HOST, free_port
 
 

@@ -24,7 +24,7 @@ from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.bootstrap.trust import TrustedHosts, split_addr
 from pd_connector.config import ConfigError, parse_config, trusted_hosts_of
 from pd_connector.keys import derive_keys
-from pd_connector.protocol import RegisterRank
+from pd_connector.messages import RegisterRank
 from tests.support.loopback import HOST, free_port
 
 TOKEN = b"another-test-token-0123456789"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pd_connector import backends
-from pd_connector.backends import NoOptions
+from pd_connector import transfer_backends
 from pd_connector.config import DECODE, PREFILL, ConfigError, DisaggConfig, parse_config
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.mooncake import MooncakeOptions
+from pd_connector.transfer_backends import NoOptions
 
 
 def test_defaults_prefill() -> None:
@@ -120,8 +120,8 @@ def _keyless_backend(cfg: DisaggConfig) -> TransferBackend:
 @pytest.fixture
 def keyless(monkeypatch: pytest.MonkeyPatch) -> str:
     """A backend without option keys (and a 4-entry batch limit), registered for one test."""
-    spec = backends.BackendSpec(open=_keyless_backend, parse=lambda raw: NoOptions(batch_limit=4))
-    monkeypatch.setitem(backends._REGISTERED, "keyless", spec)
+    spec = transfer_backends.BackendSpec(open=_keyless_backend, parse=lambda raw: NoOptions(batch_limit=4))
+    monkeypatch.setitem(transfer_backends._REGISTERED, "keyless", spec)
     return "keyless"
 
 

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.kv_groups import (
     NULL_BLOCK,
     BlockTableError,

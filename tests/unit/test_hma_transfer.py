@@ -29,8 +29,8 @@ from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import parse_config
 from pd_connector.kv_groups import region_groups
 from pd_connector.layout import memory_ranges, regions_of_kv_caches
+from pd_connector.messages import RegisterRank
 from pd_connector.metadata import RecvJob, SendJob
-from pd_connector.protocol import RegisterRank
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import create_backend
 from tests.support.ascend_kv import ascend_tensor

@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.http_validation import CHECKED_PATHS, KVParamsValidationMiddleware, parse_body
-from pd_connector.protocol import RegisterRank
+from pd_connector.messages import RegisterRank
 from tests.support.loopback import free_port
 
 GOOD_D = {

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
+from pd_connector.messages import DoneStatus
 from pd_connector.metadata import SendJob
-from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.layerwise import enable_layer_push
 from pd_connector.transfer.states import RoomState
 from tests.support.layer_streams import chunk, layer_mode, run_step

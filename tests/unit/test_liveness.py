@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.config import ConfigError, parse_config
 from pd_connector.metadata import SendJob
 from pd_connector.scheduler import PDScheduler

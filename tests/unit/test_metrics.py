@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pd_connector.connector import PDConnector
+from pd_connector.messages import DoneStatus
 from pd_connector.metrics import METRIC_NAMES, PDKVConnectorStats, PDPromMetrics
-from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.stats import FAILURE_REASONS, TransferStats, reason_of_status
 
 

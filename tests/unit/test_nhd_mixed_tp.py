@@ -39,7 +39,7 @@ def test_mixed_tp_on_token_major_kv_is_byte_exact(engines: Engines, p_tp: int, d
 
 
 def test_no_staging_means_mixed_tp_on_nhd_is_refused() -> None:
-    from pd_connector import protocol as proto
+    from pd_connector import messages as proto
     from pd_connector.compat import peer_problem
 
     spec = RankSpec(0, 2, 0, 1, BS, "float16", LAYERS, total_kv_heads=4, local_kv_heads=2, heads_outermost=False)

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import ConfigError, parse_config

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pd_connector import protocol as proto
-from pd_connector.protocol import ProtocolError
+from pd_connector import messages as proto
+from pd_connector.messages import ProtocolError
 
 # ------------------------------------------------------------------ ZMQ messages
 

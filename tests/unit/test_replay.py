@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.compat import version_problem
 from pd_connector.keys import frame_key
 from pd_connector.metadata import SendJob

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import pytest
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.metadata import SendJob
 from pd_connector.transfer import rooms
 from pd_connector.transfer.liveness import claims_toward

@@ -12,7 +12,7 @@ import torch
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.kv_params import prefill_refused
 from pd_connector.metadata import SendJob
 from pd_connector.scheduler import PDScheduler

@@ -11,9 +11,9 @@ import pytest
 import torch
 import zmq
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
+from pd_connector.messages import DoneStatus
 from pd_connector.metadata import SendJob
-from pd_connector.protocol import DoneStatus
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.registry import known_backends
 from pd_connector.transfer.states import LoadState, RoomState

@@ -17,7 +17,7 @@ import pytest
 import torch
 import zmq
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.layout import Region
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.checksum import (

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.config import parse_config
 from pd_connector.layer_chunks import LayerChunk
+from pd_connector.messages import DoneStatus
 from pd_connector.metadata import RecvJob, SendJob
-from pd_connector.protocol import DoneStatus
 from pd_connector.trace import TraceBook
 from pd_connector.transfer import decode_side as decode_side_module
 from pd_connector.transfer.backend import BATCH_STALL_S, WRITE_RETRIES, Ints, Wanted, write_in_batches

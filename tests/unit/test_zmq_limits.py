@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from pd_connector import auth
-from pd_connector import protocol as proto
+from pd_connector import messages as proto
 from pd_connector.keys import frame_key
 from pd_connector.metadata import SendJob
 from pd_connector.transfer import channel as channel_module

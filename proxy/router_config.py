@@ -39,7 +39,7 @@ class BackendTlsConfig:
 
 @dataclass(frozen=True)
 class AccessConfig:
-    """Who may call the Router (:mod:`proxy.auth`); secrets are never in ``repr``.
+    """Who may call the Router (:mod:`proxy.api_keys`); secrets are never in ``repr``.
 
     ``api_keys``: clients must send ``Authorization: Bearer <one of them>`` on ``/v1/*``
     (``--api-key``/``--api-key-file``/``PD_ROUTER_API_KEY``; empty: no key needed).
@@ -155,7 +155,7 @@ class RouterConfig:
     #: never reaches P or D): ``Bearer <key>`` from ``--backend-api-key-file``, else
     #: ``PD_BACKEND_API_KEY``, else ``OPENAI_API_KEY`` (what vLLM-Ascend's proxy sends).
     backend_authorization: str | None = field(default=None, repr=False)
-    #: Client keys and the admin token (:mod:`proxy.auth`).
+    #: Client keys and the admin token (:mod:`proxy.api_keys`).
     access: AccessConfig = AccessConfig()
     #: HTTPS instead of HTTP when set (``--ssl-certfile``/``--ssl-keyfile``).
     tls: TlsConfig | None = None

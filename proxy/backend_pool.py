@@ -19,7 +19,7 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
-from proxy.config import ROLES, Backend, Role
+from proxy.router_config import ROLES, Backend, Role
 from proxy.routing import POLICIES, Choice, PoolPolicy, RouteRequest, RoutingOptions, candidates, make_policy
 
 logger = logging.getLogger("proxy")

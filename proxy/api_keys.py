@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from pd_connector.log_limit import LogLimiter
-from proxy.config import AccessConfig
 from proxy.errors import error_response
 from proxy.incoming import request_id
+from proxy.router_config import AccessConfig
 
 if TYPE_CHECKING:
     from proxy.admin import Handler
-    from proxy.metrics import RouterMetrics
+    from proxy.router_metrics import RouterMetrics
 
 logger = logging.getLogger("proxy")
 

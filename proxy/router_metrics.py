@@ -15,7 +15,7 @@ Names (``backend`` = ``host:port``, ``role`` = ``prefill``/``decode``, ``endpoin
   ``kind`` one of ``connect``, ``timeout``, ``disconnect``, ``http_4xx``, ``http_5xx``, ``empty``,
   ``error_event``;
 - ``pd_router_retries_total{endpoint}``: attempts repeated on another P/D pair (failover);
-- ``pd_router_auth_refused_total{endpoint,reason}``: calls refused by :mod:`proxy.auth`,
+- ``pd_router_auth_refused_total{endpoint,reason}``: calls refused by :mod:`proxy.api_keys`,
   ``reason`` one of ``missing``, ``wrong``, ``not_loopback``;
 - ``pd_router_time_to_first_byte_seconds{endpoint}`` and
   ``pd_router_request_duration_seconds{endpoint}``: histograms, from the request's arrival to
@@ -34,8 +34,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proxy.backends import BackendPool
-from proxy.config import Backend
+from proxy.backend_pool import BackendPool
+from proxy.router_config import Backend
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (
@@ -179,7 +179,7 @@ class RouterMetrics:
         self._child(self.retries, endpoint).inc()
 
     def auth_refused(self, endpoint: str, reason: str) -> None:
-        """Count one call refused by :mod:`proxy.auth`."""
+        """Count one call refused by :mod:`proxy.api_keys`."""
         self._child(self.auth_refusals, endpoint, reason).inc()
 
     def render(self) -> bytes:

@@ -18,7 +18,7 @@ tensors' device (``for_device``):
 ``TorchDeviceSync`` implements it with torch's per-backend modules (``torch.npu`` from torch_npu on
 vLLM-Ascend: ``Event``, ``current_stream``, ``set_device``; ``torch.cuda`` the same), ``NO_DEVICE``
 for CPU tensors (kernels there are synchronous). Tests plug a simulated asynchronous device behind
-the same protocol (tests/unit/sim_device.py).
+the same protocol (tests/support/sim_device.py).
 """
 
 from __future__ import annotations

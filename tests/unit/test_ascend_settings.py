@@ -305,7 +305,7 @@ def _va_tls(certfile: str, keyfile: str, ca: str, **more: Any) -> dict[str, Any]
     return {"ssl_enable": True, "ssl_certfile": certfile, "ssl_keyfile": keyfile, "ssl_ca_certs": ca, **more}
 
 
-def test_tls_config_becomes_the_bootstrap_tls(cert: tuple[str, str]) -> None:  # noqa: F811
+def test_tls_config_becomes_the_bootstrap_tls(cert: tuple[str, str]) -> None:
     certfile, keyfile = cert
     p = parse_config("kv_producer", {"tls_config": _va_tls(certfile, keyfile, certfile)})
     assert (p.bootstrap_ssl_certfile, p.bootstrap_ssl_keyfile, p.bootstrap_ssl_ca_certs) == (
@@ -330,7 +330,7 @@ def test_tls_config_becomes_the_bootstrap_tls(cert: tuple[str, str]) -> None:  #
         server.stop()
 
 
-def test_tls_config_disabled_means_no_tls(cert: tuple[str, str]) -> None:  # noqa: F811
+def test_tls_config_disabled_means_no_tls(cert: tuple[str, str]) -> None:
     certfile, keyfile = cert
     cfg = parse_config("kv_producer", {"tls_config": _va_tls(certfile, keyfile, certfile, ssl_enable=False)})
     assert (cfg.bootstrap_ssl_certfile, cfg.bootstrap_ssl_keyfile, cfg.bootstrap_ssl_ca_certs) == ("", "", "")
@@ -340,7 +340,7 @@ def test_tls_config_disabled_means_no_tls(cert: tuple[str, str]) -> None:  # noq
     assert parse_config("kv_producer", same).bootstrap_ssl_certfile == certfile
 
 
-def test_tls_config_errors_name_the_keys(cert: tuple[str, str]) -> None:  # noqa: F811
+def test_tls_config_errors_name_the_keys(cert: tuple[str, str]) -> None:
     certfile, keyfile = cert
     other = str(Path(certfile).with_name("other.pem"))
     Path(other).write_text(Path(certfile).read_text())

@@ -1,5 +1,5 @@
 """KVTransferManager: a prefill and a decode manager, real ZMQ and a real bootstrap server, all in
-this process on loopback (the rig: tests/unit/transfer_rig.py, its fixtures in conftest.py).
+this process on loopback (the rig: tests/support/transfer_rig.py, its fixtures in conftest.py).
 KV: 2 layers x 16 blocks, vLLM CPU layout; the in-process backend by default, real Mooncake TCP
 where a test is marked BOTH_BACKENDS."""
 

@@ -1,4 +1,4 @@
-"""The chaos test's phases for issue 22 (replay, a refused-frame flood, slowloris, a cancel while P is frozen).
+"""The chaos test's security phases (replay, a refused-frame flood, slowloris, a cancel while P is frozen).
 
 Each function runs one phase on the chaos stack and fills its figures; tests/e2e/test_chaos.py calls
 them in its order and checks what every phase checks (KV free, health). The tools are in

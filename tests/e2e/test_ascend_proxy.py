@@ -1,4 +1,4 @@
-"""vLLM-Ascend's example proxy, unmodified, in front of a PDConnector P and D (issue 8).
+"""vLLM-Ascend's example proxy, unmodified, in front of a PDConnector P and D.
 
 `load_balance_proxy_server_example.py` (vllm-ascend 0.23.0.post1; PDC_VLLM_ASCEND_PEERS says where it
 is, see launch/ascend_peers.py) calls P first with `kv_transfer_params: {do_remote_decode: true, remote_*: null}` (no room), then calls D

@@ -1,4 +1,4 @@
-"""Chaos test (issue 9 point 7, issue 22): one token-protected 1P1D stack through eleven kinds of trouble.
+"""Chaos test: one token-protected 1P1D stack through eleven kinds of trouble.
 
 Phases, in order, each checked on its own (tests below): load at concurrency 16 with random client
 disconnects; malformed input to the Router, D and the bootstrap server; garbage on P's and D's ZMQ
@@ -7,7 +7,7 @@ without the token; slowloris on the Router; P frozen (SIGSTOP) under load and re
 refused frames while liveness must keep live peers alive and find a frozen P; clients leaving while
 P is frozen mid-request (D keeps the blocks until P answered); P killed (SIGKILL) under load and
 restarted on the same ports; D killed mid-stream and restarted (chaos_hardening.py holds the
-issue 22 phases, chaos_attacks.py their tools, chaos_stack.py the stack and its settings). After each: every client call ended (none hung) with a complete answer or
+security phases, chaos_attacks.py their tools, chaos_stack.py the stack and its settings). After each: every client call ended (none hung) with a complete answer or
 a clear error, P and D hold no KV within the configured timeouts, the instances not killed answer
 /health. At the end a few prompts through the Router equal a colocated vLLM token for token.
 

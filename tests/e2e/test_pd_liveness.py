@@ -1,4 +1,4 @@
-"""Closed-loop abort and liveness with real processes (issue 9 P5, P6).
+"""Closed-loop abort and liveness with real processes.
 
 Module setup, beside the session's P/D stack (P1, D): a second prefiller P2 (its own bootstrap
 server) and a decoder D2 that runs one sequence at a time (``--max-num-seqs 1``), and two Routers:

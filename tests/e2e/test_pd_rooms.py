@@ -1,4 +1,4 @@
-"""Rooms and n > 1 with real processes (issue 9 P1).
+"""Rooms and n > 1 with real processes.
 
 - ``n=2`` and ``n=3`` seeded sampled completions through the Router equal a colocated vLLM's,
   sample by sample: P prefills once (the Router sends it no ``n``), every sample on D loads the

@@ -1,4 +1,4 @@
-"""A P/D/Router stack with the control-plane token (issue 9): whoever lacks it is refused and counted,
+"""A P/D/Router stack with the control-plane token: whoever lacks it is refused and counted,
 and the stack keeps serving, token-identical to colocated vLLM.
 
 One stack (its own: P and D read the token from a file) for the whole module. The Router carries no
@@ -39,7 +39,7 @@ class TokenStack:
     def bootstrap_call(
         self, method: str, path: str, token: bytes | None, body: object = None, headers: dict | None = None
     ) -> httpx.Response:
-        """A call signed with ``token``'s bootstrap key (issue 22), or with ``headers`` as given."""
+        """A call signed with ``token``'s bootstrap key, or with ``headers`` as given."""
         content = b"" if body is None else body if isinstance(body, bytes) else msgspec.json.encode(body)
         headers = signed_headers(token, method, path, content) if headers is None else headers
         return httpx.request(
@@ -136,7 +136,7 @@ def test_a_forged_hello_is_refused_and_counted(token_stack: TokenStack) -> None:
         ctx.term()
     log = token_stack.stack.prefill.log_path
     deadline = time.monotonic() + 10
-    # Refused frames are never decoded (issue 22): the line names the size and why, not who it claims to be.
+    # Refused frames are never decoded: the line names the size and why, not who it claims to be.
     sizes = f"(?:{len(payload)}|{len(signed)})"
     while count_in_log(log, rf"refusing ZMQ frame on .* \({sizes} bytes, not decoded\)") < 2:
         assert time.monotonic() < deadline, "P did not log the refused frames"

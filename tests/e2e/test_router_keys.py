@@ -1,4 +1,4 @@
-"""Router keys end to end (issue 9, first acceptance point, Router part).
+"""Router keys end to end.
 
 A second Router, with a client API key and an admin token, in front of the session stack's real
 P and D (no new vLLM): calls without the key or token are refused (401) and change nothing, the

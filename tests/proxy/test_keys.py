@@ -1,4 +1,4 @@
-"""Router keys (issue 9 point 3), in process: the bearer check, the admin gate, the flags."""
+"""Router keys, in process: the bearer check, the admin gate, the flags."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A decoder's 5xx before the first byte (D's KV load failed, e.g. its prefiller went silent) makes
-the retry avoid the attempt's prefiller too, where another one exists (issue 9 P6)."""
+the retry avoid the attempt's prefiller too, where another one exists."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rooms and n > 1 (issue 9 P1): P prefills once for every sample, one request per room at a time,
+"""Rooms and n > 1: P prefills once for every sample, one request per room at a time,
 client rooms only with ``--trust-client-room``."""
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ def test_npu_ids_come_from_npu_smi(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
 
 def test_abort_timeout_is_p_hold_unless_room_timeout_is_given(pd_logs: pytest.LogCaptureFixture) -> None:
-    os.environ["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = "1800"  # seed 003, long prompts
+    os.environ["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = "1800"  # vLLM-Ascend's PD guide, long prompts
     assert parse_config("kv_producer", {}).room_timeout_s == 1800.0
     assert "1800 s for D: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT" in pd_logs.text
     assert parse_config("kv_producer", {"room_timeout_s": 60}).room_timeout_s == 60.0

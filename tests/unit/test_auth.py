@@ -1,5 +1,5 @@
-"""The control-plane token (issue 9 P3) and input checks (P4): signed ZMQ frames, signed bootstrap
-calls (issue 22: keys derived from the token, which never travels), one log line for a 400, host names checked."""
+"""The control-plane token and input checks: signed ZMQ frames, signed bootstrap
+calls (keys derived from the token, which never travels), one log line for a 400, host names checked."""
 
 from __future__ import annotations
 

@@ -217,7 +217,7 @@ def test_trusted_hosts_parse_and_match() -> None:
 
 
 def test_trusted_hosts_default_and_config() -> None:
-    # Default: what D was configured with. Loopback only for a deployment on loopback (issue 22 item 2).
+    # Default: what D was configured with. Loopback only for a deployment on loopback.
     on_loopback = trusted_hosts_of(parse_config("kv_consumer", {"bootstrap_host": "10.0.0.9"}))
     assert on_loopback.allows("127.0.0.1") and on_loopback.allows("::1") and on_loopback.allows("localhost")
     assert on_loopback.allows("10.0.0.9") and not on_loopback.allows("10.0.0.10")

@@ -1,4 +1,4 @@
-"""Device ordering (issue 21): no byte leaves P before the (asynchronous) device wrote it.
+"""Device ordering: no byte leaves P before the (asynchronous) device wrote it.
 
 The forward runs on a simulated asynchronous device (tests/support/sim_device.py): its KV writes are
 queued and land only once the device runs (it is paused while the hooks are called). P and D are

@@ -1,4 +1,4 @@
-"""Device ordering (issue 21) for mixed TP on token-major (NHD) KV: P's staging gather and D's permute.
+"""Device ordering for mixed TP on token-major (NHD) KV: P's staging gather and D's permute.
 
 P and D ranks are KVTransferManagers in this process (real ZMQ and bootstrap, the in-process
 backend), their KV allocated as vLLM-Ascend does (test_ascend_dropin.ascend_tensor); each rank has

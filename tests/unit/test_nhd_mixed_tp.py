@@ -1,4 +1,4 @@
-"""Mixed TP on vLLM-Ascend's token-major KV (issue 8): KV managers of P and D ranks in this process,
+"""Mixed TP on vLLM-Ascend's token-major KV: KV managers of P and D ranks in this process,
 real ZMQ, a real bootstrap server and real Mooncake TCP, KV allocated as vLLM-Ascend allocates it
 ((k, v) per layer, [num_blocks, block_size, kv_heads, head_dim], 2 MiB-aligned slices).
 

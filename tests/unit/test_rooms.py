@@ -1,4 +1,4 @@
-"""Rooms are unique on P, n > 1 decodes load one prefill, cancels free at once (issue 9 P1/P2).
+"""Rooms are unique on P, n > 1 decodes load one prefill, cancels free at once.
 
 Scheduler side with the fakes of test_scheduler; transfer side on the in-process backend rig of
 test_transfer_manager (real ZMQ, real bootstrap server)."""

@@ -1,4 +1,4 @@
-"""No write after free (issue 22 item 3): a slow push never lands a byte in a D block after D handed the
+"""No write after free: a slow push never lands a byte in a D block after D handed the
 block back to vLLM (``finished_recving``, failed), when vLLM could give it to another request.
 
 A real prefill and decode KVTransferManager (tests/support/transfer_rig.py: real ZMQ, bootstrap server,

@@ -1,4 +1,4 @@
-"""ZMQ hardening (issue 22 item 4): frame size cap, MAC checked before any decoding, peer text escaped in
+"""ZMQ hardening: frame size cap, MAC checked before any decoding, peer text escaped in
 logs, timers and heartbeats on time under a flood of refused frames, endpoints validated, and a room
 that always closes even when D cannot be told.
 

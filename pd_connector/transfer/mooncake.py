@@ -9,10 +9,18 @@ session, ``ip:rpc_port``, as ASCII bytes.
 Its keys (``MooncakeOptions``): ``protocol``, ``device_name`` (the RDMA NIC), and vLLM-Ascend's
 ``use_ascend_direct`` (means protocol ``ascend``) and ``ascend_local_comm_res_path`` (the A5 HIXL
 endpoint directory, ``ascend_env``).
+
+Where it listens: this Mooncake version (mooncake-transfer-engine 0.3.13) binds its sockets to every
+interface whatever ``local_ip`` is: the RPC/handshake port (``findAvailableTcpPort`` binds ``INADDR_ANY``)
+and, with ``protocol: tcp``, the data port (an asio acceptor on ``[::]``, dual-stack). No setting changes
+that address (``MC_TCP_BIND_ADDRESS`` only names the address it *advertises* outside P2PHANDSHAKE mode);
+``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` (default 15000-17000) bound the ports of both. ``open`` logs the
+listeners it made, so a firewall can be checked against them (docs/security.md, "What listens where").
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -110,6 +118,7 @@ class MooncakeBackend:
 
     @classmethod
     def open(cls, local_ip: str, protocol: str, device_name: str = "") -> MooncakeBackend:
+        """Initialize a TransferEngine advertising ``local_ip`` (it listens on every interface, see above)."""
         if protocol == "tcp":
             # Without this, a host with RDMA NICs silently uses RDMA despite "tcp".
             os.environ.setdefault("MC_FORCE_TCP", "1")
@@ -123,11 +132,23 @@ class MooncakeBackend:
                 f"import failed with: {exc}"
             ) from exc
         engine = TransferEngine()
+        before = own_listeners()
         ret = engine.initialize(local_ip, "P2PHANDSHAKE", protocol, device_name)
         if ret != 0:
             raise TransferError(f"Mooncake initialize({local_ip!r}, {protocol!r}) failed with {ret}")
         backend = cls(engine, f"{local_ip}:{engine.get_rpc_port()}", protocol)
         logger.info("Mooncake %s transfer engine up, session %s", protocol, backend.session)
+        opened = sorted(own_listeners() - before, key=lambda a: a[1])
+        if opened:
+            logger.warning(
+                "Mooncake transfer engine listening on %s (all interfaces, whatever local_ip %s: this Mooncake "
+                "version cannot bind one address); allow ports %s-%s (MC_MIN_RPC_PORT/MC_MAX_RPC_PORT) only from "
+                "this deployment's P and D hosts, see docs/security.md",
+                ", ".join(f"{host_port_text(h, p)}" for h, p in opened),
+                local_ip,
+                os.environ.get("MC_MIN_RPC_PORT", "15000"),
+                os.environ.get("MC_MAX_RPC_PORT", "17000"),
+            )
         return backend
 
     @classmethod
@@ -172,6 +193,36 @@ class MooncakeBackend:
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
         self._registered.clear()
+
+
+def host_port_text(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def own_listeners() -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket this process holds, from /proc (empty elsewhere)."""
+    try:
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        found = set()
+        for table, width in (("tcp", 8), ("tcp6", 32)):
+            with open(f"/proc/self/net/{table}") as f:
+                for line in f.readlines()[1:]:
+                    cols = line.split()
+                    if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                        continue
+                    addr_hex, port_hex = cols[1].split(":")
+                    raw = b"".join(bytes.fromhex(addr_hex[i : i + 8])[::-1] for i in range(0, width, 8))
+                    found.add((str(ipaddress.ip_address(raw)), int(port_hex, 16)))
+        return found
+    except OSError:
+        return set()
 
 
 BACKEND = BackendSpec(

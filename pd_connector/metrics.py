@@ -69,7 +69,7 @@ class PDKVConnectorStats(KVConnectorStats):
 
     def reset(self) -> None:
         """Called by whoever keeps this object as an accumulator: forget everything."""
-        self.data = empty_interval()
+        self.data = {**empty_interval(), BYPASS_KEY: {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Fold ``other`` in (another worker's step, or a later step): sum counts, join series.
@@ -88,7 +88,8 @@ class PDKVConnectorStats(KVConnectorStats):
         for name, per_rank in theirs.get("gauges", {}).items():
             mine["gauges"].setdefault(name, {}).update(per_rank)
         for reason, n in (theirs.get(BYPASS_KEY) or {}).items():
-            mine[BYPASS_KEY][reason] = mine[BYPASS_KEY].get(reason, 0) + n
+            bypassed = mine.setdefault(BYPASS_KEY, {})
+            bypassed[reason] = bypassed.get(reason, 0) + n
         return self
 
     def is_empty(self) -> bool:
@@ -99,7 +100,7 @@ class PDKVConnectorStats(KVConnectorStats):
             and not any(d[key] for key in COUNTS)
             and not any(d["failures"].values())
             and not any(d["gauges"].values())
-            and not any(d[BYPASS_KEY].values())
+            and not any((d.get(BYPASS_KEY) or {}).values())
         )
 
     def reduce(self) -> dict[str, int | float]:
@@ -124,7 +125,7 @@ class PDKVConnectorStats(KVConnectorStats):
                 out[name.replace("_", " ")] = max(per_rank.values())
         out["failures"] = sum(d["failures"].values())
         out["rooms expired"] = d["rooms_expired"]
-        if any(d[BYPASS_KEY].values()):
+        if any((d.get(BYPASS_KEY) or {}).values()):
             out["served without transfer"] = sum(d[BYPASS_KEY].values())
         return out
 
@@ -212,6 +213,6 @@ class PDPromMetrics(KVConnectorPromMetrics):
         for reason, n in data["failures"].items():
             if n and reason in self.failures:
                 self.failures[reason][engine_idx].inc(n)
-        for reason, n in data[BYPASS_KEY].items():
+        for reason, n in (data.get(BYPASS_KEY) or {}).items():
             if n and reason in self.bypassed:
                 self.bypassed[reason][engine_idx].inc(n)

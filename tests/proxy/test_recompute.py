@@ -334,6 +334,21 @@ def test_watch_holds_back_a_recomputed_event_split_over_chunks() -> None:
     assert watch.progress.id == "a" and watch.progress.prompt_tokens == 2
 
 
+def test_watch_reads_no_event_until_one_is_recomputed() -> None:
+    """The first leg's events pass through unread (no JSON parsed per event of every stream); the text
+    and tokens before a ``recomputed`` event are read when it comes, events split over chunks included."""
+    from proxy.recompute_body import Progress, StreamWatch
+
+    watch = StreamWatch(None, Progress(), leg=0, client_usage=False)
+    quoted = _event({"id": "b", "choices": [{"text": ' "recomputed" t0', "finish_reason": None}]})
+    two = _event({"id": "b", "choices": [{"text": " t1", "finish_reason": None}]})
+    assert watch(quoted) is quoted and watch(two[:15]) == b"" and watch(two[15:]) == two
+    assert watch.parts == [] and watch.tokens == 0 and watch.progress.id is None  # nothing read yet
+    cut = _event({"id": "b", "choices": [{"text": "", "finish_reason": "stop", "stop_reason": "recomputed"}]})
+    assert watch(cut) == b"" and watch.recomputed
+    assert watch.text == ' "recomputed" t0 t1' and watch.leg_tokens == 2 and watch.progress.id == "b"
+
+
 def test_continuation_bodies() -> None:
     from proxy.recompute_body import Progress, continuation_body, unsupported_reason
 

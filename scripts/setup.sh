@@ -35,6 +35,11 @@ else
         as_root apt-get install -y libibverbs1
     fi
 fi
+# nft (nftables): the two-host end-to-end test firewalls Mooncake's ports with it (it skips without).
+if ! command -v nft >/dev/null 2>&1; then
+    log "installing nftables"
+    as_root apt-get install -y nftables || log "nftables not installed: tests/e2e/test_two_hosts.py will skip"
+fi
 
 # 2. Virtual environment.
 PYTHON="${PYTHON:-python3.11}"

@@ -38,7 +38,9 @@ fi
 # nft (nftables): the two-host end-to-end test firewalls Mooncake's ports with it (it skips without).
 if ! command -v nft >/dev/null 2>&1; then
     log "installing nftables"
-    as_root apt-get install -y nftables || log "nftables not installed: tests/e2e/test_two_hosts.py will skip"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get install -y nftables || { as_root apt-get update && as_root apt-get install -y nftables; } \
+        || log "nftables not installed: tests/e2e/test_two_hosts.py will skip"
 fi
 
 # 2. Virtual environment.

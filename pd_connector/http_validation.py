@@ -20,6 +20,10 @@ address, when a request's bootstrap address cannot be used: HTTP 403 for a host 
 (nothing is contacted), 502 for a server that cannot be reached or refuses D (wrong token, bad
 route), instead of a load that fails after ``kv_wait_timeout_s``. A server that is there but busy
 or not ready yet is left to the connector, which retries.
+
+On P and D alike it first rewrites other routers' PD requests into PDConnector's kv_transfer_params
+(pd_connector.front_ends: sglang-router's top-level ``bootstrap_*`` fields, vllm-router's Mooncake
+``transfer_id``), so those front ends move the KV instead of silently recomputing it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, BootstrapUntrusted, RouteCache
 from pd_connector.compat import kv_dtype_name, model_fingerprint, route_mismatch
 from pd_connector.config import ConfigError, parse_config
+from pd_connector.front_ends import Side, TranslationError, translate
 from pd_connector.kv_params import KV_PARAMS_KEY, DecodeParams, KVParamsError, host_port, parse_kv_params
 from pd_connector.messages import Route
 
@@ -178,6 +183,45 @@ class KVParamsValidationMiddleware:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
         self.compat = CompatibilityCheck()
+        self._side: Side | None = None
+        self._side_known = False
+
+    def _side_of(self, scope: Scope) -> Side | None:
+        """PREFILL / DECODE on a PDConnector instance (from vLLM's app state), else None."""
+        if not self._side_known:
+            vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            if vllm_config is None:
+                return None  # set up at startup; ask again on the next request
+            kv = vllm_config.kv_transfer_config
+            if kv is not None and kv.kv_connector == "PDConnector":
+                self._side = {"kv_producer": Side.PREFILL, "kv_consumer": Side.DECODE}.get(kv.kv_role)
+            self._side_known = True
+        return self._side
+
+    def _translate(self, scope: Scope, raw: bytes) -> tuple[bytes, str | None]:
+        """Other routers' PD fields (sglang-router, vllm-router mooncake) as kv_transfer_params (front_ends)."""
+        if b"bootstrap_room" not in raw and b"transfer_id" not in raw:
+            return raw, None
+        side = self._side_of(scope)
+        if side is None:
+            return raw, None
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            return raw, None  # judged below
+        if not isinstance(body, dict):
+            return raw, None
+        try:
+            front_end = translate(body, side)
+        except TranslationError as exc:
+            return raw, str(exc)
+        if front_end is None:
+            return raw, None
+        logger.debug("%s: %s request mapped to kv_transfer_params %s", side.value, front_end.value, body[KV_PARAMS_KEY])
+        new = json.dumps(body).encode()
+        length = str(len(new)).encode()
+        scope["headers"] = [(k, length if k == b"content-length" else v) for k, v in scope.get("headers", [])]
+        return new, None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in CHECKED_PATHS:
@@ -192,7 +236,11 @@ class KVParamsValidationMiddleware:
                 return
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
-        raw = b"".join(chunks)
+        raw, problem = self._translate(scope, b"".join(chunks))
+        if problem is not None:
+            logger.warning("rejected %s: %s", scope.get("path"), problem)
+            await _send_error(send, error_body(problem), 400)
+            return
         params, problem = parse_body(raw)
         if problem is not None:
             logger.warning("rejected %s: %s", scope.get("path"), problem)

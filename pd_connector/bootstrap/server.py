@@ -11,9 +11,9 @@ rank restarted or died; a stopped-but-alive process still accepts, so it counts 
 it is a 409 and the table keeps the live rank. ``register_dp_rank`` likewise: changing a room's DP
 rank needs the token. With certificate and key files the server speaks TLS only.
 
-With a token every call but ``/bootstrap/health`` must be signed with the bootstrap key derived from
-it (``bootstrap.signing``: method, path, body hash, time within a window, a nonce used once); the
-token itself never travels. A wrong, stale or replayed signature is a 401 naming the problem.
+With a token every call but ``/bootstrap/health`` and ``/query`` (bootstrap.mooncake_query) must be
+signed with the bootstrap key derived from it (``bootstrap.signing``: method, path, body hash, time
+within a window, a nonce used once); the token itself never travels. A wrong, stale or replayed signature is a 401 naming the problem.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pd_connector.auth import AUTH_HEADER
+from pd_connector.bootstrap.mooncake_query import QUERY_PATH, query_answer
 from pd_connector.bootstrap.signing import CallVerifier
 from pd_connector.keys import bootstrap_key
 from pd_connector.log_limit import LogLimiter
@@ -208,7 +209,7 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
 
     @app.middleware("http")
     async def _check_signature(request: Request, call_next: Any) -> Response:
-        if verifier is not None and request.url.path != "/bootstrap/health":
+        if verifier is not None and request.url.path not in ("/bootstrap/health", QUERY_PATH):
             target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             body = await request.body()  # Starlette hands the read body on to the route
             refusal = verifier.check(request.method, target, body, request.headers.get(AUTH_HEADER))
@@ -317,6 +318,13 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
         req = await body_as(request, QueryDpRanks)
         assert isinstance(req, QueryDpRanks)
         return JSONResponse({"dp_ranks": state.query_dp_ranks(req.bootstrap_rooms)})
+
+    @app.get(QUERY_PATH)
+    async def mooncake_query() -> JSONResponse:
+        """vLLM's MooncakeConnector ``/query`` (vllm-router --kv-connector mooncake); 503 until ready."""
+        if not state.is_ready:
+            return _error(503, "prefill ranks are still registering")
+        return JSONResponse(query_answer(state.attn_dp_size))
 
     @app.get("/bootstrap/health")
     async def health() -> JSONResponse:

@@ -53,6 +53,8 @@ setup(
         ],
         # python -m launch.trace (phase waterfall of a run's logs).
         "trace": ["matplotlib>=3.8"],
+        # The PD routers PDConnector serves unmodified (tests/e2e/test_front_ends.py, benchmarks/router.py).
+        "routers": ["vllm-router==0.1.17", "sglang-router==0.3.2"],
         # benchmarks/: serving.py's plot; the other routers benchmarks/router.py compares with ours.
         "bench": ["matplotlib>=3.8", "vllm-router==0.1.17", "sglang-router==0.3.2"],
     },

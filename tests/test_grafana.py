@@ -9,7 +9,7 @@ from pathlib import Path
 from pd_connector.metrics import METRIC_NAMES
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "examples" / "grafana" / "pd-dashboard.json"
-ROUTER_METRICS = Path(__file__).resolve().parents[1] / "proxy" / "metrics.py"
+ROUTER_METRICS = Path(__file__).resolve().parents[1] / "proxy" / "router_metrics.py"
 
 
 def test_dashboard_queries_use_real_metric_names() -> None:

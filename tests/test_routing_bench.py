@@ -37,7 +37,7 @@ def test_prefix_counters_sum_every_engine_and_skip_other_series() -> None:
 
 def test_trace_resends_the_history_and_times_first_events(tmp_path: Path) -> None:
     (port,) = free_ports(1)
-    fake = [sys.executable, str(REPO / "tests" / "proxy" / "fake_backend.py"), "--port", str(port)]
+    fake = [sys.executable, str(REPO / "tests" / "support" / "fake_backend.py"), "--port", str(port)]
     with ProcessGroup(tmp_path) as group:
         proc = group.start("fake", fake)
         wait_http_ok(f"http://127.0.0.1:{port}/health", 60.0, proc)

@@ -27,6 +27,13 @@ def worker_stats(rank: str, pushes: int, nbytes: int, rooms_held: int) -> PDKVCo
     return PDKVConnectorStats(data=data)
 
 
+def as_sent(stats: PDKVConnectorStats) -> dict[str, Any]:
+    """The payload vLLM's scheduler sends the frontend: ``to_dict()`` on vLLM 0.32, the ``data`` field on
+    0.23 (whose ``KVConnectorStats`` has no ``to_dict``)."""
+    to_dict = getattr(stats, "to_dict", None)
+    return to_dict() if to_dict is not None else stats.data
+
+
 def test_take_interval_resets_and_sends_gauges_only_when_changed() -> None:
     stats = TransferStats("dp0tp0")
     assert stats.take_interval({"rooms_held": 0}) is not None  # the first sample of a gauge goes out
@@ -69,7 +76,7 @@ def test_aggregate_across_workers_with_vllms_aggregator() -> None:
     stats = merged.kv_connector_output.kv_connector_stats
     assert isinstance(stats, PDKVConnectorStats) and not stats.is_empty()
     # The scheduler sends the dict; the frontend rebuilds the object through the connector class.
-    rebuilt = PDConnector.build_kv_connector_stats(stats.to_dict())
+    rebuilt = PDConnector.build_kv_connector_stats(as_sent(stats))
     assert isinstance(rebuilt, PDKVConnectorStats)
     d = rebuilt.data
     assert d["bytes_sent"] == 2500 and d["transfers_ok"] == 3 and d["bytes_received"] == 200
@@ -82,8 +89,8 @@ def test_aggregate_across_workers_with_vllms_aggregator() -> None:
 
 
 def test_aggregate_over_time_like_vllms_log_interval() -> None:
-    acc = PDKVConnectorStats(data=worker_stats("r0", 1, 10, 5).to_dict())
-    later = PDKVConnectorStats(data=worker_stats("r0", 1, 20, 1).to_dict())
+    acc = PDKVConnectorStats(data=as_sent(worker_stats("r0", 1, 10, 5)))
+    later = PDKVConnectorStats(data=as_sent(worker_stats("r0", 1, 20, 1)))
     acc = acc.aggregate(later)
     assert isinstance(acc, PDKVConnectorStats)
     assert acc.data["bytes_sent"] == 30 and acc.data["gauges"]["rooms_held"] == {"r0": 1}  # latest sample wins
@@ -121,7 +128,7 @@ def test_prom_metrics_record_an_interval() -> None:
     cfg = SimpleNamespace(kv_transfer_config=None)
     prom = PDConnector.build_prom_metrics(cfg, _metric_types(registry), ["model_name", "engine"], labels)  # type: ignore[arg-type]
     assert isinstance(prom, PDPromMetrics)
-    prom.observe(worker_stats("dp0tp0", 2, 1000, 3).to_dict(), 0)
+    prom.observe(as_sent(worker_stats("dp0tp0", 2, 1000, 3)), 0)
     get = registry.get_sample_value
     eng = {"model_name": "tiny", "engine": "0"}
     assert get(METRIC_NAMES["bytes_sent"] + "_total", eng) == 2000

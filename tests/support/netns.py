@@ -242,7 +242,7 @@ class Network:
 
         The same rules as docs/security.md's, in an ``inet`` table (IPv4 and IPv6). Returns the ruleset.
         """
-        lines = []
+        lines = ["ct state established,related accept"]
         for ports, sources in rules:
             if sources:
                 lines.append(f"tcp dport {{ {ports} }} ip saddr {{ {', '.join(sources)} }} accept")

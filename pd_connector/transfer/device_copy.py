@@ -95,6 +95,7 @@ class DeviceCopyBackend:
         self._copy = copy or _cuda_copy() or _host_copy
         self._descriptor = f"device_copy:{os.getpid()}:{next(_IDS)}".encode()
         self._ranges: list[tuple[int, int]] = []
+        self.batches = 0  # batch writes this backend made
         with _LOCK:
             _TABLE[self._descriptor] = self
 
@@ -118,6 +119,7 @@ class DeviceCopyBackend:
             raise TransferError(f"no device_copy backend {peer_descriptor!r} in this process (pid {os.getpid()})")
 
         def write_batch(s: list[int], d: list[int], n: list[int]) -> int:
+            self.batches += 1
             entries = list(zip(s, d, n, strict=True))
             for s_addr, d_addr, length in entries:
                 if not _inside(self._ranges, s_addr, length) or not _inside(peer._ranges, d_addr, length):

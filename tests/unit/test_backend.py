@@ -33,7 +33,7 @@ def test_a_registered_backend_is_created_by_name() -> None:
     backend = create_backend(cfg)
     try:
         assert isinstance(backend, InprocBackend) and isinstance(backend, TransferBackend)
-        assert backend.descriptor.startswith(b"inproc-")
+        assert backend.descriptor.startswith(b"device_copy:")  # the device_copy table, host copies
     finally:
         backend.close()
 
@@ -158,7 +158,7 @@ def test_inproc_moves_bytes_and_refuses_foreign_memory() -> None:
     finally:
         a.close()
         b.close()
-    with pytest.raises(TransferError, match="no in-process backend"):
+    with pytest.raises(TransferError, match="no device_copy backend"):
         a.write(b.descriptor, [], [], [], max_batch=8)
 
 

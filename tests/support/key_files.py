@@ -12,13 +12,19 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 
-def self_signed(directory: Path, name: str = "router") -> tuple[Path, Path]:
-    """A fresh self-signed certificate for ``localhost`` / ``127.0.0.1``: ``(cert.pem, key.pem)``.
+def self_signed(directory: Path, name: str = "router", ip: str | None = None) -> tuple[Path, Path]:
+    """A fresh self-signed certificate: ``(cert.pem, key.pem)``, for ``localhost`` / ``127.0.0.1``, or for the
+    address ``ip`` alone when given.
 
     The certificate is its own CA, so a client verifies the server with ``verify=cert.pem``.
     """
     key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ip or "localhost")])
+    names: list[x509.GeneralName] = (
+        [x509.IPAddress(ipaddress.ip_address(ip))]
+        if ip
+        else [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    )
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
@@ -28,10 +34,7 @@ def self_signed(directory: Path, name: str = "router") -> tuple[Path, Path]:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import ctypes
-import datetime
 import ipaddress
 import os
 import re
@@ -29,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from tests.support.key_files import self_signed
 
 T = TypeVar("T")
 
@@ -302,30 +303,4 @@ def tcp_probe(host: str, port: int, timeout: float = 2.0) -> str:
 
 def certificate_for(directory: Path, ip: str) -> tuple[Path, Path]:
     """A fresh self-signed certificate (its own CA) for address ``ip``: ``(cert.pem, key.pem)``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ip)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "bootstrap-cert.pem", directory / "bootstrap-key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    key_path.chmod(0o600)
-    return cert_path, key_path
+    return self_signed(directory, "bootstrap", ip)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,10 +17,10 @@ import httpx
 import pytest
 
 from proxy.admin_token import admin_headers as _token_headers
+from tests.support.loopback import HOST, free_port, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_BACKEND = Path(__file__).with_name("fake_backend.py")
-HOST = "127.0.0.1"
 #: Deadline for a process to start listening (a slow 2-core machine imports FastAPI slowly).
 STARTUP_TIMEOUT_S = 40.0
 #: Hard limit for one test's own body (fixtures that start processes have their own deadlines).
@@ -38,23 +37,9 @@ def _die_with_parent() -> None:
             pass
 
 
-def free_port() -> int:
-    """A loopback TCP port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
 def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy; return it, or fail after ``timeout``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            pytest.fail(f"condition not met within {timeout}s (last value: {value!r})")
-        time.sleep(interval)
+    return wait_for(predicate, timeout, interval)
 
 
 @dataclass

@@ -15,6 +15,11 @@ from typing import Any
 
 from launch.ports import LOOPBACK
 
+#: Set to "1", every `vllm serve` built here runs with --enforce-eager: no torch.compile at start-up
+#: (~8 s less per start on this machine). The e2e tests set it for every instance they start, the
+#: colocated reference included, so their token-for-token comparisons compare like with like.
+EAGER_ENV = "PDC_ENFORCE_EAGER"
+
 #: ASGI middleware that answers HTTP 400 to malformed `kv_transfer_params` (pd_connector).
 KV_PARAMS_MIDDLEWARE = "pd_connector.http_validation.KVParamsValidationMiddleware"
 
@@ -55,6 +60,8 @@ def vllm_serve_cmd(
         "--max-model-len",
         "2048",
     ]
+    if os.environ.get(EAGER_ENV) == "1":
+        cmd.append("--enforce-eager")  # no torch.compile warm-up (the e2e tests: every instance, reference too)
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if kv_role is not None:

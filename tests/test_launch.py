@@ -192,6 +192,15 @@ def test_vllm_serve_cmd_plain() -> None:
     assert "--middleware" not in cmd
 
 
+def test_vllm_serve_cmd_runs_eager_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from launch.commands import EAGER_ENV
+
+    monkeypatch.delenv(EAGER_ENV, raising=False)
+    assert "--enforce-eager" not in vllm_serve_cmd("/m", 8100)
+    monkeypatch.setenv(EAGER_ENV, "1")
+    assert vllm_serve_cmd("/m", 8100).count("--enforce-eager") == 1
+
+
 def test_vllm_serve_cmd_kv_config() -> None:
     cmd = vllm_serve_cmd(
         "/m",

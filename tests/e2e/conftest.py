@@ -14,11 +14,13 @@ the tests passed or failed, and also on SIGINT/SIGTERM. Tests using them must be
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from launch.commands import EAGER_ENV
 from launch.processes import (
     PDStack,
     ProcessGroup,
@@ -29,6 +31,11 @@ from launch.processes import (
     wait_http_ok,
 )
 from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S
+
+# Every vLLM instance the e2e tests start (the colocated reference too) runs eager: no torch.compile
+# warm-up per start (launch.commands.EAGER_ENV); tests that build their own `vllm serve` arguments add
+# --enforce-eager themselves.
+os.environ[EAGER_ENV] = "1"
 
 
 def _module_exists(name: str) -> bool:

@@ -98,7 +98,7 @@ def test_external_dp2_prefill_to_one_decode_through_the_router(
         "--device", "cpu", "--cpu-bind", P_CORES_DP2.replace("|", ";"),
         "--log-dir", str(rank_log_dir), "--stop-grace-s", "8",
         "--",
-        "--dtype", "float32", "--block-size", "32", "--max-model-len", "2048",
+        "--dtype", "float32", "--block-size", "32", "--max-model-len", "2048", "--enforce-eager",
         "--kv-transfer-config", json.dumps(kv_config),
         "--middleware", KV_PARAMS_MIDDLEWARE,
     ]  # fmt: skip

@@ -146,11 +146,7 @@ class Channel:
         except FrameRefused as exc:
             self._stats.inc("auth_refused")
             self._refusals.warning(  # never decoded: who it claims to be from is not worth a parse
-                ("auth", exc.reason),
-                "refusing ZMQ frame on %s (%d bytes, not decoded): %s",
-                self.endpoint,
-                len(frame),
-                exc,
+                ("auth", exc.reason), "refusing ZMQ frame on %s (%d bytes, not decoded): %s", self.endpoint, len(frame), exc
             )
             return
         frame = opened.payload

@@ -131,9 +131,7 @@ class DecodeSide:
                 del self._loads[job.req_id]
         if load.cancelled:
             for endpoint in endpoints:
-                self._ctx.send(
-                    endpoint, proto.TransferCancel(room=job.room, request_id=job.req_id, peer_id=self._peer_id)
-                )
+                self._ctx.send(endpoint, proto.TransferCancel(room=job.room, request_id=job.req_id, peer_id=self._peer_id))
             self._release(load, "request aborted before prefill was asked", "aborted")
             return
         with self._lock:
@@ -150,9 +148,7 @@ class DecodeSide:
                     self._hello_sent.add(endpoint)
             self._ctx.send(endpoint, request)
         self._ctx.traces.get(job.req_id, job.room).mark("asked_p")
-        logger.debug(
-            "room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, list(endpoints), len(job.dst_block_ids)
-        )
+        logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, list(endpoints), len(job.dst_block_ids))
 
     def _resolve(self, job: RecvJob) -> tuple[dict[str, int], int]:
         """ZMQ endpoints of the P ranks holding this rank's part of the room (in every pipeline stage
@@ -186,9 +182,7 @@ class DecodeSide:
                 if info is None:
                     name = f"dp={dp_rank} tp={tp}" + (f" pp={pp}" if route.pp_size > 1 else "")
                     raise BootstrapError(f"prefill rank {name} is not registered at {job.bootstrap_addr}")
-                endpoints[check_endpoint(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")] = (
-                    pp * route.attn_tp_size + tp
-                )
+                endpoints[check_endpoint(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")] = pp * route.attn_tp_size + tp
         return endpoints, route.attn_tp_size
 
     def _route_with_retries(self, job: RecvJob) -> proto.Route:
@@ -263,9 +257,7 @@ class DecodeSide:
                 endpoints = list(load.endpoints)
             logger.warning("room=%d req=%s: request aborted while its KV loads; cancelling it", load.job.room, req_id)
             for endpoint in endpoints:
-                self._ctx.send(
-                    endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id, peer_id=self._peer_id)
-                )
+                self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id, peer_id=self._peer_id))
 
     def _settle(self, load: Load, ranks: Iterable[int]) -> bool:
         """P ranks of a stopping load that answered or were lost; True once every P rank asked did

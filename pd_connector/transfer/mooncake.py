@@ -20,7 +20,6 @@ listeners it made, so a firewall can be checked against them (docs/security.md, 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pd_connector.ascend_env import setup_local_comm_res
 from pd_connector.platform_transport import on_npu
+from pd_connector.proc_sockets import TABLES, listen_table, socket_inodes
 from pd_connector.transfer.backend import BATCH_STALL_S, Ints, TransferError, Wanted, write_in_batches
 from pd_connector.transfer_backends import BackendSpec, OptionError
 
@@ -202,24 +202,10 @@ def host_port_text(host: str, port: int) -> str:
 def own_listeners() -> set[tuple[str, int]]:
     """(address, port) of every listening TCP socket this process holds, from /proc (empty elsewhere)."""
     try:
-        inodes = set()
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                link = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
+        inodes = socket_inodes()
         found = set()
-        for table, width in (("tcp", 8), ("tcp6", 32)):
-            with open(f"/proc/self/net/{table}") as f:
-                for line in f.readlines()[1:]:
-                    cols = line.split()
-                    if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
-                        continue
-                    addr_hex, port_hex = cols[1].split(":")
-                    raw = b"".join(bytes.fromhex(addr_hex[i : i + 8])[::-1] for i in range(0, width, 8))
-                    found.add((str(ipaddress.ip_address(raw)), int(port_hex, 16)))
+        for table in TABLES:
+            found.update(where for inode, where in listen_table("self", table).items() if inode in inodes)
         return found
     except OSError:
         return set()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pd_connector.proc_sockets import TABLES, listen_table, socket_inodes
 from tests.support.key_files import self_signed
 
 T = TypeVar("T")
@@ -75,39 +76,20 @@ def tree_pids(pid: int) -> list[int]:
 
 
 def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
     try:
-        fds = os.listdir(f"/proc/{pid}/fd")
+        return socket_inodes(pid)
     except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    return inodes
+        return set()  # gone meanwhile
 
 
 def _listening(pid: int) -> dict[str, tuple[str, int]]:
     """inode -> (address, port) of the LISTEN sockets in ``pid``'s network namespace."""
     found = {}
-    for table, width in (("tcp", 8), ("tcp6", 32)):
+    for table in TABLES:
         try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            found.update(listen_table(pid, table, unmap_v4=True))
         except OSError:
             continue
-        for line in lines:
-            cols = line.split()
-            if cols[3] != "0A":  # LISTEN
-                continue
-            addr_hex, port_hex = cols[1].split(":")
-            raw = b"".join(bytes.fromhex(addr_hex[i : i + 8])[::-1] for i in range(0, width, 8))
-            addr = ipaddress.ip_address(raw)
-            if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-                addr = addr.ipv4_mapped
-            found[cols[9]] = (str(addr), int(port_hex, 16))
     return found
 
 

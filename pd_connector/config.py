@@ -89,6 +89,9 @@ class DisaggConfig:
     # D: bootstrap hosts a request may name (bootstrap.trust): IPs, CIDRs, host names, "*".
     # Empty: this instance's bootstrap_host; loopback too when local_ip is loopback (bootstrap.trust).
     trusted_bootstrap_hosts: tuple[str, ...] = ()
+    # D: hosts of the metaservers a D-first request may name (pd_connector.metaserver; same entry forms).
+    # Empty: loopback only when local_ip is loopback, else none.
+    trusted_metaservers: tuple[str, ...] = ()
     # D: check a checksum of what landed before a load counts as done (transfer.checksum).
     verify_kv: bool = False
     # P: "request" pushes a room's KV once its prefill finished; "layer" writes each layer's KV while
@@ -131,6 +134,7 @@ _FIELD_TYPES: dict[str, type] = {
     "bootstrap_ssl_keyfile": str,
     "bootstrap_ssl_ca_certs": str,
     "trusted_bootstrap_hosts": tuple,
+    "trusted_metaservers": tuple,
     "verify_kv": bool,
     "transfer_mode": str,
 }
@@ -274,6 +278,7 @@ def _validate(cfg: DisaggConfig) -> None:
     try:
         TrustedHosts.parse([cfg.bootstrap_host], key="bootstrap_host")
         TrustedHosts.parse(cfg.trusted_bootstrap_hosts)
+        TrustedHosts.parse(cfg.trusted_metaservers, key="trusted_metaservers")
     except TrustError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.staging_bytes < 0:

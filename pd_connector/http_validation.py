@@ -41,6 +41,9 @@ from pd_connector.config import ConfigError, parse_config
 from pd_connector.front_ends import Side, TranslationError, translate
 from pd_connector.kv_params import KV_PARAMS_KEY, DecodeParams, KVParamsError, host_port, parse_kv_params
 from pd_connector.messages import Route
+from pd_connector.metaserver import UNTRUSTED_STATUS as METASERVER_STATUS
+from pd_connector.metaserver import UNTRUSTED_TYPE as METASERVER_TYPE
+from pd_connector.metaserver import metaserver_of, refusal, trusted_of_app
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ def parse_body(raw: bytes) -> tuple[DecodeParams | None, str | None]:
         return None, "request body nests JSON too deeply"  # vLLM's own parser would fail with a 500
     if not isinstance(body, dict) or KV_PARAMS_KEY not in body:
         return None, None
+    if metaserver_of(body[KV_PARAMS_KEY]) is not None:
+        return None, None  # D first (vLLM-Ascend's layer-wise proxy): its metaserver is checked by the caller
     try:
         params = parse_kv_params(body[KV_PARAMS_KEY], room_optional=True)  # P picks a missing room
     except KVParamsError as exc:
@@ -241,6 +246,12 @@ class KVParamsValidationMiddleware:
             logger.warning("rejected %s: %s", scope.get("path"), problem)
             await _send_error(send, error_body(problem), 400)
             return
+        if b'"metaserver"' in raw and (trusted := trusted_of_app(scope)) is not None:
+            problem = refusal(raw, trusted)  # D first: post only to trusted metaservers (pd_connector.metaserver)
+            if problem is not None:
+                logger.warning("rejected %s: %s", scope.get("path"), problem)
+                await _send_error(send, error_body(problem, METASERVER_STATUS, METASERVER_TYPE), METASERVER_STATUS)
+                return
         params, problem = parse_body(raw)
         if problem is not None:
             logger.warning("rejected %s: %s", scope.get("path"), problem)

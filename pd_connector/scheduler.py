@@ -27,6 +27,7 @@ from pd_connector.kv_params import (
 )
 from pd_connector.layer_chunks import ChunkPlanner
 from pd_connector.metadata import PDConnectorMetadata, RecvJob, SendJob
+from pd_connector.metaserver import DecodeFirst
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -94,11 +95,14 @@ class PDScheduler:
         self._chunks = ChunkPlanner(block_size) if cfg.is_prefill and cfg.transfer_mode == "layer" else None
         # Requests served without a transfer (logged and counted: pd_connector.bypass).
         self.bypassed = BypassCounter("prefill" if cfg.is_prefill else "decode")
+        # D: requests of vLLM-Ascend's layer-wise proxy (D first; D posts to its metaserver off this thread).
+        self._d_first = DecodeFirst(cfg) if cfg.is_decode else None
 
     def _params(self, request: Request) -> PrefillParams | DecodeParams | None:
         rid = request.request_id
         if rid not in self._parsed:
-            self._parsed[rid] = _params_of(request)
+            first = self._d_first.params_of(request) if self._d_first is not None else None
+            self._parsed[rid] = first or _params_of(request)
         return self._parsed[rid]
 
     # -------------------------------------------------------------- decode side
@@ -178,6 +182,11 @@ class PDScheduler:
             )
         )
         self._awaiting_kv.add(rid)
+        if self._d_first is not None:  # D first: the proxy asks a prefill once D posts (off this thread)
+            if num_external_tokens > 0:
+                self._d_first.allocated(rid)
+            else:
+                self._d_first.forget(rid)
         logger.info(
             "room=%d req=%s: loading %d prompt tokens (%d blocks from block %d, %d KV cache groups) from prefill %s",
             params.room,
@@ -198,6 +207,8 @@ class PDScheduler:
         """D loads nothing for ``rid`` (vLLM must not see a finished_recving): P is told to free the room."""
         self._recv_planned.add(rid)
         self._local_hits.pop(rid, None)
+        if self._d_first is not None:
+            self._d_first.forget(rid)
         self._abandoned.append(self._room_release(rid, params))
         return 0, False
 
@@ -220,6 +231,8 @@ class PDScheduler:
         if self.cfg.is_decode and isinstance(params, DecodeParams) and rid not in self._recv_planned:
             self._abandon(rid, params)  # aborted while it queued: P may hold the room for it
         self._local_hits.pop(rid, None)
+        if self._d_first is not None:
+            self._d_first.forget(rid)
         self._recv_planned.discard(rid)
         self._awaiting_kv.discard(rid)
         self._kv_ready.discard(rid)

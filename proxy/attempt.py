@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from proxy.backend_pool import BackendState
 from proxy.http1 import Response, UpstreamError, encode_json
 from proxy.payloads import decode_body, prefill_body
+from proxy.resume_body import resumable
 from proxy.upstream import (
     Failure,
     empty_failure,
@@ -57,6 +58,9 @@ class Call:
     tokens: int
     #: Headers sent to P and D (``X-Request-Id``, ``Authorization``).
     headers: dict[str, str]
+    #: Trailing prompt tokens the client has as generated ones (the first-token path's token 1, a
+    #: resumed stream's tokens: :mod:`proxy.resume`).
+    replayed: int = 0
 
 
 class Opened:
@@ -175,7 +179,10 @@ class Attempt:
     async def _decode(self) -> Outcome:
         state, call = self.d, self.call
         backend = state.backend
-        data = encode_json(decode_body(call.body, self.room, self.p.backend, self.prefilled_tokens))
+        body = decode_body(call.body, self.room, self.p.backend, self.prefilled_tokens)
+        if resumable(call, self.router.config.resume_attempts):
+            body["return_token_ids"] = True  # stripped for the client unless it asked (proxy.resume_body)
+        data = encode_json(body)
         response: Response | None = None
         try:
             response = await self.router.http.post(

@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         "continued on a fresh P/D pair, prompt plus the text so far, at most this many times per request; 0 passes "
         "it on as is (default: %(default)s)",
     )
+    add(
+        "--resume-attempts",
+        type=int,
+        default=2,
+        help="a stream its decoder cuts after it started (connection lost, error event) is continued on another "
+        "decoder (P prefills the prompt plus the tokens sent, D generates the rest): at most this many resumed legs "
+        "per request; 0: the stream ends with an error event (default: %(default)s)",
+    )
     add_security_flags(parser)
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: %(default)s)")
     return parser
@@ -320,6 +328,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"--max-waiting-retries must be at least 1 (got {args.max_waiting_retries})")
     if args.max_body_size < 1:
         parser.error(f"--max-body-size must be at least 1 byte (got {args.max_body_size})")
+    if args.resume_attempts < 0:
+        parser.error(f"--resume-attempts must be at least 0 (got {args.resume_attempts})")
     if args.max_recomputes < 0:
         parser.error(f"--max-recomputes must be at least 0 (got {args.max_recomputes})")
     if not 1 <= args.workers <= 256:
@@ -357,6 +367,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         first_token_from_prefill=args.first_token_from_prefill,
         workers=args.workers,
         max_recomputes=args.max_recomputes,
+        resume_attempts=args.resume_attempts,
         backend_authorization=security.backend_authorization,
         access=security.access,
         tls=security.tls,

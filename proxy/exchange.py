@@ -39,6 +39,8 @@ from proxy.incoming import backend_headers, read_json, request_id
 from proxy.payloads import check_prefill_dp_rank, estimate_prompt_tokens, new_room, resolve_room, validate_body
 from proxy.progress import RequestProgress
 from proxy.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
+from proxy.resume import mid_stream_error, resume_stream
+from proxy.resume_body import StreamTracker, resumable
 from proxy.room_release import release_attempt_room
 from proxy.router_state import Router
 from proxy.routing import RouteRequest
@@ -168,6 +170,8 @@ class Exchange:
         trace.mark("received", received)
         if attempt.p_answered_at is not None:
             trace.mark("p_answered", attempt.p_answered_at)
+        for phase, at in self.progress.moves:  # a stream resumed on another decoder (proxy.resume)
+            trace.mark(phase, at)
         if self.progress.ttfb is not None:
             trace.mark("d_first_byte", received + self.progress.ttfb)
         trace.mark("done", received + elapsed)
@@ -285,11 +289,16 @@ class Exchange:
         opened: Opened,
         response: web.StreamResponse | None = None,
         transform: Callable[[bytes], bytes] | None = None,
+        tracker: StreamTracker | None = None,
     ) -> web.StreamResponse:
         """Send D's stream to the client (unchanged, or through ``transform``) on ``response``
-        (prepared already, or a new one); end it with an error event if P or D fails. A
-        :class:`proxy.recompute.StreamWatch` transform that saw ``recomputed`` leaves it open."""
+        (prepared already, or a new one); if P or D fails, resume it on another decoder
+        (:mod:`proxy.resume`, through ``tracker``: a resumed leg's, else one made here for a
+        resumable request) or end it with an error event. A :class:`proxy.recompute.StreamWatch`
+        transform that saw ``recomputed`` leaves it open."""
         watch = transform if isinstance(transform, StreamWatch) else None
+        if tracker is None and resumable(attempt.call, self.router.config.resume_attempts):
+            tracker = StreamTracker(attempt.call)
         upstream = opened.response
         failure: Failure | None = None
         eof_sent = False
@@ -298,6 +307,12 @@ class Exchange:
             response = self.stream_response(upstream.status, upstream.content_type)
             await response.prepare(self.request)
         while True:
+            if tracker is not None:
+                chunk = tracker.feed(chunk, end=upstream.at_eof())
+                if tracker.error is not None:
+                    await response.write(transform(chunk) if transform is not None else chunk)
+                    failure = mid_stream_error(attempt, tracker.error)
+                    break
             if transform is not None:
                 chunk = transform(chunk)
             if upstream.at_eof() and attempt.late_p_failure is None and not (watch and watch.recomputed):
@@ -329,6 +344,8 @@ class Exchange:
                 watch.held_open = True
                 return response  # proxy.recompute continues it
         else:
+            if tracker is not None and await resume_stream(self, attempt, failure, response, tracker):
+                return response  # continued on another decoder (its relay ended the stream)
             self._stream_cut(attempt, failure)
             await response.write(failure.error.to_sse())
         if not eof_sent:

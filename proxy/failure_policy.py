@@ -86,3 +86,23 @@ def settle(router: Router, endpoint: str, failure: Failure, tried: Tried, attemp
     if decision.avoid_p and attempt is not None:
         tried.p.add(attempt.p)
     return decision
+
+
+#: Failures of a stream that started which a resumed leg may follow: the decoder (or the pair's
+#: prefiller) broke or failed, not the client's deadline or a refusal of the request itself.
+RESUMABLE_KINDS = frozenset(
+    {FailureKind.CONNECT, FailureKind.DISCONNECT, FailureKind.HTTP_5XX, FailureKind.ERROR_EVENT, FailureKind.EMPTY}
+)
+
+
+def resume_refusal(failure: Failure, resumes_made: int, limit: int) -> str | None:
+    """Why a stream cut by ``failure`` after it started is not resumed on another decoder (None: it
+    is); ``resumes_made`` resumed legs were tried for the request already, ``--resume-attempts`` is
+    ``limit``."""
+    if limit < 1:
+        return "resume is off (--resume-attempts 0)"
+    if resumes_made >= limit:
+        return f"{resumes_made} resumed leg(s) tried already (--resume-attempts {limit})"
+    if failure.kind not in RESUMABLE_KINDS and not failure.unresponsive:
+        return f"a {failure.kind.value} failure is not resumed"
+    return None

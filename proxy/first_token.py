@@ -205,7 +205,7 @@ class FirstTokenPath:
         ex, call = self.ex, self.call
         prompt_len = len(first.prompt_token_ids)
         cont_body = continuation_body(call.body, first)
-        cont = Call(call.endpoint, call.rid, cont_body, True, prompt_len + 1, call.headers)
+        cont = Call(call.endpoint, call.rid, cont_body, True, prompt_len + 1, call.headers, replayed=1)
         response = ex.stream_response(200, "text/event-stream")
         if is_whole_answer(first, call.body):
             self._release_room(p, cont, prompt_len)

@@ -8,7 +8,7 @@ its log line reads it, however the request ended.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from proxy.first_token_body import FirstTokenFrom
@@ -31,3 +31,8 @@ class RequestProgress:
     ttfb: float | None = None
     #: Who sent the client's first token.
     first_token_from: FirstTokenFrom = FirstTokenFrom.DECODE
+    #: Resumed legs tried after the stream was cut (:mod:`proxy.resume`).
+    resumes: int = 0
+    #: Where the request moved: ``(phase, wall-clock time)`` marks for its phase trace
+    #: (``d_cut``, ``resumed``; numbered after the first).
+    moves: list[tuple[str, float]] = field(default_factory=list)

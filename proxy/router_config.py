@@ -172,6 +172,9 @@ class RouterConfig:
     #: Continuations of an answer a decoder cut with ``stop_reason: "recomputed"`` (vLLM-Ascend's
     #: ``recompute_scheduler_enable``; :mod:`proxy.recompute`), per request; 0 passes it on as is.
     max_recomputes: int = 3
+    #: Resumed legs per request of a stream cut by its decoder after it started (``--resume-attempts``,
+    #: :mod:`proxy.resume`): another decoder continues it from the tokens sent; 0: the error event.
+    resume_attempts: int = 2
 
     def describe(self) -> str:
         """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800); D: h:8002``."""

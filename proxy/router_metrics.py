@@ -15,6 +15,10 @@ Names (``backend`` = ``host:port``, ``role`` = ``prefill``/``decode``, ``endpoin
   ``kind`` one of ``connect``, ``timeout``, ``disconnect``, ``http_4xx``, ``http_5xx``, ``empty``,
   ``error_event``;
 - ``pd_router_retries_total{endpoint}``: attempts repeated on another P/D pair (failover);
+- ``pd_router_resumes_total{endpoint,reason}``: streams cut after they started and continued on
+  another decoder (:mod:`proxy.resume`), ``reason`` the failure's ``kind``;
+  ``pd_router_resume_replayed_tokens_total{endpoint}``: generated tokens prefilled again for them;
+  ``pd_router_resume_seconds{endpoint}``: histogram, from the cut to the resumed leg's first chunk;
 - ``pd_router_auth_refused_total{endpoint,reason}``: calls refused by :mod:`proxy.api_keys`,
   ``reason`` one of ``missing``, ``wrong``, ``not_loopback``;
 - ``pd_router_time_to_first_byte_seconds{endpoint}`` and
@@ -125,6 +129,25 @@ class RouterMetrics:
         self.retries = Counter(
             "pd_router_retries", "Attempts repeated on another P/D pair (failover)", ["endpoint"], registry=reg
         )
+        self.resumes = Counter(
+            "pd_router_resumes",
+            "Streams cut after they started and continued on another decoder, by the failure's kind",
+            ["endpoint", "reason"],
+            registry=reg,
+        )
+        self.replayed = Counter(
+            "pd_router_resume_replayed_tokens",
+            "Generated tokens prefilled again to resume cut streams",
+            ["endpoint"],
+            registry=reg,
+        )
+        self.resume_time = Histogram(
+            "pd_router_resume_seconds",
+            "Seconds from a stream's cut to the first chunk of its resumed leg",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
         self.auth_refusals = Counter(
             "pd_router_auth_refused",
             "Calls refused for a missing or wrong API key / admin token, or a non-loopback admin caller",
@@ -177,6 +200,12 @@ class RouterMetrics:
     def retry(self, endpoint: str) -> None:
         """Count one failover attempt."""
         self._child(self.retries, endpoint).inc()
+
+    def resumed(self, endpoint: str, reason: str, replayed: int, seconds: float) -> None:
+        """Count one stream resumed on another decoder after a ``reason`` failure."""
+        self._child(self.resumes, endpoint, reason).inc()
+        self._child(self.replayed, endpoint).inc(replayed)
+        self._child(self.resume_time, endpoint).observe(seconds)
 
     def auth_refused(self, endpoint: str, reason: str) -> None:
         """Count one call refused by :mod:`proxy.api_keys`."""

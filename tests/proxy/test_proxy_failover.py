@@ -194,7 +194,8 @@ def test_client_error_from_prefiller_is_passed_through(router_p400: Router) -> N
 
 @pytest.fixture(scope="session")
 def router_dies_mid_stream(backends: Backends, router_factory: RouterFactory) -> Router:
-    return router_factory(backends.ok_p, (backends.die_mid_stream, backends.ok_d))
+    # Resume off: the cut stream ends as without it (tests/proxy/test_resume.py resumes it).
+    return router_factory(backends.ok_p, (backends.die_mid_stream, backends.ok_d), "--resume-attempts", "0")
 
 
 def test_decoder_dying_mid_stream_ends_with_error_event_and_no_retry(router_dies_mid_stream: Router) -> None:

@@ -46,6 +46,8 @@ POLL_S = 0.02
 
 #: The token id a ``return_token_ids`` answer names for its one generated token.
 FIRST_TOKEN_ID = 101
+#: Streamed ``tok<i>`` tokens have id GENERATED_ID_BASE + i (``return_token_ids``).
+GENERATED_ID_BASE = 1000
 #: A text prompt holding this gets a token 1 without text (the first bytes of a character): P's
 #: ``return_token_ids`` answer has text "", and a stream for that prompt starts with an empty chunk.
 PARTIAL_MARK = "[partial]"
@@ -82,14 +84,19 @@ def _completion(path: str, rid: str, text: str, kv: Any, port: int, body: dict[s
     return {**base, "object": "text_completion", "choices": [choice], "usage": usage, "served_by": port}
 
 
-def _usage_chunk(path: str, rid: str, completion_tokens: int) -> bytes:
+def _usage_chunk(path: str, rid: str, completion_tokens: int, prompt_tokens: int = 3) -> bytes:
     obj = "chat.completion.chunk" if path.endswith("/chat/completions") else "text_completion"
-    usage = {"prompt_tokens": 3, "completion_tokens": completion_tokens, "total_tokens": 3 + completion_tokens}
+    total = prompt_tokens + completion_tokens
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
     payload = {"id": f"cmpl-{rid}", "object": obj, "model": "fake-model", "choices": [], "usage": usage}
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def _chunk(path: str, rid: str, index: int, token: str | None, kv: Any, port: int) -> bytes:
+def _chunk(
+    path: str, rid: str, index: int, token: str | None, kv: Any, port: int, ids: dict[str, Any] | None = None
+) -> bytes:
+    """One stream event; ``ids``: the ``prompt_token_ids``/``token_ids`` a ``return_token_ids``
+    completions request gets in it (as vLLM: the prompt's on the first event only)."""
     chat = path.endswith("/chat/completions")
     finish = None if token is not None else "length"
     if chat:
@@ -99,7 +106,7 @@ def _chunk(path: str, rid: str, index: int, token: str | None, kv: Any, port: in
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": token or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": token or "", "logprobs": None, "finish_reason": finish, **(ids or {})}
         obj = "text_completion"
     payload: dict[str, Any] = {"id": f"cmpl-{rid}", "object": obj, "model": "fake-model", "choices": [choice]}
     if index == 0:
@@ -150,7 +157,7 @@ def build_app(
             record["state"] = "disconnected"
             return Response(status_code=499)
 
-        if mode == "incompatible" and "kv_transfer_params" in body and not body.get("return_token_ids"):
+        if mode == "incompatible" and isinstance(kv, dict) and kv.get("do_remote_prefill"):
             # Like PDConnector's D middleware for a pair that can never transfer (a block-size mismatch).
             record["state"] = "completed"
             message = f"block size mismatch: the prefill deployment uses --block-size 32, fake {port} 64"
@@ -178,8 +185,13 @@ def build_app(
             record["state"] = "completed"
             return JSONResponse(_completion(path, rid, "".join(TOKENS), kv, port, body))
 
+        token_ids = body.get("return_token_ids") is True and not path.endswith("/chat/completions")
+        prompt = prompt_ids(body.get("prompt")) if token_ids else []
         if mode in ("slow_stream", "die_mid_stream"):
-            tokens = [f"tok{i} " for i in range(chunks)]
+            # A "model" that goes on from what it generated: a prompt ending in its own token ids
+            # (GENERATED_ID_BASE + i, a resumed stream) continues at the next token.
+            start = sum(1 for t in prompt if t >= GENERATED_ID_BASE)
+            tokens = [f"tok{i} " for i in range(start, chunks)]
             interval = chunk_interval
         else:
             tokens = list(TOKENS)
@@ -211,13 +223,18 @@ def build_app(
                 for index, token in enumerate(tokens):
                     if index and await sleep_or_disconnect(request, interval):
                         return
-                    yield _chunk(path, rid, index, token, kv, port)
+                    ids = None
+                    if token_ids:
+                        gen = GENERATED_ID_BASE + int(token[3:]) if token.startswith("tok") else GENERATED_ID_BASE
+                        ids = {"prompt_token_ids": prompt if index == 0 else None, "token_ids": [gen]}
+                    yield _chunk(path, rid, index, token, kv, port, ids)
                 if mode == "die_mid_stream":
                     record["state"] = "died"
                     raise RuntimeError("fake backend dies mid-stream on purpose")
-                yield _chunk(path, rid, len(tokens), None, kv, port)
+                end_ids = {"prompt_token_ids": None, "token_ids": []} if token_ids else None
+                yield _chunk(path, rid, len(tokens), None, kv, port, end_ids)
                 if usage:
-                    yield _usage_chunk(path, rid, len(tokens))
+                    yield _usage_chunk(path, rid, len(tokens), len(prompt) if token_ids else 3)
                 yield b"data: [DONE]\n\n"
                 finished = True
                 if done_linger:

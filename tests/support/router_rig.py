@@ -113,6 +113,8 @@ class Backends:
     slow_short: int
     late_stream: int
     die_mid_stream: int
+    die_mid_stream2: int
+    resume_d: int
     error_event: int
     lingering_d: int
     down: int
@@ -142,6 +144,9 @@ BACKEND_SPECS: dict[str, dict[str, Any]] = {
     "late_stream": {"mode": "ok", "stream_delay": 5.0},
     # Three chunks 50 ms apart, then the connection drops.
     "die_mid_stream": {"mode": "die_mid_stream", "chunks": 3, "chunk_interval": 0.05},
+    "die_mid_stream2": {"mode": "die_mid_stream", "chunks": 3, "chunk_interval": 0.05},
+    # Eight tokens in all (request_body's max_tokens), a resumed stream continuing where it was cut.
+    "resume_d": {"mode": "slow_stream", "chunks": 8, "chunk_interval": 0.01},
     "error_event": {"mode": "error_event"},
     # Keeps its stream open 2 s after [DONE] (a client may hang up in between).
     "lingering_d": {"mode": "ok", "done_linger": 2.0},

@@ -451,8 +451,12 @@ def test_health_reflects_a_down_backend(router_p_down: Router) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_stream_bytes_are_passed_through_unchanged(router_ok: Router, path: str) -> None:
-    """The client gets exactly the bytes D would have sent it directly (chunking aside)."""
+def test_stream_bytes_are_passed_through_unchanged(
+    backends: Backends, router_factory: RouterFactory, path: str
+) -> None:
+    """The client gets exactly the bytes D would have sent it directly (chunking aside). Resume off: a
+    resumable completions stream has D's token ids nulled and its first event re-encoded (tests/proxy/test_resume.py)."""
+    router_ok = router_factory(backends.ok_p, backends.ok_d, "--resume-attempts", "0")
     rid = new_rid("bytes")
     body = request_body(path, stream=True, stream_options={"include_usage": True}, bootstrap_room=77)
     with http_client() as client:

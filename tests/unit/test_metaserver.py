@@ -235,3 +235,25 @@ def test_sender_queue_is_bounded(pd_logs: pytest.LogCaptureFixture) -> None:
     assert sender.submit(ms.Post(PROXY, {}, 1, "r1"))
     assert not sender.submit(ms.Post(PROXY, {}, 2, "r2"))
     assert sender.failed == 1 and any("room=2 req=r2" in r.getMessage() for r in pd_logs.records)
+
+
+# ------------------------------------------------------------------ D's middleware
+
+
+def test_middleware_refuses_an_untrusted_metaserver_with_403_and_passes_a_trusted_one() -> None:
+    from starlette.testclient import TestClient
+
+    from tests.unit.test_http_validation import _compat_app, post
+
+    with TestClient(_compat_app(block_size=32, extra={"trusted_metaservers": ["10.9.0.0/16"]})) as c:
+        ok = {**D_FIRST, "metaserver": "http://10.9.1.1:8000/v1/metaserver"}
+        r = post(c, "/v1/completions", {"model": "m", "prompt": "hi", "kv_transfer_params": ok})
+        assert r.status_code == 200  # no 400 for the missing room, no route check: the engine gets it
+        r = post(c, "/v1/chat/completions", {"model": "m", "messages": [], "kv_transfer_params": D_FIRST})
+        assert r.status_code == 403
+        err = r.json()["error"]
+        assert err["type"] == "kv_transfer_untrusted_metaserver" and PROXY in err["message"]
+        assert "trusted_metaservers: 10.9.0.0/16" in err["message"]
+    with TestClient(_compat_app(block_size=32, role="kv_producer")) as c:  # P: not its business
+        body = {"model": "m", "prompt": "hi", "kv_transfer_params": {**D_FIRST, "metaserver": "http://203.0.113.1/"}}
+        assert post(c, "/v1/completions", body).status_code == 200

@@ -3,6 +3,8 @@
 - ``GET /instances``: every instance (active, draining, waiting) and the routing policy;
 - ``POST /instances/add`` and ``/instances/remove`` (bodies: :func:`parse_instances`): an added
   instance joins once it answers its health check (:class:`Membership`); a removed one drains;
+- ``POST /instances/drain`` (same bodies, ``timeout_s`` optional): removed, its streams moved, the
+  answer once it holds nothing (:mod:`proxy.drain`);
 - ``POST /reset_prefix_cache``: forwarded to every active backend.
 
 Every one of them is behind the admin token (:mod:`proxy.api_keys`; loopback callers only when
@@ -20,6 +22,7 @@ from aiohttp import web
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.backend_pool import BackendState
+from proxy.drain import DEFAULT_DRAIN_TIMEOUT_S
 from proxy.errors import INVALID_REQUEST, NOT_FOUND, RouterError, json_response
 from proxy.incoming import read_json
 from proxy.router_config import ROLES, Backend, Role
@@ -33,7 +36,9 @@ logger = logging.getLogger("proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 #: The admin routes' paths (:mod:`proxy.api_keys` guards them with the admin token).
-ADMIN_PATHS = frozenset({"/instances", "/instances/add", "/instances/remove", "/reset_prefix_cache"})
+ADMIN_PATHS = frozenset(
+    {"/instances", "/instances/add", "/instances/remove", "/instances/drain", "/reset_prefix_cache"}
+)
 
 
 class Membership:
@@ -237,6 +242,28 @@ def routes(router: Router) -> list[tuple[str, str, Handler]]:
         results = [membership.remove(b.role, b.host, b.port) for b in backends]
         return json_response(membership.report("remove", backends, results))
 
+    async def drain_instances(request: web.Request) -> web.StreamResponse:
+        payload = await read_json(request, config.max_body_size)
+        backends = parse_instances(payload)
+        timeout = payload.get("timeout_s", DEFAULT_DRAIN_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise RouterError(400, f"'timeout_s' must be a number > 0, got {timeout!r}", INVALID_REQUEST, "timeout_s")
+        unknown = [b for b in backends if router.pool.find(b.role, b.host, b.port) is None]
+        if unknown:
+            names = ", ".join(b.name for b in unknown)
+            raise RouterError(404, f"unknown instance(s): {names}", NOT_FOUND, "instances")
+        reports = await asyncio.gather(
+            *(router.drains.drain(router.pool.find(b.role, b.host, b.port), b.role, b.host, b.port, timeout)
+              for b in backends)
+        )  # fmt: skip
+        results = [r.record() for r in reports]
+        drained = all(r["result"] == "drained" for r in results)
+        message = "; ".join(
+            f"{b.name}: {r['result']} in {r['seconds']} s" for b, r in zip(backends, results, strict=True)
+        )
+        logger.info("instances/drain: %s", message)
+        return json_response({"message": message, "results": results, **membership.listing()}, 200 if drained else 504)
+
     async def reset_prefix_cache(request: web.Request) -> web.StreamResponse:
         query = request.rel_url.raw_query_string
         path = "/reset_prefix_cache" + (f"?{query}" if query else "")
@@ -258,5 +285,6 @@ def routes(router: Router) -> list[tuple[str, str, Handler]]:
         ("GET", "/instances", list_instances),
         ("POST", "/instances/add", add_instances),
         ("POST", "/instances/remove", remove_instances),
+        ("POST", "/instances/drain", drain_instances),
         ("POST", "/reset_prefix_cache", reset_prefix_cache),
     ]

@@ -299,6 +299,8 @@ class Exchange:
         watch = transform if isinstance(transform, StreamWatch) else None
         if tracker is None and resumable(attempt.call, self.router.config.resume_attempts):
             tracker = StreamTracker(attempt.call)
+        if tracker is not None:
+            self.router.drains.track(self, attempt, tracker)  # movable if its decoder drains (proxy.drain)
         upstream = opened.response
         failure: Failure | None = None
         eof_sent = False

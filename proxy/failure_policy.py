@@ -91,7 +91,14 @@ def settle(router: Router, endpoint: str, failure: Failure, tried: Tried, attemp
 #: Failures of a stream that started which a resumed leg may follow: the decoder (or the pair's
 #: prefiller) broke or failed, not the client's deadline or a refusal of the request itself.
 RESUMABLE_KINDS = frozenset(
-    {FailureKind.CONNECT, FailureKind.DISCONNECT, FailureKind.HTTP_5XX, FailureKind.ERROR_EVENT, FailureKind.EMPTY}
+    {
+        FailureKind.CONNECT,
+        FailureKind.DISCONNECT,
+        FailureKind.HTTP_5XX,
+        FailureKind.ERROR_EVENT,
+        FailureKind.EMPTY,
+        FailureKind.DRAIN,
+    }
 )
 
 

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from proxy.admin import Membership
 from proxy.backend_pool import BackendPool
+from proxy.drain import Drains
 from proxy.http1 import Http1Pool
 from proxy.pair_refusals import PairRefusals
 from proxy.prefill_watch import PrefillWatch
@@ -45,6 +46,8 @@ class Router:
         self.tasks: set[asyncio.Task[Any]] = set()
         #: Instances added and removed at run time (``/instances/...``).
         self.membership = Membership(self)
+        #: Decoders' movable streams and drains in progress (``/instances/drain``).
+        self.drains = Drains(self)
         #: Rooms of the requests in flight (one request per room).
         self.rooms = RoomsInUse()
         #: Set once the health loop's first round is recorded (``/health`` waits for it).

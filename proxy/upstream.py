@@ -49,6 +49,7 @@ class FailureKind(enum.Enum):
     EMPTY = "empty"  # a 2xx answer with no body
     ERROR_EVENT = "error_event"  # D's stream began with an error event
     REFUSED = "refused"  # P holds no KV for the room: it is in use
+    DRAIN = "drain"  # the Router closed D's stream: D is draining (proxy.drain)
 
 
 @dataclass(eq=False)

@@ -279,4 +279,4 @@ def refuse_membership_changes(workers: int) -> Callable[[Any], Any]:
 
 
 #: The admin routes that change the pool (refused with several workers).
-MEMBERSHIP_PATHS = ("/instances/add", "/instances/remove")
+MEMBERSHIP_PATHS = ("/instances/add", "/instances/remove", "/instances/drain")

@@ -23,6 +23,7 @@ RETRYABLE = {
     FailureKind.EMPTY: True,
     FailureKind.ERROR_EVENT: True,
     FailureKind.REFUSED: False,
+    FailureKind.DRAIN: True,
 }
 
 
@@ -83,6 +84,7 @@ def test_the_metric_labels_are_the_kinds_former_strings() -> None:
         "empty",
         "error_event",
         "refused",
+        "drain",  # the Router closed a draining decoder's stream (proxy.drain)
     ]
 
 

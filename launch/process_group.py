@@ -71,6 +71,8 @@ class ManagedProcess:
     output: threading.Thread | None = field(default=None, repr=False)
     #: The cores its whole process tree is placed on ('0-1,3'), '' when not placed.
     cpus: str = ""
+    #: Drains it before a SIGTERM stop (`launch.drain`: called with a time bound, returns what happened).
+    drain: Callable[[float], str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.label = self.label or self.name
@@ -187,7 +189,8 @@ class ProcessGroup:
     handlers (installed only when entered from the main thread) stop the processes at once (a
     further signal meanwhile is ignored), hand the signal on to the handler they replaced (an
     outer `ProcessGroup`'s, say), then raise `KeyboardInterrupt` (SIGINT) or `SystemExit(128 + N)`
-    (signal N) so the caller unwinds.
+    (signal N) so the caller unwinds. On SIGTERM the processes that have a drain
+    (`ManagedProcess.drain`, `launch.drain`) are drained first, at once, for at most `drain_s`.
 
     `wait(first=True)` returns as soon as one process has exited; stopping the group then (leaving
     the `with`) stops all when one dies. The group's messages (a process exited, stopping,
@@ -203,12 +206,16 @@ class ProcessGroup:
         signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM),
         report: Callable[[str], None] | None = None,
         console: TextIO | None = None,
+        drain_s: float | None = None,
     ) -> None:
+        """``drain_s``: on SIGTERM, processes with a `ManagedProcess.drain` are drained first, at most
+        that long (default `launch.drain.DRAIN_S`; 0: no drain)."""
         self._log_dir = Path(log_dir) if log_dir is not None else None
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
         self.handle_signals = handle_signals
         self.stop_grace_s = stop_grace_s
+        self.drain_s = drain_s
         self.signals = tuple(signals)
         self.report = report
         #: Where inline output goes (default: sys.stdout at the time a process starts).
@@ -333,9 +340,21 @@ class ProcessGroup:
         return exits
 
     # -- stopping ---------------------------------------------------------------------------
-    def stop(self, proc: ManagedProcess, grace_s: float | None = None) -> None:
-        """Stop one process and its process group."""
+    def stop(self, proc: ManagedProcess, grace_s: float | None = None, *, drain: bool = False) -> None:
+        """Stop one process and its process group (with ``drain``: its drain first, bounded)."""
+        if drain:
+            self.drain([proc])
         self._stop([proc], self.stop_grace_s if grace_s is None else grace_s)
+
+    def drain(self, procs: Sequence[ManagedProcess] | None = None) -> None:
+        """Drain ``procs`` (default: every process) that have a drain, at once, within ``drain_s``."""
+        from launch.drain import DRAIN_S, drain_all
+
+        bound = DRAIN_S if self.drain_s is None else self.drain_s
+        with self._lock:
+            live = [p for p in (self.processes if procs is None else procs) if p.is_running()]
+        if bound > 0:
+            drain_all(live, bound, lambda line: self._say(logging.INFO, line))
 
     def stop_all(self, grace_s: float | None = None) -> None:
         """Stop every process this group started (in parallel: SIGTERM, wait, SIGKILL)."""
@@ -380,6 +399,8 @@ class ProcessGroup:
         try:
             name = signal.Signals(signum).name
             self._say(logging.WARNING, f"received {name}; stopping {len(self.processes)} process(es)")
+            if signum == signal.SIGTERM:
+                self.drain()  # an orderly stop: instances with a drain hand their work over first
             self.stop_all()
         finally:
             self._in_signal_stop = False

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.commands import KV_PARAMS_MIDDLEWARE, router_cmd, vllm_env, vllm_serve_cmd
+from launch.drain import router_drainer
 from launch.health import DEFAULT_START_TIMEOUT_S, wait_all_healthy, wait_http_ok, watch_health
 from launch.ports import LOOPBACK, free_port, free_ports, port_in_use
 from launch.process_group import (
@@ -181,6 +182,10 @@ def start_pd_stack(
         f"http://{host}:{router_port}{router_health_path}", max(30.0, timeout - (time.monotonic() - t0)), router
     )
     say(f"prefill, decode and router healthy after {time.monotonic() - t0:.1f} s")
+    # A SIGTERM drains P and D through the Router first (launch.drain; ProcessGroup.drain_s bounds it).
+    router_url = f"http://{host}:{router_port}"
+    prefill.drain = router_drainer(router_url, "prefill", host, p_port)
+    decode.drain = router_drainer(router_url, "decode", host, d_port)
     return PDStack(
         model=model,
         host=host,

@@ -169,6 +169,8 @@ class Drains:
             return attempt.late_p_failure is not None and attempt.late_p_failure.kind is FailureKind.DRAIN
         if exchange.progress.resumes >= self.router.config.resume_attempts or resume_call(stream.tracker) is None:
             return False
+        if not any(s.healthy for s in self.router.pool.active["decode"]):
+            return False  # nowhere to go: it finishes in place
         name = attempt.d.backend.name
         error = RouterError(503, f"{name} is draining; the stream moves to another decoder", DECODE_FAILED)
         attempt.late_p_failure = Failure(attempt.d, FailureKind.DRAIN, error, True, detail="drain")

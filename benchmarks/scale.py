@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, say: Any) -> int:
+    load_before = os.getloadavg()[0]  # other work on the machine: the numbers are only as quiet as it was
     p_max = max(args.p_ranks)
     done: dict[tuple[int, int], dict[str, Any]] = {}
 
@@ -225,6 +226,7 @@ def _run(args: argparse.Namespace, say: Any) -> int:
     report = {
         "date": datetime.date.today().isoformat(),
         "cpus": os.cpu_count(),
+        "load_avg_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "p_max": p_max,
         "d_fixed": args.d_fixed,
         "routing": args.routing,

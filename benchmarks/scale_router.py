@@ -56,9 +56,25 @@ def _summary(phase: Phase, cpu_s: float) -> dict[str, Any]:
 
 
 def measure_router(
+    backends: int, concurrency: int, duration: float, routing: str, log_dir: Path | None, tries: int = 3
+) -> dict[str, Any]:
+    """The Router with ``backends`` prefillers and as many decoders, at one stream and at ``concurrency``.
+
+    A start that fails (a free port taken by another process before the backends bound it) is tried
+    again with new ports."""
+    for attempt in range(1, tries + 1):
+        try:
+            return _measure_router(backends, concurrency, duration, routing, log_dir)
+        except RuntimeError as exc:
+            if attempt == tries or "exited" not in str(exc):
+                raise
+            print(f"router at {backends} backends: {exc}; trying again", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _measure_router(
     backends: int, concurrency: int, duration: float, routing: str, log_dir: Path | None
 ) -> dict[str, Any]:
-    """The Router with ``backends`` prefillers and as many decoders, at one stream and at ``concurrency``."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="scale-router-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     p_ports = [free_port() for _ in range(backends)]

@@ -26,6 +26,9 @@ PREFILL = "prefill"
 DECODE = "decode"
 #: kv_connector_extra_config.transfer_mode values: push a room once its prefill ended, or layer by layer.
 TRANSFER_MODES = ("request", "layer")
+#: vLLM-Ascend's D2RH port bases (accepted for its configs; PDConnector opens no socket on them).
+D2RH_ZMQ_PORT = 38100
+D2RH_SCHEDULER_READY_PORT = 38200
 
 
 class ConfigError(ValueError):
@@ -97,6 +100,14 @@ class DisaggConfig:
     # P: "request" pushes a room's KV once its prefill finished; "layer" writes each layer's KV while
     # the prefill runs (transfer.layerwise), so only the last layer's write is left when it ends.
     transfer_mode: str = "request"
+    # D: D2RH mode (vLLM-Ascend's MooncakeD2RHConnectorV1; pd_connector.d2rh): P pushes into a host KV pool,
+    # device blocks are given only once the host copy is ready. host_pool_blocks: its size (0: the device
+    # cache's block count). vLLM-Ascend's d2rh_zmq_port / d2rh_scheduler_ready_port are accepted and not
+    # used: the rank's one ZMQ channel and vLLM's worker metadata carry what their sockets carry.
+    d2rh: bool = False
+    host_pool_blocks: int = 0
+    d2rh_zmq_port: int = D2RH_ZMQ_PORT
+    d2rh_scheduler_ready_port: int = D2RH_SCHEDULER_READY_PORT
 
     @property
     def is_prefill(self) -> bool:
@@ -137,6 +148,10 @@ _FIELD_TYPES: dict[str, type] = {
     "trusted_metaservers": tuple,
     "verify_kv": bool,
     "transfer_mode": str,
+    "d2rh": bool,
+    "host_pool_blocks": int,
+    "d2rh_zmq_port": int,
+    "d2rh_scheduler_ready_port": int,
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(DisaggConfig)} - {"mode", "backend_options"}
 
@@ -287,6 +302,11 @@ def _validate(cfg: DisaggConfig) -> None:
         raise ConfigError(
             f"kv_connector_extra_config.transfer_mode must be one of {TRANSFER_MODES}, got {cfg.transfer_mode!r}"
         )
+    if cfg.host_pool_blocks < 0:
+        raise ConfigError(f"kv_connector_extra_config.host_pool_blocks must be >= 0, got {cfg.host_pool_blocks}")
+    for key in ("d2rh_zmq_port", "d2rh_scheduler_ready_port"):
+        if not 1 <= getattr(cfg, key) <= 65535:
+            raise ConfigError(f"kv_connector_extra_config.{key} must be in 1..65535, got {getattr(cfg, key)}")
     limit = cfg.backend_options.batch_limit
     if not 1 <= cfg.max_batch_entries <= limit:
         raise ConfigError(

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pd_connector.config import dp_rank_of, parse_config
+from pd_connector.host_kv import d2rh_scheduler
 from pd_connector.kv_groups import check_group_block_sizes, group_block_sizes, sliding_windows
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.metrics import PDKVConnectorStats, PDPromMetrics
@@ -85,6 +86,8 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
                 _fail_loads_by_block_in_every_group()
             block_size = check_group_block_sizes(sizes)
             self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, sliding_windows(kv_cache_config))
+            if self.cfg.d2rh and self.cfg.is_decode:  # host KV pool first (pd_connector.d2rh)
+                self._scheduler.d2rh = d2rh_scheduler(self.cfg, vllm_config, kv_cache_config, block_size, len(sizes))
         else:
             self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)
         logger.info("PDConnector %s side up as %s", role.name.lower(), self.cfg.mode)
@@ -167,6 +170,10 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
             sending, recving, failed = self._worker.get_finished(finished_req_ids)
             self._worker.take_failed_blocks()  # reported by id here, not by block
             return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> Any:
+        """Called every step after get_finished: D2RH staging outcomes and host copies done, for the scheduler."""
+        return self._worker.build_worker_meta() if self._worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Called every step after get_finished: D blocks whose load failed (older vLLM)."""

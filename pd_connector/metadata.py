@@ -53,6 +53,18 @@ class RecvJob:
         return host_port(self.bootstrap_host, self.bootstrap_port)
 
 
+@dataclass(frozen=True)
+class HostLoad:
+    """D2RH (pd_connector.d2rh): copy host blocks into the request's device blocks (pairwise); ``failed``: the
+    staging failed, report the load failed. ``hit_blocks``: of them, blocks that were host-pool hits."""
+
+    req_id: str
+    host_block_ids: list[int]
+    dst_block_ids: list[int]
+    failed: bool = False
+    hit_blocks: int = 0
+
+
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
     sends: list[SendJob] = field(default_factory=list)
@@ -68,3 +80,6 @@ class PDConnectorMetadata(KVConnectorMetadata):
     scheduled: dict[str, float] = field(default_factory=dict)
     # P, transfer_mode "layer": which blocks of which rooms this step's forward completes (layer_chunks).
     layer_chunks: list[LayerChunk] = field(default_factory=list)
+    # D2RH: loads into host blocks (dst ids are host block ids) and host -> device copies (pd_connector.d2rh).
+    host_stages: list[RecvJob] = field(default_factory=list)
+    host_loads: list[HostLoad] = field(default_factory=list)

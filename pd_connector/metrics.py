@@ -45,6 +45,10 @@ METRIC_NAMES = {
     "bad_frames": "vllm:pd_kv_bad_frames",
     "transfers_ok": "vllm:pd_kv_pushes",
     "recvs_ok": "vllm:pd_kv_loads",
+    "host_hit_blocks": "vllm:pd_kv_host_hit_blocks",
+    "host_loads": "vllm:pd_kv_host_loads",
+    "host_load_bytes": "vllm:pd_kv_host_load_bytes",
+    "host_load_seconds": "vllm:pd_kv_host_load_duration_seconds",
 }
 
 #: Requests a P or D instance served without a KV transfer, by reason (pd_connector.bypass);
@@ -166,12 +170,18 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "rooms_expired": counter("rooms_expired", "Rooms freed on prefill because no decode asked in time."),
             "auth_refused": counter("auth_refused", "ZMQ frames refused: missing or wrong control-plane token."),
             "bad_frames": counter("bad_frames", "ZMQ frames dropped: not a PDConnector message (no failure)."),
+            "host_hit_blocks": counter("host_hit_blocks", "D2RH: blocks loaded from D's host pool, P not asked."),
+            "host_loads": counter("host_loads", "D2RH: host -> device copies of this decode instance."),
+            "host_load_bytes": counter("host_load_bytes", "D2RH: bytes copied from D's host pool to its device."),
         }
         self.histograms = {
             "transfer_seconds": histogram("transfer_seconds", "Duration of one KV push.", _SECONDS_BUCKETS),
             "transfer_entries": histogram("transfer_entries", "Write entries per KV push.", _ENTRIES_BUCKETS),
             "handshake_seconds": histogram(
                 "handshake_seconds", "Decode: from load start to the request sent to every P rank.", _SECONDS_BUCKETS
+            ),
+            "host_load_seconds": histogram(
+                "host_load_seconds", "D2RH: one host -> device copy, queued to done.", _SECONDS_BUCKETS
             ),
         }
         self.throughput = histogram("throughput", "Throughput of one KV push (bytes/s).", _THROUGHPUT_BUCKETS)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pd_connector.bypass import BypassCounter, BypassReason, reason_for
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host
+from pd_connector.d2rh import D2RHScheduler, D2RHState
 from pd_connector.kv_groups import decode_group_blocks, replay_needs_freed_block
 from pd_connector.kv_params import (
     DecodeParams,
@@ -26,7 +27,7 @@ from pd_connector.kv_params import (
     prefill_refused,
 )
 from pd_connector.layer_chunks import ChunkPlanner
-from pd_connector.metadata import PDConnectorMetadata, RecvJob, SendJob
+from pd_connector.metadata import HostLoad, PDConnectorMetadata, RecvJob, SendJob
 from pd_connector.metaserver import DecodeFirst
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class PDScheduler:
         self.bypassed = BypassCounter("prefill" if cfg.is_prefill else "decode")
         # D: requests of vLLM-Ascend's layer-wise proxy (D first; D posts to its metaserver off this thread).
         self._d_first = DecodeFirst(cfg) if cfg.is_decode else None
+        # D, D2RH mode: KV staged in the host pool first (pd_connector.d2rh; set by the connector).
+        self.d2rh: D2RHScheduler | None = None
 
     def _params(self, request: Request) -> PrefillParams | DecodeParams | None:
         rid = request.request_id
@@ -107,7 +110,9 @@ class PDScheduler:
 
     # -------------------------------------------------------------- decode side
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.d2rh is not None and self.d2rh.knows(request.request_id):  # None: host copy not ready yet
+            return self._d2rh_planned(request.request_id, self.d2rh.poll(request, num_computed_tokens))
         if not self.cfg.is_decode or request.request_id in self._recv_planned:
             return 0, False
         params = self._params(request)
@@ -143,13 +148,29 @@ class PDScheduler:
             )
             self.bypassed.record(request.request_id, BypassReason.WINDOW_RECOMPUTE)
             return self._free_without_load(request.request_id, params)
+        if self.d2rh is not None:
+            answer = self.d2rh.begin(request, params, num_computed_tokens, covered)
+            return self._d2rh_planned(request.request_id, answer)
         return missing, True
+
+    def _d2rh_planned(self, rid: str, answer: tuple[int | None, bool]) -> tuple[int | None, bool]:
+        """D2RH: once P was asked or told (anything but waiting for pool room), the room is planned."""
+        assert self.d2rh is not None
+        if self.d2rh.state(rid) is not D2RHState.WAITING_POOL:
+            self._recv_planned.add(rid)
+            self._local_hits.pop(rid, None)
+        return answer
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
         if self._chunks is not None and isinstance(prefill := self._params(request), PrefillParams):
             if prefill.room is not None and prefill.room not in self._live_rooms:  # a live room's is refused
                 self._chunks.track(rid, prefill.room, request.num_prompt_tokens)
+        if self.d2rh is not None and self.d2rh.knows(rid):  # host -> device copy (pd_connector.d2rh)
+            self.d2rh.allocated(rid, list(blocks.get_block_ids()[0]), num_external_tokens)
+            if num_external_tokens > 0:
+                self._awaiting_kv.add(rid)
+            return
         if not self.cfg.is_decode or rid in self._recv_planned:
             return
         params = self._params(request)
@@ -228,6 +249,8 @@ class PDScheduler:
         params = self._parsed.pop(rid) if rid in self._parsed else _params_of(request)
         if self._chunks is not None:
             self._chunks.forget(rid)
+        if self.d2rh is not None:
+            self.d2rh.finished(rid)
         if self.cfg.is_decode and isinstance(params, DecodeParams) and rid not in self._recv_planned:
             self._abandon(rid, params)  # aborted while it queued: P may hold the room for it
         self._local_hits.pop(rid, None)
@@ -275,6 +298,8 @@ class PDScheduler:
         return False, None
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if self.d2rh is not None:
+            self.d2rh.worker_output(getattr(output, "kv_connector_worker_meta", None))
         for rid in output.finished_sending or ():
             self._holding.discard(rid)
             room = self._room_of.pop(rid, None)
@@ -291,6 +316,7 @@ class PDScheduler:
     # -------------------------------------------------------------------- both
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
+        stages, loads = self._d2rh_step()
         meta = PDConnectorMetadata(
             sends=self._sends,
             dropped_rooms=self._dropped,
@@ -299,9 +325,19 @@ class PDScheduler:
             idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0,
             scheduled=self._first_scheduled(scheduler_output),
             layer_chunks=self._chunks.plan(scheduler_output) if self._chunks is not None else [],
+            host_stages=stages,
+            host_loads=loads,
         )
         self._sends, self._dropped, self._recvs, self._abandoned = [], [], [], []
         return meta
+
+    def _d2rh_step(self) -> tuple[list[RecvJob], list[HostLoad]]:
+        """D2RH: this step's staging jobs and host loads; rooms it needs nothing from are released."""
+        if self.d2rh is None:
+            return [], []
+        stages, loads, releases = self.d2rh.take_step()
+        self._abandoned.extend(self._room_release(rid, params) for rid, params in releases)
+        return stages, loads
 
     def _first_scheduled(self, scheduler_output: SchedulerOutput) -> dict[str, float]:
         """D: requests whose KV arrived and that this step schedules (their first token's step)."""

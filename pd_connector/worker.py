@@ -19,6 +19,7 @@ from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host, token_of
 from pd_connector.device_sync import for_kv_caches
+from pd_connector.host_kv import D2RHWorker, HostKV, pool_blocks
 from pd_connector.kv_groups import region_groups
 from pd_connector.kv_params import host_port
 from pd_connector.layout import regions_of_kv_caches
@@ -137,6 +138,7 @@ class PDWorker:
         self._failed_blocks: set[int] = set()
         self.layers: LayerStreams | None = None  # P, transfer_mode "layer"
         self.stage_layers = (0, 0)  # P with PP > 1: this stage's layers [first, end) (pp_stages)
+        self.d2rh: D2RHWorker | None = None  # D, D2RH mode: the host KV pool (pd_connector.host_kv)
         if torch.accelerator.current_accelerator() is None:
             _prepare_cpu_device()
 
@@ -169,11 +171,14 @@ class PDWorker:
         total_heads = 1 if use_mla else model.get_total_num_kv_heads()
         local = len(local_heads(total_heads, tp_size, tp_rank))
         heads_outermost = _heads_outermost(kv_caches, num_blocks, local)
-        reshuffle = nhd_reshuffle(  # P: allocates the staging buffer registered below (transfer.staging)
+        host = None  # D2RH: P writes into the host pool's regions, not the device's (host_kv)
+        if self.cfg.d2rh and self.cfg.is_decode:
+            host = HostKV(kv_caches, regions, num_blocks, pool_blocks(self.cfg, num_blocks))
+        reshuffle = None if host is not None else nhd_reshuffle(  # P: its staging buffer (transfer.staging)
             self.cfg, kv_caches, num_blocks, self.block_size, local,
             use_mla=use_mla, heads_outermost=heads_outermost, tp_size=tp_size,
         )  # fmt: skip
-        staging = reshuffle.registered_ranges if reshuffle is not None else []
+        staging = reshuffle.registered_ranges if reshuffle is not None else host.ranges if host is not None else []
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         ranges = prepare_rank(self.cfg, kv_caches, tp_size, dp_size, staging)  # KV's ranges + staging's
         apply_transport_env(self.cfg)  # ascend: vLLM-Ascend's QoS and transfer timeout, before the engine starts
@@ -193,7 +198,7 @@ class PDWorker:
             heads_outermost=heads_outermost,
             token_major=reshuffle is not None,
             model=model_fingerprint(self.vllm_config),
-            num_blocks=num_blocks,  # peers write only inside these blocks (transfer.write_guard)
+            num_blocks=host.host_blocks if host else num_blocks,  # peers write only inside these (write_guard)
             kv_device=first.device.type,  # transfer.checksum reads host KV only
             region_groups=region_groups(kv_caches, self.kv_cache_config, num_blocks),  # hybrid KV cache manager
             pp_rank=pp_rank,
@@ -203,8 +208,10 @@ class PDWorker:
         otlp = getattr(self.vllm_config.observability_config, "otlp_traces_endpoint", None)
         device = for_kv_caches(kv_caches)  # transfer threads bind it; pushes wait for its events
         self.manager = KVTransferManager(
-            self.cfg, spec, regions, self.backend, otlp_traces_endpoint=otlp, reshuffle=reshuffle, device=device
+            self.cfg, spec, host.regions if host else regions, self.backend, otlp, reshuffle=reshuffle, device=device
         )
+        if host is not None:
+            self.d2rh = D2RHWorker(host, self.manager.stats, self.manager.pool.submit, device)
         if self.cfg.is_prefill and self.cfg.transfer_mode == "layer":
             self.layers = enable_layer_push(self.manager.prefill, spec, reshuffle is not None, kv_caches, num_blocks)
         if self.cfg.is_prefill:
@@ -265,6 +272,10 @@ class PDWorker:
             self.manager.drop_rooms(meta.dropped_rooms)
         if meta.recvs:
             self.manager.add_recvs(meta.recvs)
+        if meta.host_stages:  # D2RH: loads into host blocks
+            self.manager.add_recvs(meta.host_stages)
+        if meta.host_loads and self.d2rh is not None:
+            self.d2rh.run_loads(meta.host_loads)
         if meta.abandoned and self.manager.decode is not None:
             self.manager.decode.abandon(meta.abandoned)
         if meta.scheduled:
@@ -283,9 +294,16 @@ class PDWorker:
         if finished_req_ids and self.manager.decode is not None:
             self.manager.decode.cancel(finished_req_ids)
         sending, recving, failed = self.manager.take_finished()
+        if self.d2rh is not None:  # D2RH: those were loads into host blocks; vLLM hears of host -> device copies
+            self.d2rh.staging_ended(recving, failed)
+            _, recving, failed = self.d2rh.outbox.take()
         for blocks in failed.values():
             self._failed_blocks.update(blocks)
         return sending, recving, set(failed)
+
+    def build_worker_meta(self) -> Any:
+        """D2RH: staging outcomes and host copies done since the last step (pd_connector.d2rh), else None."""
+        return self.d2rh.take_meta() if self.d2rh is not None else None
 
     def take_stats(self) -> dict | None:
         """This rank's transfer stats since the previous call (pd_connector.metrics), None if nothing."""

@@ -30,6 +30,9 @@ StatName = Literal[
     "bad_frames",
     "rooms_refused",
     "auth_refused",
+    "host_hit_blocks",
+    "host_loads",
+    "host_load_bytes",
 ]
 
 #: Why a transfer or a load failed: the ``reason`` label of ``vllm:pd_kv_transfer_failures``.
@@ -57,11 +60,22 @@ def reason_of_status(status: DoneStatus) -> FailureReason:
 
 
 #: Keys of the interval dict whose values are lists of observations (one per transfer).
-SERIES = ("transfer_seconds", "transfer_bytes", "transfer_entries", "handshake_seconds")
+SERIES = ("transfer_seconds", "transfer_bytes", "transfer_entries", "handshake_seconds", "host_load_seconds")
 #: Keys of the interval dict whose values are counts. A refused or malformed ZMQ frame
 #: (``auth_refused``, ``bad_frames``) fails no transfer or load by itself, so it is counted
 #: here and never as a ``failures`` reason: what it breaks shows up as that request's failure.
-COUNTS = ("bytes_sent", "bytes_received", "transfers_ok", "recvs_ok", "rooms_expired", "auth_refused", "bad_frames")
+COUNTS = (
+    "bytes_sent",
+    "bytes_received",
+    "transfers_ok",
+    "recvs_ok",
+    "rooms_expired",
+    "auth_refused",
+    "bad_frames",
+    "host_hit_blocks",
+    "host_loads",
+    "host_load_bytes",
+)
 #: Keys of the interval dict's "gauges" dict (each: {rank id: value}).
 GAUGES = ("rooms_held", "loads_waiting")
 
@@ -90,6 +104,9 @@ class StatsSnapshot:
     bad_frames: int = 0  # ZMQ frames that were not PDConnector messages
     rooms_refused: int = 0  # P: prefills refused because their room was in use (KV freed at once)
     auth_refused: int = 0  # ZMQ frames refused: missing or wrong token (pd_connector.auth)
+    host_hit_blocks: int = 0  # D2RH: blocks loaded from the host pool without asking P (pd_connector.d2rh)
+    host_loads: int = 0  # D2RH: host -> device copies done
+    host_load_bytes: int = 0  # D2RH: bytes copied host -> device (staged bytes: bytes_received)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -141,6 +158,15 @@ class TransferStats:
             iv["bytes_received"] += nbytes
             if handshake_s is not None:
                 iv["handshake_seconds"].append(handshake_s)
+            self._dirty = True
+
+    def observe_host_load(self, nbytes: int, hit_blocks: int, seconds: float) -> None:
+        """D2RH: one host -> device copy of ``nbytes`` (``hit_blocks`` of its blocks were host-pool hits)."""
+        with self._lock:
+            for name, n in (("host_loads", 1), ("host_load_bytes", nbytes), ("host_hit_blocks", hit_blocks)):
+                self._counts[name] += n
+                self._interval[name] += n
+            self._interval["host_load_seconds"].append(seconds)
             self._dirty = True
 
     def fail(self, reason: FailureReason, counter: StatName | None = None) -> None:

@@ -103,10 +103,11 @@ def check_url(url: object, trusted: TrustedHosts) -> str:
         raise MetaserverError(f"kv_transfer_params.{METASERVER} must be an http(s) URL, got {url!r}")
     try:
         parts = urlsplit(url)
-        host, _ = parts.hostname, parts.port
+        host, _ = parts.hostname, parts.port  # the port is parsed only to be checked
+        usable = parts.scheme in ("http", "https") and bool(host) and not (parts.username or parts.password)
     except ValueError:
-        host = None
-    if parts.scheme not in ("http", "https") or not host or parts.username or parts.password:
+        host, usable = None, False
+    if not usable or host is None:
         raise MetaserverError(f"kv_transfer_params.{METASERVER} must be an http(s) URL with a host, got {url!r}")
     if not trusted.allows(host):
         raise MetaserverError(

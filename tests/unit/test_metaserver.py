@@ -77,7 +77,16 @@ def test_configured_trust() -> None:
 
 @pytest.mark.parametrize(
     "url",
-    [7, "", "ftp://127.0.0.1/x", "http:///x", "http://user:pw@127.0.0.1/x", "http://127.0.0.1:99999/x", "http://a\nb/"],
+    [
+        7,
+        "",
+        "ftp://127.0.0.1/x",
+        "http:///x",
+        "http://user:pw@127.0.0.1/x",
+        "http://127.0.0.1:99999/x",
+        "http://a\nb/",
+        "http://[::1/x",
+    ],
 )
 def test_malformed_urls_are_refused_naming_the_value(url: Any) -> None:
     with pytest.raises(ms.MetaserverError, match="kv_transfer_params.metaserver"):

@@ -146,7 +146,7 @@ class Exchange:
         # One line a request (its phase trace, pd_connector.trace's summary, at its end): logging
         # is a large share of the Router's time per request.
         logger.info(
-            "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f first=%s%s",
+            "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f first=%s%s%s",
             self.rid,
             self.progress.room,
             self.endpoint,
@@ -158,6 +158,7 @@ class Exchange:
             f"{self.progress.ttfb * 1000:.1f}" if self.progress.ttfb is not None else "-",
             elapsed * 1000,
             self.progress.first_token_from.value,
+            " moved=" + ">".join(self.progress.decoders) if self.progress.decoders else "",  # resumed (proxy.resume)
             "" if attempt is None else " | " + self._phase_trace(attempt, elapsed).line(),
         )
 

@@ -36,3 +36,5 @@ class RequestProgress:
     #: Where the request moved: ``(phase, wall-clock time)`` marks for its phase trace
     #: (``d_cut``, ``resumed``; numbered after the first).
     moves: list[tuple[str, float]] = field(default_factory=list)
+    #: The decoders a resumed stream went through, in order (the log line's ``moved=``).
+    decoders: list[str] = field(default_factory=list)

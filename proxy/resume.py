@@ -107,6 +107,9 @@ async def resume_stream(
             seconds = time.monotonic() - cut_at
             router.metrics.resumed(ex.endpoint, failure.kind.value, replayed, seconds)
             _mark(ex, "resumed")
+            if not ex.progress.decoders:
+                ex.progress.decoders.append(attempt.d.backend.address)
+            ex.progress.decoders.append(d.backend.address)
             logger.warning(
                 "rid=%s room=%s stream cut on %s (%s) after %d token(s); resumed on %s + %s in %.1f ms "
                 "(%d token(s) prefilled again, max_tokens %s; resumed leg %d/%d)",

@@ -17,6 +17,7 @@ from proxy.attempt import Call
 from proxy.failure_policy import resume_refusal
 from proxy.resume_body import StreamTracker, resumable, resume_call
 from tests.support.router_rig import (
+    HOST,
     Backends,
     Router,
     RouterFactory,
@@ -71,7 +72,10 @@ def test_cut_stream_resumes_on_the_other_decoder(backends: Backends, router_fact
     assert _metric(router, "pd_router_resumes_total") == before + 1
     assert _metric(router, "pd_router_resume_replayed_tokens_total") >= 3
     log = router.proc.log_text()
-    assert f"rid={rid}" in log and "resumed on" in log and " d_cut +" in log and " resumed +" in log
+    (line,) = [x for x in log.splitlines() if f"rid={rid} " in x and " status=200 " in x]
+    assert f" moved={HOST}:{backends.die_mid_stream}>{HOST}:{backends.resume_d} " in line
+    assert " d_cut +" in line and " resumed +" in line  # the phase trace: where the stream moved
+    assert f"rid={rid} " in log and "resumed on" in log
 
 
 def test_client_asking_token_ids_keeps_them(backends: Backends, router_factory: RouterFactory) -> None:

@@ -102,8 +102,9 @@ class DisaggConfig:
     transfer_mode: str = "request"
     # D: D2RH mode (vLLM-Ascend's MooncakeD2RHConnectorV1; pd_connector.d2rh): P pushes into a host KV pool,
     # device blocks are given only once the host copy is ready. host_pool_blocks: its size (0: the device
-    # cache's block count). vLLM-Ascend's d2rh_zmq_port / d2rh_scheduler_ready_port are accepted and not
-    # used: the rank's one ZMQ channel and vLLM's worker metadata carry what their sockets carry.
+    # cache's block count). vLLM-Ascend's d2rh_zmq_port / d2rh_scheduler_ready_port are accepted (either one
+    # turns d2rh on when d2rh is not given) and open no socket: the rank's one ZMQ channel and vLLM's worker
+    # metadata carry what their sockets carry.
     d2rh: bool = False
     host_pool_blocks: int = 0
     d2rh_zmq_port: int = D2RH_ZMQ_PORT
@@ -209,6 +210,8 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
     if unknown:
         known = sorted({*_FIELD_TYPES, *owners, *ascend_settings.EXTRA_KEYS})
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {known}")
+    if "d2rh" not in extra and ("d2rh_zmq_port" in extra or "d2rh_scheduler_ready_port" in extra):
+        extra["d2rh"] = True  # vLLM-Ascend's D2RH config (its port keys) without our switch: D2RH is meant
     values = {key: _coerce(key, extra.pop(key), typ) for key, typ in _FIELD_TYPES.items() if key in extra}
     values["backend_options"] = _backend_options(
         values.get("backend", transfer_backends.DEFAULT_BACKEND), extra, owners

@@ -17,7 +17,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
+from pd_connector.config import ConfigError, parse_config
 from pd_connector.d2rh import D2RHState, D2RHWorkerMeta
+from pd_connector.host_kv import d2rh_scheduler
 from pd_connector.kv_params import DecodeParams
 from tests.support.real_scheduler import BLOCK, FAILED_BY_ID, NUM_BLOCKS, PROMPT, make_scheduler, step
 
@@ -165,3 +167,22 @@ def test_worker_meta_aggregates_over_ranks() -> None:
     a.aggregate(b)
     assert a.staged == {"r": [2, 1]} and a.loaded == {"x": 2, "y": 1}
     assert not D2RHWorkerMeta()
+
+
+def test_d2rh_keys_accept_vllm_ascend_names() -> None:
+    seed = {"d2rh_zmq_port": 38100, "d2rh_scheduler_ready_port": 38200}  # vLLM-Ascend's D2RH decode config
+    cfg = parse_config("kv_consumer", seed)
+    assert (
+        cfg.d2rh and cfg.host_pool_blocks == 0 and (cfg.d2rh_zmq_port, cfg.d2rh_scheduler_ready_port) == (38100, 38200)
+    )
+    assert not parse_config("kv_consumer", {**seed, "d2rh": False}).d2rh
+    assert not parse_config("kv_consumer", {}).d2rh
+    assert parse_config("kv_consumer", {"d2rh": True, "host_pool_blocks": 512}).host_pool_blocks == 512
+    for bad in ({"d2rh_zmq_port": 0}, {"d2rh_scheduler_ready_port": 70000}, {"host_pool_blocks": -1}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            parse_config("kv_consumer", bad)
+
+
+def test_hybrid_models_are_refused_in_d2rh_mode(model: Path) -> None:
+    with pytest.raises(ConfigError, match="one KV cache group"):
+        d2rh_scheduler(parse_config("kv_consumer", {"d2rh": True}), None, None, BLOCK, 2)  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ the lowest rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
 
     python benchmarks/serving.py            # 18-20 minutes on 2 cores (start-up 1-3 min per system)
     python benchmarks/serving.py --quick    # ~9 minutes: 2 rates, 1 request per bucket (a smoke run)
+    python benchmarks/serving.py --closed-loop-only   # only the closed-loop phase (serving_closed.py)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.serving_closed import bench_closed_loop  # noqa: E402
 from benchmarks.serving_interleaved import PAUSE_S, run_interleaved, summarize  # noqa: E402
 from benchmarks.serving_report import LATENCY_KEYS, acceptance, ratios  # noqa: E402
 from benchmarks.serving_systems import PD_TRANSFER_MODE, STARTERS, SYSTEMS, mooncake_patches  # noqa: E402
@@ -64,7 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="model directory (default: build the reference-shape tiny Llama)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument(
-        "--rates", type=float, nargs="+", help="request rates (req/s); default 0.1 0.3 0.6: the lowest is the low-load point, where one P core queues little (quick: 0.25 0.5)"
+        "--rates",
+        type=float,
+        nargs="+",
+        help="request rates (req/s); default 0.1 0.3 0.6: the lowest is the low-load point, where one P core queues little (quick: 0.25 0.5)",
     )
     p.add_argument("--duration", type=float, help="seconds of arrivals per rate (default 20; quick 10)")
     p.add_argument("--bucket-edges", type=int, nargs="+", default=DEFAULT_EDGES, help="prompt-length bucket edges")
@@ -95,7 +100,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="PDConnector's transfer_mode for pd (default: layer: P's KV is ready for D as its prefill's forward "
         "ends; request mode hands it over with P's next engine step, which a long prefill of the next request delays)",
     )
+    p.add_argument(
+        "--closed-loop",
+        type=int,
+        help="requests per point of the closed-loop phase (serving_closed.py: the next request as soon as the "
+        "previous first token came, each system alone; judges pd/colocated TTFT <= 1.15) (default 12; quick 4; 0: skip)",
+    )
+    p.add_argument(
+        "--closed-loop-repeats", type=int, default=2, help="rounds of the closed-loop phase (pd and colocated in each)"
+    )
+    p.add_argument(
+        "--closed-loop-modes",
+        nargs="+",
+        choices=("layer", "request"),
+        default=["layer", "request"],
+        help="PDConnector transfer modes the closed-loop phase runs pd with (each judged against colocated)",
+    )
+    p.add_argument("--closed-loop-only", action="store_true", help="run only the closed-loop phase")
     args = p.parse_args(argv)
+    if args.closed_loop is None:
+        args.closed_loop = 4 if args.quick else 12
     args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.1, 0.3, 0.6])
     args.duration = args.duration or (10.0 if args.quick else 20.0)
     args.min_per_bucket = args.min_per_bucket or (1 if args.quick else 3)
@@ -186,7 +210,9 @@ def bench_system(
 def bench_interleaved(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """pd and the other systems up at once, `--interleaved` prompts per bucket sent to each in turn."""
     buckets = len(args.bucket_edges) - 1
-    prompts = make_trace(min(args.rates), args.interleaved * buckets, args.seed + 2, args.bucket_edges, args.output_tokens)
+    prompts = make_trace(
+        min(args.rates), args.interleaved * buckets, args.seed + 2, args.bucket_edges, args.output_tokens
+    )
     names = ["pd", *(name for name in args.systems if name != "pd")]
     out: dict[str, Any] = {"systems": names, "pause_s": PAUSE_S, "vs": {}}
     t0 = time.monotonic()
@@ -215,6 +241,20 @@ def bench_interleaved(model: str, args: argparse.Namespace, log_dir: Path) -> di
             if not isinstance(exc, ProcessFailed):
                 traceback.print_exc(file=sys.stderr)
     out["logs"] = str(log_dir / "interleaved")
+    return out
+
+
+def bench_closed(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """The closed-loop phase (serving_closed.py): per round, pd in each of --closed-loop-modes, then
+    colocated, each started alone on the same cores; PD_TRANSFER_MODE is --pd-transfer-mode after it."""
+    variants = [(f"pd_{mode}", "pd", mode) for mode in args.closed_loop_modes] + [("colocated", "colocated", None)]
+    out = bench_closed_loop(
+        model, variants=variants, starters=STARTERS, set_mode=lambda mode: PD_TRANSFER_MODE.update(mode=mode),
+        serve_args=SERVE_ARGS, cpus=(args.p_cpus, args.d_cpus), start_timeout=args.start_timeout,
+        requests=args.closed_loop, repeats=args.closed_loop_repeats, max_tokens=args.output_tokens, seed=args.seed,
+        log_dir=log_dir, say=say,
+    )  # fmt: skip
+    PD_TRANSFER_MODE["mode"] = args.pd_transfer_mode
     return out
 
 
@@ -277,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     all_traces = traces(args)
     PD_TRANSFER_MODE["mode"] = args.pd_transfer_mode
     started = time.monotonic()
+    if args.closed_loop_only:
+        args.systems = []
     systems = {name: bench_system(name, model, args, all_traces, log_dir) for name in args.systems}
     report: dict[str, Any] = {
         "model": model,
@@ -305,7 +347,20 @@ def main(argv: list[str] | None = None) -> int:
                 report[key] = ratios(systems["pd"], systems[other])
     if args.interleaved and "pd" in args.systems and len(args.systems) > 1:
         report["interleaved_low_load"] = bench_interleaved(model, args, log_dir)
-    report["acceptance"] = acceptance(systems, report.get("interleaved_low_load"))
+    report["acceptance"] = {} if args.closed_loop_only else acceptance(systems, report.get("interleaved_low_load"))
+    if args.closed_loop:
+        report["closed_loop"] = closed = bench_closed(model, args, log_dir)
+        judged = closed["vs_colocated"].get(f"pd_{PD_TRANSFER_MODE['mode']}") or {}
+        report["acceptance"]["closed_loop_ttft_ratio_vs_colocated"] = {
+            "transfer_mode": PD_TRANSFER_MODE["mode"],
+            "limit": judged.get("limit"),
+            "max": max(
+                (p["ratio"] for p in (judged.get("points") or {}).values() if p["ratio"] is not None), default=None
+            ),
+            "pass": judged.get("all_pass"),
+        }
+        flags = [c.get("pass") for c in report["acceptance"].values() if isinstance(c, dict)]
+        report["acceptance"]["all_pass"] = bool(flags) and all(f is True for f in flags)
     if "vllm_mooncake" in systems and "error" in systems["vllm_mooncake"]:
         report["vllm_mooncake"] = {"error": systems["vllm_mooncake"]["error"]}
     report["plot"] = plot(systems, args.png or log_dir / "serving.png", (args.slo_ttft_ms, args.slo_tpot_ms))

@@ -20,32 +20,23 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import shutil
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
 from launch.processes import LOOPBACK, ProcessGroup, free_ports, wait_http_ok
+from tests.support.front_ends import BYPASSED, PUSHES, metric, misrouted, wait_metric
+from tests.support.front_ends import vllm_router_binary as _vllm_router
+from tests.support.front_ends import wait_routable as _wait_routable
 from tests.support.serving import assert_matches_reference, complete, kv_usage, prompts, wait_kv_free
 
 pytestmark = [pytest.mark.e2e]
 
 #: Prompts (indices into tests.support.serving.prompts) of 5, 47 and 129 tokens: 6 requests per row.
 INDICES = [3, 10, 17]
-PUSHES = "vllm:pd_kv_pushes_total"
-BYPASSED = "vllm:pd_requests_without_transfer_total"
-#: Reasons of BYPASSED that mean PD was not used (D's prefix_cached / window_recompute are expected).
-MISROUTED = ("no_kv_transfer_params", "malformed_kv_transfer_params", "no_transfer_asked", "wrong_role")
-
-
-def _vllm_router() -> str | None:
-    local = Path(sys.executable).parent / "vllm-router"
-    return str(local) if local.is_file() else shutil.which("vllm-router")
 
 
 def _sglang_router(port: int, metrics_port: int, p: str, bootstrap: int, d: str) -> list[str]:
@@ -72,42 +63,6 @@ ROWS: dict[str, tuple[Callable[[int, int, str, int, str], list[str]], bool]] = {
     "vllm_router_nixl": (_vllm_router_cmd("nixl"), _vllm_router() is not None),
     "vllm_router_mooncake": (_vllm_router_cmd("mooncake"), _vllm_router() is not None),
 }
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of ``name``'s samples on ``url``'s /metrics whose labels include ``labels``."""
-    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", text, re.M):
-        if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
-def misrouted(url: str) -> float:
-    return sum(metric(url, BYPASSED, reason=r) for r in MISROUTED)
-
-
-def wait_metric(url: str, name: str, at_least: float, timeout: float = 20.0, **labels: str) -> float:
-    deadline = time.monotonic() + timeout
-    value = metric(url, name, **labels)
-    while value < at_least and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = metric(url, name, **labels)
-    return value
-
-
-def _wait_routable(url: str, model: str, timeout: float = 60.0) -> None:
-    """The router answers a completion (its workers are registered in the background)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            complete(url, model, "warm", stream=False, max_tokens=1)
-            return
-        except (AssertionError, httpx.HTTPError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
 
 
 @pytest.mark.parametrize("row", list(ROWS))

@@ -1,7 +1,9 @@
 """vLLM's KV cache events (``--kv-events-config``) on P and D with PDConnector: the blocks D received
 from P are announced like computed ones (``BlockStored`` once the load finished), and so are the
 blocks P prefilled, so a KV-event-aware router (vllm-router ``kv_aware``, ``--pd-kv-events``) sees
-both. PDConnector adds no events of its own: vLLM caches a loaded request's blocks itself.
+both. PDConnector adds no events of its own: vLLM caches a loaded request's blocks itself. Once P's
+push is done and the blocks are freed, nothing is announced removed: they stay in P's prefix cache, so
+the router keeps sending that prefix to P (tests/e2e/test_kv_event_routing.py, with vllm-router).
 
 Driven through vLLM's real v1 Scheduler (tests/support/real_scheduler) with prefix caching and the
 block pool's events on; the published batches are captured at the scheduler's publisher.
@@ -28,8 +30,8 @@ def model(tiny_model: Path) -> Path:
     return tiny_model
 
 
-def _stored_blocks(model: Path, role: str, params: dict[str, Any]) -> int:
-    """Blocks announced as stored while one request with ``params`` runs to its end."""
+def _events(model: Path, role: str, params: dict[str, Any]) -> list[Any]:
+    """The events published while one request with ``params`` runs to its end (P: its push done too)."""
     sched = make_scheduler(model, role, prefix_caching=True)
     sched.kv_cache_manager.block_pool.enable_kv_cache_events = True
     events: list[Any] = []
@@ -45,10 +47,20 @@ def _stored_blocks(model: Path, role: str, params: dict[str, Any]) -> int:
         step(sched, KVConnectorOutput(finished_recving={"r"}))  # P's KV landed
     for _ in range(4):
         step(sched)
+    if role == "kv_producer":
+        step(sched, KVConnectorOutput(finished_sending={"r"}))  # D has the KV: P frees the blocks
+        pool = sched.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but vLLM's null block
+    return events
+
+
+def _stored_blocks(events: list[Any]) -> int:
     return sum(len(e.block_hashes) for e in events if type(e).__name__ == "BlockStored")
 
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
 def test_prompt_blocks_are_announced(model: Path, role: str) -> None:
     params = dict(D_PARAMS) if role == "kv_consumer" else PrefillParams(3).to_json()
-    assert _stored_blocks(model, role, params) == len(PROMPT) // BLOCK  # every full prompt block
+    events = _events(model, role, params)
+    assert _stored_blocks(events) == len(PROMPT) // BLOCK  # every full prompt block
+    assert not [e for e in events if type(e).__name__ != "BlockStored"]  # freed, still cached: none removed

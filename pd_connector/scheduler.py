@@ -156,9 +156,14 @@ class PDScheduler:
     def _d2rh_planned(self, rid: str, answer: tuple[int | None, bool]) -> tuple[int | None, bool]:
         """D2RH: once P was asked or told (anything but waiting for pool room), the room is planned."""
         assert self.d2rh is not None
-        if self.d2rh.state(rid) is not D2RHState.WAITING_POOL:
+        state = self.d2rh.state(rid)
+        if state is not D2RHState.WAITING_POOL:
             self._recv_planned.add(rid)
             self._local_hits.pop(rid, None)
+            if self._d_first is not None and state is D2RHState.STAGING:  # D first: now the proxy may ask P
+                self._d_first.allocated(rid)
+            elif self._d_first is not None:
+                self._d_first.forget(rid)
         return answer
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -8,6 +8,7 @@ vLLM's own channel from workers to the scheduler side.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,10 +18,14 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
+from pd_connector import metaserver as ms
 from pd_connector.config import ConfigError, parse_config
-from pd_connector.d2rh import D2RHState, D2RHWorkerMeta
+from pd_connector.d2rh import D2RHScheduler, D2RHState, D2RHWorkerMeta
 from pd_connector.host_kv import d2rh_scheduler
+from pd_connector.host_pool import HostPool
 from pd_connector.kv_params import DecodeParams
+from pd_connector.scheduler import PDScheduler
+from tests.support.fake_scheduler import FakeRequest, meta
 from tests.support.real_scheduler import BLOCK, FAILED_BY_ID, NUM_BLOCKS, PROMPT, make_scheduler, step
 
 init_none_hash(sha256)
@@ -186,3 +191,20 @@ def test_d2rh_keys_accept_vllm_ascend_names() -> None:
 def test_hybrid_models_are_refused_in_d2rh_mode(model: Path) -> None:
     with pytest.raises(ConfigError, match="one KV cache group"):
         d2rh_scheduler(parse_config("kv_consumer", {"d2rh": True}), None, None, BLOCK, 2)  # type: ignore[arg-type]
+
+
+def test_d_first_posts_to_the_metaserver_once_its_staging_is_planned() -> None:
+    """vLLM-Ascend's layer-wise proxy in front of a D2RH decoder: D posts when its host blocks are planned."""
+    proxy = "http://127.0.0.1:8000/v1/metaserver"
+    posts: list[ms.Post] = []
+    sched = PDScheduler(parse_config("kv_consumer", {"d2rh": True}), block_size=16)
+    sched.d2rh = D2RHScheduler(HostPool(8), 16, 1, 30.0)
+    sched._d_first = ms.DecodeFirst(sched.cfg, SimpleNamespace(submit=posts.append))  # type: ignore[arg-type]
+    params = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": proxy}
+    req = FakeRequest("cmpl-u-0-0123abcd", params, 40)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]
+    (post,) = posts
+    (job,) = meta(sched).host_stages
+    assert post.room == job.room and job.dst_block_ids == [0, 1, 2]
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]
+    assert len(posts) == 1

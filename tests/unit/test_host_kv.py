@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -68,3 +73,37 @@ def test_worker_reports_loads_to_vllm_and_staging_to_the_scheduler() -> None:
     assert (snap.host_loads, snap.host_hit_blocks, snap.host_load_bytes) == (1, 2, 2 * worker.host.block_bytes)
     interval = stats.take_interval()
     assert interval is not None and len(interval["host_load_seconds"]) == 1
+
+
+class _SlowDevice:
+    """A device whose copies complete only when the test says so (its marker's wait blocks until then)."""
+
+    name = "sim:0"
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def record(self) -> Any:
+        return SimpleNamespace(wait=lambda: self.done.wait(10))
+
+    def bind_thread(self) -> None:
+        return None
+
+    def synchronize(self, tensor: torch.Tensor) -> None:
+        return None
+
+
+def test_a_copy_reaches_vllm_and_the_scheduler_only_once_the_device_ran_it() -> None:
+    caches = kv_caches()
+    regions = regions_of_kv_caches(caches, NUM_BLOCKS)
+    device = _SlowDevice()
+    pool = ThreadPoolExecutor(1)
+    worker = D2RHWorker(HostKV(caches, regions, NUM_BLOCKS, HOST_BLOCKS), TransferStats(), pool.submit, device)
+    worker.run_loads([HostLoad("c", [0], [3])])  # queued on the stream; returns at once
+    time.sleep(0.2)
+    assert worker.outbox.take()[1] == set() and worker.take_meta() is None  # host block still pinned
+    device.done.set()
+    pool.shutdown(wait=True)
+    assert worker.outbox.take()[1] == {"c"}
+    meta = worker.take_meta()
+    assert meta is not None and meta.loaded == {"c": 1}

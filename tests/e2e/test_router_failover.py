@@ -1,15 +1,18 @@
-"""A decoder killed mid-run: clients get errors (or a failover), never a hang; later requests go to the live one.
+"""A decoder killed mid-run: its streams resume on the live one, never an error or a hang; later requests go there too.
 
 Module setup: one extra decode instance (a second consumer of the session stack's prefiller)
 and a Router of its own in front of P and both decoders (``--routing room``: even rooms go to
 the stack's decoder, odd rooms to the extra one). The test SIGKILLs the extra decoder's
-process group while streams run on both.
+process group while streams run on both. Rooms 2k and 2k+1 stream the same prompt: the even
+room's stream, never cut, is the uninterrupted run the resumed odd one must equal token for token
+(greedy). That a stream with no decoder left ends with an error event is tests/proxy/test_resume.py's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -26,8 +29,8 @@ from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_T
 
 pytestmark = pytest.mark.e2e
 
-#: Every client must be done this long after the kill (errors are fine, hangs are not).
-CLIENT_BOUND_S = 60.0
+#: Every client must be done this long after the kill (its stream resumed and finished: never a hang).
+CLIENT_BOUND_S = 150.0
 STREAM_TOKENS = 1900  # prompt 60 + 1900 fits --max-model-len 2048
 
 
@@ -62,7 +65,8 @@ def two_decoders(pd_stack, tmp_path_factory: pytest.TempPathFactory):
             "--prefiller-hosts", host, "--prefiller-ports", str(pd_stack.prefill_port),
             "--prefiller-bootstrap-ports", str(pd_stack.bootstrap_port),
             "--decoder-hosts", host, host, "--decoder-ports", str(pd_stack.decode_port), str(extra_port),
-            "--health-interval", "1", "--trust-client-room",
+            # A slow health answer on this loaded machine must not send the odd rooms to the live decoder.
+            "--health-interval", "1", "--health-timeout", "15", "--trust-client-room",
         ]  # fmt: skip
         router = group.start("router-two-decoders", router_cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         wait_http_ok(f"http://{host}:{extra_port}/health", START_TIMEOUT_S, extra)
@@ -104,6 +108,19 @@ class Outcome:
         return None
 
     @property
+    def text(self) -> str:
+        return "".join(
+            c.get("text") or "" for e in self.events if e != "[DONE]" for c in json.loads(e).get("choices") or ()
+        )
+
+    @property
+    def usage(self) -> dict | None:
+        for event in reversed(self.events):
+            if event != "[DONE]" and (usage := json.loads(event).get("usage")):
+                return usage
+        return None
+
+    @property
     def error_event(self) -> dict | None:
         if self.events and self.events[-1] != "[DONE]":
             last = json.loads(self.events[-1])
@@ -116,11 +133,12 @@ def _stream(url: str, model: str, room: int, max_tokens: int, started: list[int]
     t0 = time.monotonic()
     body = {
         "model": model,
-        "prompt": prompt_of_length(60, salt=room % 50),
+        "prompt": prompt_of_length(60, salt=room // 2),  # rooms 2k and 2k+1: the same prompt
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "bootstrap_room": room,
     }
     try:
@@ -141,12 +159,32 @@ def _stream(url: str, model: str, room: int, max_tokens: int, started: list[int]
     return outcome
 
 
+def _running_requests(decode_url: str) -> float:
+    """vLLM's ``vllm:num_requests_running`` gauge on one instance (summed over its engines)."""
+    text = httpx.get(f"{decode_url}/metrics", timeout=10, trust_env=False).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running{")
+    )
+
+
+def _gauges(url: str) -> list[str]:
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    return [line for line in text.splitlines() if line.startswith(("vllm:num_requests", "vllm:pd_"))][:12]
+
+
+def _router_metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((f"{name} ", f"{name}{{"))
+    )
+
+
 def _complete(url: str, model: str, room: int) -> httpx.Response:
     body = {"model": model, "prompt": prompt_of_length(40, salt=room % 50), "max_tokens": 6, "bootstrap_room": room}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120, trust_env=False)
 
 
-def test_killed_decoder_gives_errors_not_hangs_and_traffic_moves_to_the_live_one(two_decoders: TwoDecoders) -> None:
+def test_killed_decoders_streams_resume_on_the_live_one_and_traffic_moves_there(two_decoders: TwoDecoders) -> None:
     stack = two_decoders
     # Warm both decoders up (and check the room rule: odd rooms reach the extra decoder).
     for room in (2, 3):
@@ -157,36 +195,56 @@ def test_killed_decoder_gives_errors_not_hangs_and_traffic_moves_to_the_live_one
     started: list[int] = []
     with ThreadPoolExecutor(len(rooms)) as pool:
         futures = [pool.submit(_stream, stack.router_url, stack.model, room, STREAM_TOKENS, started) for room in rooms]
-        # Kill as soon as every stream on the extra decoder (odd rooms) is under way: the last of them
-        # has barely begun, so at least one is cut off however fast this machine generates.
+        # Kill as soon as every stream on the extra decoder (odd rooms) is under way and the extra decoder
+        # itself reports them running (so the Router did send them there): the last of them has barely
+        # begun, so at least one is cut off however fast this machine generates.
         on_extra = [room for room in rooms if room % 2]
         deadline = time.monotonic() + 120
-        while not set(on_extra) <= set(started) and time.monotonic() < deadline:
+        running = 0.0
+        while time.monotonic() < deadline:
+            if set(on_extra) <= set(started):
+                running = _running_requests(stack.extra_decode_url)
+                if running >= 1:
+                    break
             time.sleep(0.02)
         assert set(on_extra) <= set(started), f"streams on the extra decoder did not start: {sorted(started)}"
+        assert running >= 1, (
+            "the extra decoder runs none of the odd rooms' streams (the Router sent them elsewhere): "
+            f"running on the live one: {_running_requests(stack.live_decode_url)}; "
+            f"extra's gauges: {_gauges(stack.extra_decode_url)}"
+        )
         os.killpg(stack.extra_decode.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         outcomes = [f.result(timeout=CLIENT_BOUND_S + 60) for f in futures]
         finished_within = time.monotonic() - killed_at
     assert finished_within < CLIENT_BOUND_S, f"clients still waiting {finished_within:.0f}s after the kill"
 
-    cut_off = 0
+    by_room = {outcome.room: outcome for outcome in outcomes}
     for outcome in outcomes:
+        # Every stream ends whole, the extra decoder's ones too: resumed on the live decoder, no error event.
         assert outcome.status == 200, outcome
-        if outcome.room % 2 == 0:
-            assert outcome.done, f"room {outcome.room} on the live decoder did not finish: {outcome.events[-2:]}"
-            assert outcome.finish_reason == "length", outcome.events[-2:]
-        elif outcome.done:
-            # On a fast machine a stream can finish before the kill lands. Then it is whole: its last
-            # chunk has finish_reason "length" (a [DONE] after a cut-off stream would lack it).
-            assert outcome.finish_reason == "length", f"room {outcome.room}: [DONE] on a cut-off stream"
-        else:
-            # The stream was under way on the killed decoder: it ends with an error event, never [DONE].
-            error = outcome.error_event
-            assert error is not None, f"room {outcome.room}: no error event: {outcome.events[-2:]}"
-            assert error["type"] == "decode_failed" and error["code"] >= 500
-            cut_off += 1
-    assert cut_off >= 1, "no stream was still running on the killed decoder; raise STREAM_TOKENS"
+        assert outcome.error_event is None, f"room {outcome.room}: {outcome.error_event}"
+        assert outcome.done, f"room {outcome.room} did not finish: {outcome.events[-2:]}"
+        assert outcome.finish_reason == "length", outcome.events[-2:]
+        assert outcome.usage is not None and outcome.usage["completion_tokens"] == STREAM_TOKENS, outcome.usage
+        assert len({json.loads(e)["id"] for e in outcome.events if e != "[DONE]"}) == 1  # one answer
+    for room in on_extra:
+        twin = by_room[room - 1]  # the same prompt, never cut
+        assert by_room[room].usage == twin.usage
+        got, want = by_room[room].text, twin.text
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        assert got == want, (
+            f"room {room}'s stream differs from room {room - 1}'s at character {at}: {got[at - 40 : at + 40]!r}"
+        )
+    router_log = Path(stack.router.log_path).read_text(errors="replace")
+    resumed = re.findall(
+        r"stream cut on decoder \S+ \((\w+)\) after (\d+) token\(s\); resumed on .*? in ([\d.]+) ms", router_log
+    )
+    assert resumed, "no stream was still running on the killed decoder; raise STREAM_TOKENS"
+    # Time to resume: from the Router seeing the cut to the resumed leg's first chunk (P's prefill of
+    # the prompt and the tokens sent included).
+    print(f"\nresumed {len(resumed)} stream(s) (reason, tokens sent, ms to resume): {resumed}")
+    assert _router_metric(stack.router_url, "pd_router_resumes_total") == len(resumed)
 
     # Later requests go to the live decoder, whatever their room (the first may fail over).
     for room in (21, 23, 25, 22):

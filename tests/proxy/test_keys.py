@@ -83,7 +83,7 @@ def test_access_of_routes() -> None:
     assert access_of("/v1/models", ADMIN_PATHS) is Access.CLIENT
     assert access_of("/v1", ADMIN_PATHS) is Access.CLIENT
     assert access_of("/v10/x", ADMIN_PATHS) is Access.PUBLIC
-    for path in ("/instances", "/instances/add", "/instances/remove", "/reset_prefix_cache"):
+    for path in ("/instances", "/instances/add", "/instances/remove", "/instances/drain", "/reset_prefix_cache"):
         assert access_of(path, ADMIN_PATHS) is Access.ADMIN
     for path in ("/health", "/healthcheck", "/metrics"):
         assert access_of(path, ADMIN_PATHS) is Access.PUBLIC

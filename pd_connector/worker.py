@@ -20,6 +20,7 @@ from pd_connector.compat import kv_dtype_name, model_fingerprint
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host, token_of
 from pd_connector.device_sync import for_kv_caches
 from pd_connector.host_kv import D2RHWorker, HostKV, pool_blocks
+from pd_connector.idle_wait import IdleWait
 from pd_connector.kv_groups import region_groups
 from pd_connector.kv_params import host_port
 from pd_connector.layout import regions_of_kv_caches
@@ -39,10 +40,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger(__name__)
-
-# Longest pause of an idle engine step (nothing scheduled, transfers pending); a finished
-# transfer ends the pause at once, so this costs no latency.
-IDLE_WAIT_S = 0.005
 
 
 def _prepare_cpu_device() -> None:
@@ -136,6 +133,8 @@ class PDWorker:
         self.manager: KVTransferManager | None = None
         self.bootstrap: BootstrapServer | None = None
         self._failed_blocks: set[int] = set()
+        # P: no pause in idle steps while busy (back-to-back requests; pd_connector.idle_wait)
+        self._idle = IdleWait(no_wait_when_busy=cfg.is_prefill and not cfg.is_decode)
         self.layers: LayerStreams | None = None  # P, transfer_mode "layer"
         self.stage_layers = (0, 0)  # P with PP > 1: this stage's layers [first, end) (pp_stages)
         self.d2rh: D2RHWorker | None = None  # D, D2RH mode: the host KV pool (pd_connector.host_kv)
@@ -280,8 +279,9 @@ class PDWorker:
             self.manager.decode.abandon(meta.abandoned)
         if meta.scheduled:
             self.manager.mark_scheduled(meta.scheduled)
-        if meta.idle:
-            self.manager.wait_for_progress(IDLE_WAIT_S)
+        wait = self._idle.seconds(meta.idle)
+        if wait > 0:
+            self.manager.wait_for_progress(wait)
 
     def get_finished(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving); failed blocks kept for load errors.

@@ -35,7 +35,7 @@ from tests.support.serving import (
     prompts,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]  # the line vLLM-Ascend 0.23 (and D2RH) runs on
 
 HOST_POOL_BLOCKS = 128
 STAGE_WAIT_S = 3.0  # how long D's transfer stays in flight before P's prefill comes
@@ -107,7 +107,7 @@ def test_no_device_block_held_while_the_transfer_is_in_flight(d2rh_stack: PDStac
     assert not thread.is_alive()
     print(f"[d2rh] D's KV usage while its transfer was in flight: {len(samples)} samples, max {max(samples)}; "
           f"loads waiting {waiting}")  # fmt: skip
-    assert before == 0.0 and max(samples) == 0.0 and len(samples) >= 10
+    assert before == 0.0 and max(samples) == 0.0 and len(samples) >= 3  # /metrics takes ~0.5 s on a busy machine
     assert waiting == 1  # the load was in flight all that time
     assert p_answer["token_ids"]
     assert answer["token_ids"] == reference["completions"][False][i]["token_ids"]

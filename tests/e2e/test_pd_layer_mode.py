@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from launch import ascend_peers
 from launch.processes import PDStack, ProcessGroup, start_pd_stack
 from pd_connector.trace import parse_trace_line
+from tests.support.layerwise_proxy import check_layerwise_proxy, layerwise_proxy
 from tests.support.serving import (
     CHAT_PROMPTS,
     PROMPT_LENGTHS,
@@ -63,3 +65,18 @@ def test_layer_mode_is_token_identical_to_colocated(reference: dict, layer_stack
     assert early, "no push started before its prefill finished: nothing was streamed layer by layer"
     assert wait_kv_free(layer_stack.prefill_url) == 0.0, f"P still holds KV: {kv_usage(layer_stack.prefill_url)}"
     assert wait_kv_free(layer_stack.decode_url) == 0.0, f"D still holds KV: {kv_usage(layer_stack.decode_url)}"
+
+
+@pytest.mark.skipif(
+    layerwise_proxy()[0] is None and not ascend_peers.required(),
+    reason=f"vLLM-Ascend's layer-wise proxy: {layerwise_proxy()[1]}",
+)
+def test_layer_mode_behind_vllm_ascends_layerwise_proxy(reference: dict, layer_stack: PDStack, tmp_path: Path) -> None:
+    """D first (vLLM-Ascend's layer-wise proxy, tests/support/layerwise_proxy.py): D asks before P has the
+    request, so P streams each prefill's layers to the waiting D."""
+    log = layer_stack.prefill.log_path
+    start = len(log.read_bytes())
+    check_layerwise_proxy(reference, layer_stack, tmp_path, "layer-wise proxy, D first, P in layer mode")
+    new_lines = log.read_bytes()[start:].decode(errors="replace").splitlines()
+    records = [r for r in map(parse_trace_line, new_lines) if r]
+    assert any((r.at("push_started") or 1e18) < (r.at("prefill_done") or 0) for r in records), "nothing streamed"

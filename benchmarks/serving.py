@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         report["acceptance"]["all_pass"] = bool(flags) and all(f is True for f in flags)
     if "vllm_mooncake" in systems and "error" in systems["vllm_mooncake"]:
         report["vllm_mooncake"] = {"error": systems["vllm_mooncake"]["error"]}
-    report["plot"] = plot(systems, args.png or log_dir / "serving.png", (args.slo_ttft_ms, args.slo_tpot_ms))
+    if systems:
+        report["plot"] = plot(systems, args.png or log_dir / "serving.png", (args.slo_ttft_ms, args.slo_tpot_ms))
     report["wall_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(report, indent=2))
     return 0 if all("error" not in s for s in systems.values()) else 1

@@ -49,6 +49,7 @@ from benchmarks.serving_report import LATENCY_KEYS, acceptance, ratios  # noqa: 
 from benchmarks.serving_systems import PD_TRANSFER_MODE, STARTERS, SYSTEMS, mooncake_patches  # noqa: E402
 from benchmarks.serving_trace import RunStats, TraceRequest, bucket_labels, check_edges, make_trace, run_trace  # noqa: E402
 from launch.processes import ProcessFailed, ProcessGroup  # noqa: E402
+from pd_connector.config import DisaggConfig  # noqa: E402
 
 REFERENCE_SHAPE = {"num_layers": 6, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2}
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "bench-llama-h512-l6"
@@ -350,9 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     report["acceptance"] = {} if args.closed_loop_only else acceptance(systems, report.get("interleaved_low_load"))
     if args.closed_loop:
         report["closed_loop"] = closed = bench_closed(model, args, log_dir)
-        judged = closed["vs_colocated"].get(f"pd_{PD_TRANSFER_MODE['mode']}") or {}
+        # judged in the connector's default transfer_mode (issue 26 item 4: chosen by this phase)
+        mode = DisaggConfig.transfer_mode
+        judged = closed["vs_colocated"].get(f"pd_{mode}") or {}
         report["acceptance"]["closed_loop_ttft_ratio_vs_colocated"] = {
-            "transfer_mode": PD_TRANSFER_MODE["mode"],
+            "transfer_mode": mode,
             "limit": judged.get("limit"),
             "max": max(
                 (p["ratio"] for p in (judged.get("points") or {}).values() if p["ratio"] is not None), default=None

@@ -16,7 +16,6 @@ round's ratio of p50s); passes at <= `LIMIT`.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import statistics
@@ -27,7 +26,7 @@ from typing import Any
 import httpx
 
 from benchmarks.serving_report import ratio
-from benchmarks.serving_trace import PROMPT_TOKEN_IDS, Result, ms, percentile, sse_lines
+from benchmarks.serving_trace import PROMPT_TOKEN_IDS, Result, StreamError, data_events, ms, percentile
 
 LENGTHS = (64, 1024, 1900)
 CONCURRENCY = (1, 4)
@@ -60,19 +59,16 @@ async def stream_one(
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return result
-            async for line in sse_lines(resp):
-                if not line.startswith("data:") or line.endswith("[DONE]"):
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    result.error = f"stream error: {str(event['error'])[:200]}"
-                    return result
+            async for event in data_events(resp):
                 if event.get("choices"):
                     last = time.perf_counter()
                     if not first.is_set():
                         result.ttft_s = last - t0
                         first.set()
                     result.output_tokens += 1
+    except StreamError as exc:
+        result.error = str(exc)
+        return result
     except (httpx.HTTPError, OSError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
         return result

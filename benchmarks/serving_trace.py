@@ -182,6 +182,24 @@ async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
         yield buffer.decode("utf-8", errors="replace")
 
 
+class StreamError(Exception):
+    """A completion stream's error event (its text, cut to 200 characters, is the message)."""
+
+
+async def data_events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a completion stream, ``[DONE]`` and non-data lines left out.
+
+    Raises :class:`StreamError` at an error event.
+    """
+    async for line in sse_lines(resp):
+        if not line.startswith("data:") or line.endswith("[DONE]"):
+            continue
+        event = json.loads(line[5:])
+        if "error" in event:
+            raise StreamError(f"stream error: {str(event['error'])[:200]}")
+        yield event
+
+
 async def send_one(client: httpx.AsyncClient, url: str, model: str, req: TraceRequest) -> Result:
     """Stream one completion; time its first and last choice events."""
     body = {
@@ -203,19 +221,16 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: TraceRe
                 text = (await resp.aread()).decode("utf-8", errors="replace")
                 result.error = f"HTTP {resp.status_code}: {text[:200]}"
                 return result
-            async for line in sse_lines(resp):
-                if not line.startswith("data:") or line.endswith("[DONE]"):
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    result.error = f"stream error: {str(event['error'])[:200]}"
-                    return result
+            async for event in data_events(resp):
                 if event.get("choices"):
                     last = time.perf_counter()
                     first = last if math.isnan(first) else first
                     events += 1
                 if event.get("usage"):
                     result.output_tokens = int(event["usage"].get("completion_tokens") or 0)
+    except StreamError as exc:
+        result.error = str(exc)
+        return result
     except (httpx.HTTPError, OSError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
         return result

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from benchmarks import serving
+from benchmarks.serving_closed import stream_one
 from benchmarks.serving_interleaved import run_interleaved, summarize
 from benchmarks.serving_proxy import mooncake_bodies
 from benchmarks.serving_report import acceptance, ratios
@@ -259,6 +260,23 @@ def test_client_splits_events_at_newlines_only() -> None:
 
     result = asyncio.run(go())
     assert result.error == "" and result.output_tokens == 3 and result.ttft_s > 0 and result.tpot_s >= 0
+
+
+def test_both_clients_stop_at_an_error_event() -> None:
+    """An error event mid-stream ends the request as failed, naming the error, in the trace client
+    and in the closed-loop one (both read events through serving_trace.data_events)."""
+    events = [{"choices": [{"text": "a"}]}, {"error": {"type": "decode_failed", "code": 502}}]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+
+    async def go() -> tuple[Result, Result]:
+        async with httpx.AsyncClient(transport=transport) as client:
+            traced = await send_one(client, "http://bench", "m", TraceRequest(0.0, [5, 6, 7], 3))
+            closed = await stream_one(client, "http://bench", "m", [5, 6, 7], 3, asyncio.Event())
+        return traced, closed
+
+    for result in asyncio.run(go()):
+        assert result.error.startswith("stream error: ") and "decode_failed" in result.error, result.error
 
 
 def test_interleaved_pairs_alternate_the_order_and_judge_the_mooncake_criterion() -> None:

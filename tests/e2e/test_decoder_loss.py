@@ -43,11 +43,11 @@ from launch.processes import (
     wait_http_ok,
 )
 from proxy.admin_token import admin_headers
+from tests.support.metrics import metric
 from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S, wait_kv_free
 from tests.support.streams import (
     Outcome,
     held,
-    router_metric,
     running_requests,
     short_completion,
     stream_completion,
@@ -211,8 +211,8 @@ def test_drained_decoder_hands_its_streams_over_without_an_error(
         assert outcome.usage is not None and outcome.usage["completion_tokens"] == DRAIN_STREAM_TOKENS, outcome.usage
     for room in on_extra:  # greedy: the moved stream is the uninterrupted one's twin
         assert by_room[room].text == by_room[room - 1].text, f"room {room} differs from room {room - 1}"
-    assert router_metric(router.url, 'pd_router_resumes_total{endpoint="/v1/completions",reason="drain"}') == moved
-    assert router_metric(router.url, "pd_router_drain_moves_total") == moved
+    assert metric(router.url, "pd_router_resumes_total", endpoint="/v1/completions", reason="drain") == moved
+    assert metric(router.url, "pd_router_drain_moves_total") == moved
     log = Path(router.process.log_path or "").read_text(errors="replace")
     traced = re.findall(r"rid=\S+ room=\d+ POST .* drain \+[\d.]+ ms.* resumed \+", log)
     assert len(traced) == moved, "the phase trace of each moved request shows drain, cut and resume"
@@ -282,7 +282,7 @@ def test_killed_decoders_streams_resume_on_the_live_one_and_traffic_moves_there(
     # Time to resume: from the Router seeing the cut to the resumed leg's first chunk (P's prefill of
     # the prompt and the tokens sent included).
     print(f"\nresumed {len(resumed)} stream(s) (reason, tokens sent, ms to resume): {resumed}")
-    assert router_metric(router.url, "pd_router_resumes_total") == len(resumed)
+    assert metric(router.url, "pd_router_resumes_total") == len(resumed)
 
     # Later requests go to the live decoder, whatever their room (the first may fail over).
     for room in (21, 23, 25, 22):

@@ -28,9 +28,10 @@ from pathlib import Path
 import pytest
 
 from launch.processes import LOOPBACK, ProcessGroup, free_ports, wait_http_ok
-from tests.support.front_ends import BYPASSED, PUSHES, metric, misrouted, wait_metric
+from tests.support.front_ends import BYPASSED, PUSHES, misrouted
 from tests.support.front_ends import vllm_router_binary as _vllm_router
 from tests.support.front_ends import wait_routable as _wait_routable
+from tests.support.metrics import metric, wait_metric
 from tests.support.serving import assert_matches_reference, complete, kv_usage, prompts, wait_kv_free
 
 pytestmark = [pytest.mark.e2e]

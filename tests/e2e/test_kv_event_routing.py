@@ -43,7 +43,8 @@ from launch.processes import (
     wait_all_healthy,
     wait_http_ok,
 )
-from tests.support.front_ends import PUSHES, metric, misrouted, vllm_router_binary, wait_routable
+from tests.support.front_ends import PUSHES, misrouted, vllm_router_binary, wait_routable
+from tests.support.metrics import metric
 from tests.support.serving import P_ROOM_TIMEOUT_S, START_TIMEOUT_S, complete, kv_usage, prompts, wait_kv_free
 
 pytestmark = [pytest.mark.e2e]

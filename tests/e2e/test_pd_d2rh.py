@@ -12,18 +12,17 @@ can only come from D's host KV pool.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from launch.processes import PDStack, ProcessGroup, start_pd_stack
 from pd_connector.kv_params import DecodeParams, PrefillParams
 from pd_connector.metrics import METRIC_NAMES
+from tests.support.metrics import metric, wait_metric
 from tests.support.serving import (
     BLOCK_SIZE,
     P_ROOM_TIMEOUT_S,
@@ -41,18 +40,6 @@ HOST_POOL_BLOCKS = 128
 STAGE_WAIT_S = 3.0  # how long D's transfer stays in flight before P's prefill comes
 HITS = METRIC_NAMES["host_hit_blocks"] + "_total"
 SENT = METRIC_NAMES["bytes_sent"] + "_total"
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)$", text, re.M))
-
-
-def wait_metric(url: str, name: str, want: float, timeout: float = 20.0) -> float:
-    deadline = time.monotonic() + timeout
-    while (value := metric(url, name)) < want and time.monotonic() < deadline:
-        time.sleep(0.25)
-    return value
 
 
 @pytest.fixture(scope="module")

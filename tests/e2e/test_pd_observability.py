@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import string
 import threading
 import time
@@ -18,29 +17,10 @@ import pytest
 from launch.trace import draw, load_traces
 from pd_connector.metrics import METRIC_NAMES
 from pd_connector.trace import PHASES, TraceRecord, parse_trace_line
+from tests.support.metrics import metric, wait_metric
 from tests.support.serving import BLOCK_SIZE, D_KV_WAIT_TIMEOUT_S, count_in_log
 
 pytestmark = pytest.mark.e2e
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of every sample of ``name`` on ``url``'s /metrics whose labels include ``labels``."""
-    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{(.*?)\}})?\s+(\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m[1] or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m[2])
-    return total
-
-
-def wait_metric(url: str, name: str, want: float, timeout: float = 20.0, **labels: str) -> float:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = metric(url, name, **labels)
-        if value >= want or time.monotonic() > deadline:
-            return value
-        time.sleep(0.25)
 
 
 def block_bytes(model_dir: str) -> int:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from proxy.drain import held_counts
+from tests.support.metrics import metric
 from tests.support.router_rig import (
     Backends,
     Router,
@@ -35,18 +36,6 @@ def _drain(router: Router, port: int, role: str = "decode", **extra: Any) -> htt
     payload = {"role": role, "host": "127.0.0.1", "port": port, **extra}
     return httpx.post(
         f"{router.url}/instances/drain", json=payload, headers=admin_headers(router), timeout=60, trust_env=False
-    )
-
-
-def _metric(router: Router, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{router.url}/metrics", timeout=10, trust_env=False).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
 
 
@@ -95,10 +84,10 @@ def test_drained_decoder_stream_moves_by_replay(backends: Backends, fresh_router
     assert wait_state(backends.slow_stream, rid, "disconnected")  # D's request aborted
     (moved,) = records(backends.slow_short, rid)
     assert moved["body"]["prompt"][:2] == [ord("H"), ord("i")] and moved["body"]["prompt"][2] == 1000
-    assert _metric(router, "pd_router_resumes_total", reason="drain") == 1
-    assert _metric(router, "pd_router_drain_moves_total", mode="replay") == 1
-    assert _metric(router, "pd_router_drains_total", role="decode", outcome="drained") == 1
-    assert _metric(router, "pd_router_drain_seconds_count", role="decode") == 1
+    assert metric(router.url, "pd_router_resumes_total", reason="drain") == 1
+    assert metric(router.url, "pd_router_drain_moves_total", mode="replay") == 1
+    assert metric(router.url, "pd_router_drains_total", role="decode", outcome="drained") == 1
+    assert metric(router.url, "pd_router_drain_seconds_count", role="decode") == 1
 
     def logged() -> str | None:
         text = router.proc.log_text()
@@ -132,7 +121,7 @@ def test_drain_timeout_answers_504(backends: Backends, fresh_router: RouterFacto
     answer = _drain(router, backends.slow_stream2, timeout_s=0.5)
     assert answer.status_code == 504
     assert answer.json()["results"][0]["result"] == "timeout"
-    assert _metric(router, "pd_router_drains_total", role="decode", outcome="timeout") == 1
+    assert metric(router.url, "pd_router_drains_total", role="decode", outcome="timeout") == 1
 
 
 def test_prefiller_drain_and_refusals(backends: Backends, fresh_router: RouterFactory) -> None:

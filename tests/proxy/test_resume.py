@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
 import pytest
 
 from proxy.attempt import Call
 from proxy.failure_policy import resume_refusal
 from proxy.resume_body import StreamTracker, resumable, resume_call
+from tests.support.metrics import metric
 from tests.support.router_rig import (
     HOST,
     Backends,
@@ -41,20 +41,13 @@ def _stream(router: Router, rid: str, **extra: Any) -> list[str]:
     return sse_events(response.content)
 
 
-def _metric(router: Router, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{router.url}/metrics", timeout=10, trust_env=False).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-
-
 def _texts(events: list[str]) -> list[str]:
     return [c["text"] for e in events if e != "[DONE]" for c in json.loads(e).get("choices") or ()]
 
 
 def test_cut_stream_resumes_on_the_other_decoder(backends: Backends, router_factory: RouterFactory) -> None:
     router = router_factory(backends.ok_p, (backends.die_mid_stream, backends.resume_d), OFF)
-    before = _metric(router, "pd_router_resumes_total")
+    before = metric(router.url, "pd_router_resumes_total")
     rid = new_rid("resume")
     events = _stream(router, rid, stream_options={"include_usage": True})
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
@@ -69,8 +62,8 @@ def test_cut_stream_resumes_on_the_other_decoder(backends: Backends, router_fact
     (resumed,) = records(backends.resume_d, rid)
     assert resumed["body"]["prompt"] == [ord("H"), ord("i"), 1000, 1001, 1002]
     assert resumed["body"]["max_tokens"] == 5 and resumed["body"]["return_token_ids"] is True
-    assert _metric(router, "pd_router_resumes_total") == before + 1
-    assert _metric(router, "pd_router_resume_replayed_tokens_total") >= 3
+    assert metric(router.url, "pd_router_resumes_total") == before + 1
+    assert metric(router.url, "pd_router_resume_replayed_tokens_total") >= 3
     log = router.proc.log_text()
     (line,) = [x for x in log.splitlines() if f"rid={rid} " in x and " status=200 " in x]
     assert f" moved={HOST}:{backends.die_mid_stream}>{HOST}:{backends.resume_d} " in line

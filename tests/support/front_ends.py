@@ -1,12 +1,11 @@
 """Helpers of the e2e tests that put other PD routers (vllm-router, sglang-router) in front of P and D.
 
-The vllm-router binary, samples of an instance's Prometheus /metrics, PDConnector's bypass counter,
+The vllm-router binary, PDConnector's bypass counter (read with tests.support.metrics),
 and waiting until a freshly started router routes (it registers its workers in the background).
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.metrics import metric
 from tests.support.serving import complete
 
 PUSHES = "vllm:pd_kv_pushes_total"
@@ -28,29 +28,9 @@ def vllm_router_binary() -> str | None:
     return str(local) if local.is_file() else shutil.which("vllm-router")
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of ``name``'s samples on ``url``'s /metrics whose labels include ``labels``."""
-    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", text, re.M):
-        if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 def misrouted(url: str) -> float:
     """Requests ``url`` served without a KV transfer for a reason that means PD was not used."""
     return sum(metric(url, BYPASSED, reason=r) for r in MISROUTED)
-
-
-def wait_metric(url: str, name: str, at_least: float, timeout: float = 20.0, **labels: str) -> float:
-    """Poll ``name`` on ``url`` until it reaches ``at_least`` or ``timeout`` passes; returns the last value."""
-    deadline = time.monotonic() + timeout
-    value = metric(url, name, **labels)
-    while value < at_least and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = metric(url, name, **labels)
-    return value
 
 
 def wait_routable(url: str, model: str, timeout: float = 60.0) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from proxy.drain import HELD_METRICS, held_counts
+from tests.support.metrics import metric
 from tests.support.serving import prompt_of_length
 
 
@@ -114,28 +115,11 @@ def short_completion(url: str, model: str, room: int) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120, trust_env=False)
 
 
-def _metrics_text(url: str) -> str:
-    return httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-
-
 def running_requests(url: str) -> float:
     """vLLM's ``vllm:num_requests_running`` gauge on one instance (summed over its engines)."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in _metrics_text(url).splitlines()
-        if line.startswith("vllm:num_requests_running{")
-    )
-
-
-def router_metric(url: str, name: str) -> float:
-    """The sum of a Router metric's samples: ``name`` bare (every label set) or with its labels written out."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in _metrics_text(url).splitlines()
-        if line.startswith((f"{name} ", f"{name}{{"))
-    )
+    return metric(url, "vllm:num_requests_running")
 
 
 def held(url: str, role: str) -> dict[str, float]:
     """What a vLLM instance of ``role`` ("decode"/"prefill") still holds (:data:`proxy.drain.HELD_METRICS`)."""
-    return held_counts(_metrics_text(url), HELD_METRICS[role])
+    return held_counts(httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text, HELD_METRICS[role])

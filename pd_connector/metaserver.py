@@ -232,8 +232,8 @@ class MetaserverSender:
                 try:
                     self._post(client, post)
                 except Exception:  # never lose the thread
-                    self.failed += 1
                     logger.exception("room=%d req=%s: metaserver post failed", post.room, post.request_id)
+                    self.failed += 1
 
     def _post(self, client: httpx.Client, post: Post) -> None:
         started = time.monotonic()
@@ -255,7 +255,6 @@ class MetaserverSender:
             if resp.status_code >= 400:
                 self._failed(post, f"HTTP {resp.status_code} {resp.text[:200]!r}")
                 return
-            self.sent += 1
             logger.info(
                 "room=%d req=%s: metaserver %s answered after %.2f s (prefill requested)",
                 post.room,
@@ -263,10 +262,10 @@ class MetaserverSender:
                 post.url,
                 time.monotonic() - started,
             )
+            self.sent += 1  # after the log line: a reader that waits on the count sees the line
             return
 
     def _failed(self, post: Post, why: str) -> None:
-        self.failed += 1
         logger.error(
             "room=%d req=%s: metaserver %s: %s; the load fails after kv_wait_timeout_s unless a prefill pushes",
             post.room,
@@ -274,6 +273,7 @@ class MetaserverSender:
             post.url,
             why,
         )
+        self.failed += 1  # after the log line: a reader that waits on the count sees the line
 
 
 class DecodeFirst:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.ports import PICK_RANGE
 from launch.processes import (
     KV_PARAMS_MIDDLEWARE,
     ProcessFailed,
@@ -73,6 +74,15 @@ def test_free_port_is_bindable() -> None:
 def test_free_ports_are_distinct() -> None:
     ports = free_ports(4)
     assert len(set(ports)) == 4
+
+
+def test_free_ports_stay_out_of_the_ephemeral_range_and_are_not_handed_out_twice() -> None:
+    """Outgoing connections take their local ports from the kernel's ephemeral range (32768 on here):
+    a port picked there could be taken between the pick and a server's bind."""
+    ports = free_ports(20) + [free_port() for _ in range(20)]
+    low, high = PICK_RANGE
+    assert all(low <= port < high for port in ports), ports
+    assert len(set(ports)) == len(ports)
 
 
 def test_group_stops_process_group_with_child(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -10,14 +9,14 @@ from typing import Any
 import pytest
 import zmq
 
+from launch.ports import free_port as launch_free_port
+
 HOST = "127.0.0.1"
 
 
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (bind 127.0.0.1:0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that was free a moment ago, outside the ephemeral range (launch.ports)."""
+    return launch_free_port()
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01, what: str = "") -> Any:

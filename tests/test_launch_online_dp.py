@@ -599,15 +599,17 @@ FAKE_TEMPLATE = textwrap.dedent(
     """\
     # Test stand-in for run_dp_template.sh: records its arguments, then acts per FAKE_MODE_<rank>.
     rank=$4
+    mode_var="FAKE_MODE_$rank"
+    # ignore-term: SIGTERM ignored before the pid file tells the test this rank runs
+    [ "${!mode_var:-ok}" = ignore-term ] && trap '' TERM
     printf '%s\\n' "$@" > "$FAKE_OUT/args_$rank"
     echo "$$" > "$FAKE_OUT/pid_$rank"
-    mode_var="FAKE_MODE_$rank"
     case ${!mode_var:-ok} in
         ok) exit 0 ;;
         ok-late) sleep 2; exit 0 ;;
         fail) echo "rank $rank: boom"; sleep 1; touch "$FAKE_OUT/failed_$rank"; exit 3 ;;
         sleep) exec sleep 60 ;;
-        ignore-term) trap '' TERM; exec sleep 60 ;;
+        ignore-term) exec sleep 60 ;;
     esac
     """
 )

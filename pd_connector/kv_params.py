@@ -5,7 +5,8 @@ sides share, so the Router (which must run without vLLM) and the connector canno
 drift apart. It imports nothing of vLLM.
 
 P's request: ``{do_remote_decode: true, bootstrap_room}``; D's request:
-``{do_remote_prefill: true, bootstrap_room, bootstrap_host, bootstrap_port[, prefill_dp_rank]}``;
+``{do_remote_prefill: true, bootstrap_room, bootstrap_host, bootstrap_port[, prefill_dp_rank,
+prefilled_tokens, migrate_room]}``;
 P's answer (vLLM passes it back in the response): ``{bootstrap_room, prefill_done: true}``.
 
 P-then-D proxies (vLLM-Ascend's example proxy, vLLM's toy proxy) send P
@@ -38,6 +39,9 @@ PREFILL_ERROR = "prefill_error"
 #: D's request: P's KV covers only the prompt's first N tokens (the Router's first-token path
 #: sends D P's prompt plus P's first token; D computes that token itself). Absent: all of them.
 PREFILLED_TOKENS = "prefilled_tokens"
+#: D's request (issue 24): if this request is ABORTED on D, D holds its KV as this room for
+#: ``migrate_hold_s`` seconds, for another decoder to load it (a drain moving the stream with its KV).
+MIGRATE_ROOM = "migrate_room"
 
 #: Rooms are 63-bit: [0, MAX_ROOM).
 MAX_ROOM = 2**63
@@ -84,6 +88,8 @@ class DecodeParams:
     prefill_dp_rank: int | None
     #: Tokens of D's prompt whose KV P holds (None: the whole prompt).
     prefilled_tokens: int | None = None
+    #: Room D holds this request's KV as when it is aborted (migration on); None: not movable.
+    migrate_room: int | None = None
 
     @property
     def bootstrap_addr(self) -> str:
@@ -102,6 +108,8 @@ class DecodeParams:
             out[PREFILL_DP_RANK] = self.prefill_dp_rank
         if self.prefilled_tokens is not None:
             out[PREFILLED_TOKENS] = self.prefilled_tokens
+        if self.migrate_room is not None:
+            out[MIGRATE_ROOM] = self.migrate_room
         return out
 
 
@@ -180,9 +188,15 @@ def parse_kv_params(params: Any, *, room_optional: bool = False) -> PrefillParam
         port = _int_field(params, BOOTSTRAP_PORT, 1, 65536)
         dp_rank = _int_field(params, PREFILL_DP_RANK, 0, MAX_DP_RANK, required=False)
         prefilled = _int_field(params, PREFILLED_TOKENS, 1, MAX_PREFILLED_TOKENS, required=False)
+        migrate_room = _int_field(params, MIGRATE_ROOM, 0, MAX_ROOM, required=False)
         assert room is not None and port is not None
         return DecodeParams(
-            room=room, bootstrap_host=host, bootstrap_port=port, prefill_dp_rank=dp_rank, prefilled_tokens=prefilled
+            room=room,
+            bootstrap_host=host,
+            bootstrap_port=port,
+            prefill_dp_rank=dp_rank,
+            prefilled_tokens=prefilled,
+            migrate_room=migrate_room,
         )
     return None
 

@@ -159,7 +159,9 @@ def parse_instances(payload: Any) -> list[Backend]:
     Either ``{"role": "prefill"|"decode", "host": H, "port": P, "bootstrap_port": B?}`` or
     vLLM-Ascend's ``{"type": "prefill"|"decode", "instances": ["H:P", ...] | "H:P"}`` (an item
     may also be an object with host, port and bootstrap_port). A prefiller's bootstrap port
-    defaults to the top-level ``bootstrap_port``, else 18800; ``bootstrap_host`` and ``dp_rank``
+    defaults to the top-level ``bootstrap_port``, else 18800; a decoder has one only where given
+    (its own bootstrap server, connector ``migration``: a drain moves its streams with their KV);
+    ``bootstrap_host`` and ``dp_rank``
     (see :class:`proxy.router_config.Backend`) may be given at the top level or per item.
     """
     if not isinstance(payload, dict):
@@ -167,7 +169,8 @@ def parse_instances(payload: Any) -> list[Backend]:
     role = payload.get("role", payload.get("type"))
     if role not in ROLES:
         raise RouterError(400, f"'role' must be 'prefill' or 'decode', got {role!r}", INVALID_REQUEST, "role")
-    default_bootstrap = payload.get("bootstrap_port", DEFAULT_BOOTSTRAP_PORT)
+    # A decoder has a bootstrap port only when one is given (it is then movable by KV: proxy.kv_move).
+    default_bootstrap = payload.get("bootstrap_port", DEFAULT_BOOTSTRAP_PORT if role == "prefill" else None)
     default_bootstrap_host = payload.get("bootstrap_host")
     default_dp_rank = payload.get("dp_rank")
     items = payload.get("instances")
@@ -215,7 +218,8 @@ def parse_instances(payload: Any) -> list[Backend]:
                 )
             )
         else:
-            backends.append(Backend("decode", host.strip(), port))
+            movable = None if bootstrap is None else _check_port(bootstrap, "bootstrap_port")
+            backends.append(Backend("decode", host.strip(), port, movable))
     return backends
 
 

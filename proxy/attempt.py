@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.backend_pool import BackendState
 from proxy.http1 import Response, UpstreamError, encode_json
-from proxy.payloads import decode_body, prefill_body
+from proxy.payloads import decode_body, new_room, prefill_body
 from proxy.resume_body import resumable
 from proxy.upstream import (
     Failure,
@@ -110,7 +110,8 @@ class Attempt:
         prefilled_tokens: int | None = None,
     ) -> None:
         """``p_answered``: P already answered (the first-token path) and holds the room's KV; the
-        attempt then runs D only. ``prefilled_tokens``: that KV covers only the first that many
+        attempt then runs D only (``p`` may then be a drained decoder holding the KV:
+        :mod:`proxy.kv_move`). ``prefilled_tokens``: that KV covers only the first that many
         tokens of D's prompt (None: all of it)."""
         self.router = router
         self.p_answered = p_answered
@@ -121,6 +122,9 @@ class Attempt:
         self.room = room
         self.timeout = timeout
         self.state = AttemptState.WAITING
+        #: D is movable by KV and the stream may be moved: the room D holds the request's KV as
+        #: if the Router aborts it (a drain's move loads it from there: proxy.kv_move).
+        self.migrate_room = new_room() if d.backend.movable and resumable(call, router.config.resume_attempts) else None
         pool = router.pool
         self.p_lease = pool.lease(p, 0 if p_answered else call.tokens)
         self.d_lease = pool.lease(d)
@@ -179,7 +183,7 @@ class Attempt:
     async def _decode(self) -> Outcome:
         state, call = self.d, self.call
         backend = state.backend
-        body = decode_body(call.body, self.room, self.p.backend, self.prefilled_tokens)
+        body = decode_body(call.body, self.room, self.p.backend, self.prefilled_tokens, self.migrate_room)
         if resumable(call, self.router.config.resume_attempts):
             body["return_token_ids"] = True  # stripped for the client unless it asked (proxy.resume_body)
         data = encode_json(body)

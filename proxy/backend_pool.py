@@ -68,6 +68,8 @@ class BackendState:
             out["bootstrap_host"] = backend.bootstrap_address[0]
             out["dp_rank"] = backend.dp_rank
             out["in_flight_prompt_tokens"] = self.in_flight_tokens
+        elif backend.movable:
+            out["bootstrap_port"] = backend.bootstrap_port  # movable by KV (proxy.kv_move)
         return out
 
 

@@ -72,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--decoder-hosts", nargs="+", metavar="HOST", help="hosts of the decode instances")
     add("--decoder-ports", nargs="+", type=int, metavar="PORT", help="HTTP ports of the decode instances")
+    add(
+        "--decoder-bootstrap-ports",
+        nargs="+",
+        type=int,
+        metavar="PORT",
+        help="bootstrap-server port of each decode instance started with the connector's migration on; one value "
+        "applies to all. A drain then moves their streams with their KV (D -> D push) instead of prefilling the "
+        "tokens again (default: none, drains replay)",
+    )
     policies = "; ".join(f"'{name}' = {describe(name)}" for name in ROUTING_POLICIES).replace("%", "%%")
     add(
         "--routing",
@@ -273,15 +282,20 @@ def _pair(
 
 
 def _one_or_each(
-    parser: argparse.ArgumentParser, flag: str, values: list[Any] | None, count: int, default: Any = None
+    parser: argparse.ArgumentParser,
+    flag: str,
+    values: list[Any] | None,
+    count: int,
+    default: Any = None,
+    kind: str = "prefiller",
 ) -> list[Any]:
-    """A per-prefiller list from ``values``: one value applies to all; ``default`` for all when absent."""
+    """A per-instance list from ``values``: one value applies to all; ``default`` for all when absent."""
     if not values:
         return [default] * count
     if len(values) == 1:
         return values * count
     if len(values) != count:
-        parser.error(f"{flag} has {len(values)} values; give one, or one per prefiller ({count})")
+        parser.error(f"{flag} has {len(values)} values; give one, or one per {kind} ({count})")
     return list(values)
 
 
@@ -341,7 +355,16 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             prefill_pairs, bootstrap_ports, bootstrap_hosts, dp_ranks, strict=True
         )
     )
-    decoders = tuple(Backend("decode", host, port) for host, port in decode_pairs)
+    decoder_bootstrap = _one_or_each(
+        parser, "--decoder-bootstrap-ports", args.decoder_bootstrap_ports, len(decode_pairs), kind="decoder"
+    )
+    for port in decoder_bootstrap:
+        if port is not None:
+            _check_port(parser, "--decoder-bootstrap-ports", port)
+    decoders = tuple(
+        Backend("decode", host, port, bootstrap)
+        for (host, port), bootstrap in zip(decode_pairs, decoder_bootstrap, strict=True)
+    )
     security = security_from_args(args, parser)
     return RouterConfig(
         prefillers=prefillers,

@@ -5,13 +5,17 @@ the call returns once the instance holds nothing, or its time limit passed:
 
 - **a decoder**: each of its resumable streams (:func:`proxy.resume_body.resumable`: a streamed
   completions request whose continuation samples what one instance would) is *moved*: its D stream
-  is closed (vLLM aborts the request, freeing its KV) and :func:`proxy.resume.resume_stream` goes on
-  on another decoder with the tokens the client has. **The move replays**: P prefills the prompt plus
-  the generated tokens again (``mode="replay"``, ``pd_router_drain_moves_total{mode}``); the
-  decoder's KV does not move (a D -> D push is not implemented, see docs/router.md). Requests that
-  cannot move (non-streamed, chat, sampling the first-token path refuses) finish where they are.
-  Once the Router has nothing in flight there, D's ``/metrics`` is read until it reports no request
-  running or waiting (``vllm:num_requests_running``/``waiting``).
+  is closed (vLLM aborts the request) and :func:`proxy.resume.resume_stream` goes on on another
+  decoder with the tokens the client has. A decoder *movable by KV* (its bootstrap port known:
+  ``--decoder-bootstrap-ports``) holds the aborted request's KV as the request's migrate room, and
+  the other decoder loads it from there (``mode="kv"``, :mod:`proxy.kv_move`: nothing prefilled
+  again); otherwise, or when that leg fails before its first chunk, P prefills the prompt plus the
+  generated tokens again (``mode="replay"``). ``pd_router_drain_moves_total{mode}`` counts them
+  (``failed``: cut, but no decoder took the stream over). Requests that cannot move (non-streamed,
+  chat, sampling the first-token path refuses) finish where they are. Once the Router has nothing in
+  flight there and every cut stream went on, D's ``/metrics`` is read until it reports no request
+  running or waiting and no KV held for a move (``vllm:pd_kv_rooms_held``); ``kv_bytes_moved`` is
+  the increase of its ``vllm:pd_kv_sent_bytes_total`` over the drain.
 - **a prefiller**: no new room goes to it; its prefills in flight finish; then its ``/metrics`` is
   read until ``vllm:pd_kv_rooms_held`` is 0: every room's KV was pushed (or expired).
 
@@ -51,16 +55,25 @@ POLL_S = 0.05
 METRICS_POLL_S = 0.25
 #: What an instance still holds, by role: metric names whose sum must reach 0.
 HELD_METRICS: dict[str, tuple[str, ...]] = {
-    "decode": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:pd_kv_loads_waiting"),
+    "decode": (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:pd_kv_loads_waiting",
+        "vllm:pd_kv_rooms_held",  # KV held for a move by KV, until pushed or expired
+    ),
     "prefill": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:pd_kv_rooms_held"),
 }
+#: A decoder's KV pushed to others (a move by KV), bytes (the counter's sample name).
+SENT_BYTES = "vllm:pd_kv_sent_bytes_total"
 DRAIN_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class MoveMode(enum.Enum):
     """How a drained decoder's stream went on elsewhere."""
 
+    KV = "kv"  # another decoder loaded the stream's KV from the drained one (proxy.kv_move)
     REPLAY = "replay"  # P prefilled prompt + generated tokens again (the decoder's KV was dropped)
+    FAILED = "failed"  # cut, but no decoder took the stream over (the client got an error event)
 
 
 class DrainOutcome(enum.Enum):
@@ -82,7 +95,7 @@ class DrainReport:
     moved: dict[str, int] = field(default_factory=dict)
     #: Requests left to finish where they were (not movable).
     waited: int = 0
-    #: KV bytes moved from the drained decoder to others (0 while moves replay).
+    #: KV bytes the drained decoder pushed to others over the drain (its ``vllm:pd_kv_sent_bytes_total``).
     kv_bytes_moved: int = 0
     #: What the instance's ``/metrics`` reported last (None: not read or not answered).
     held: dict[str, float] | None = None
@@ -126,6 +139,10 @@ class Drains:
         #: Per decoder: its attempts whose stream is relayed through a tracker (weakly held).
         self._streams: dict[BackendState, weakref.WeakKeyDictionary[Attempt, _Stream]] = {}
         self._running: dict[tuple[str, str, int], asyncio.Task[DrainReport]] = {}
+        #: Per draining decoder: its cut streams whose next leg has not opened (or failed) yet.
+        self._pending: dict[BackendState, weakref.WeakSet[Attempt]] = {}
+        #: Per draining decoder: its streams moved so far, by :class:`MoveMode` value.
+        self._tally: dict[BackendState, dict[str, int]] = {}
         reg = router.metrics.registry
         self.drains = Counter(
             "pd_router_drains",
@@ -135,7 +152,8 @@ class Drains:
         )
         self.moves = Counter(
             "pd_router_drain_moves",
-            "Streams moved off a draining decoder, by how (replay: P prefilled the tokens again)",
+            "Streams moved off a draining decoder, by how (kv: with their KV; replay: P prefilled the tokens "
+            "again; failed: not continued)",
             ["mode"],
             registry=reg,
         )
@@ -175,10 +193,48 @@ class Drains:
         error = RouterError(503, f"{name} is draining; the stream moves to another decoder", DECODE_FAILED)
         attempt.late_p_failure = Failure(attempt.d, FailureKind.DRAIN, error, True, detail="drain")
         exchange.progress.moves.append(("drain", time.time()))
-        self.moves.labels(MoveMode.REPLAY.value).inc()
-        logger.info("rid=%s room=%s moving off draining %s (replay)", attempt.call.rid, attempt.room, name)
+        pending = self._pending.get(attempt.d)
+        if pending is None:
+            pending = self._pending[attempt.d] = weakref.WeakSet()
+        pending.add(attempt)
+        mode = MoveMode.KV if attempt.migrate_room is not None and attempt.d.backend.movable else MoveMode.REPLAY
+        logger.info(
+            "rid=%s room=%s moving off draining %s (%s%s)",
+            attempt.call.rid,
+            attempt.room,
+            name,
+            mode.value,
+            f", migrate room {attempt.migrate_room}" if mode is MoveMode.KV else "",
+        )
         opened.response.close()  # the relay reads what was buffered, then resumes it elsewhere
         return True
+
+    def settled(self, attempt: Attempt, mode: MoveMode | None, room: int) -> None:
+        """``attempt``'s cut stream went on by ``mode`` (None: nothing was left to move), its new leg
+        with ``room``; called once per cut stream by :mod:`proxy.resume` (later calls are no-ops)."""
+        pending = self._pending.get(attempt.d)
+        if pending is None or attempt not in pending:
+            return
+        pending.discard(attempt)
+        if mode is None:
+            return
+        tally = self._tally.setdefault(attempt.d, {})
+        tally[mode.value] = tally.get(mode.value, 0) + 1
+        self.moves.labels(mode.value).inc()
+        log = logger.warning if mode is MoveMode.FAILED else logger.info
+        log(
+            "rid=%s room=%s moved off draining %s by %s",
+            attempt.call.rid,
+            room,
+            attempt.d.backend.name,
+            mode.value,
+        )
+
+    def _unsettled(self, state: BackendState) -> bool:
+        """Whether a stream cut on ``state`` has not gone on yet (one that ended cleanly at the cut
+        needs nothing)."""
+        pending = self._pending.get(state)
+        return pending is not None and any(a.state is not AttemptState.ANSWERED for a in pending)
 
     # -- the admin call ------------------------------------------------------------------------
 
@@ -201,9 +257,11 @@ class Drains:
         if not state.draining:
             self.router.pool.remove(state)
         logger.info("%s draining (%d in flight, %.0f s at most)", backend.name, state.in_flight, timeout)
+        sent_before = await self._sent_bytes(state, deadline) if backend.movable else None
         moved: set[int] = set()
         stuck: set[int] = set()
-        while state.in_flight > 0 and time.monotonic() < deadline:
+        self._tally[state] = {}
+        while (state.in_flight > 0 or self._unsettled(state)) and time.monotonic() < deadline:
             if backend.role == "decode":
                 for attempt, stream in list(self._streams.get(state, {}).items()):
                     if id(attempt) in moved:
@@ -214,15 +272,18 @@ class Drains:
                     elif attempt.state is AttemptState.STREAMING:
                         stuck.add(id(attempt))
             await asyncio.sleep(POLL_S)
-        report.moved = {MoveMode.REPLAY.value: len(moved)} if moved else {}
+        report.moved = dict(self._tally.pop(state, {}))
         report.waited = len(stuck)
-        if state.in_flight > 0:
+        if state.in_flight > 0 or self._unsettled(state):
             report.outcome = DrainOutcome.TIMEOUT
         else:
             report.held = await self._wait_empty(state, deadline)
             if report.held and any(v > 0 for v in report.held.values()):
                 report.outcome = DrainOutcome.TIMEOUT
+            if sent_before is not None and (sent_after := await self._sent_bytes(state, deadline)) is not None:
+                report.kv_bytes_moved = max(0, int(sent_after - sent_before))
         self._streams.pop(state, None)
+        self._pending.pop(state, None)
         report.seconds = time.monotonic() - start
         self.drains.labels(backend.role, report.outcome.value).inc()
         if report.outcome is DrainOutcome.DRAINED:
@@ -239,18 +300,30 @@ class Drains:
         )
         return report
 
+    async def _metrics(self, state: BackendState, deadline: float) -> str | None:
+        """The instance's ``/metrics`` text (None: not answered)."""
+        config = self.router.config
+        headers = {"Authorization": config.backend_authorization} if config.backend_authorization else None
+        left = deadline - time.monotonic()
+        reply = await fetch(self.router.http, state, "GET", "/metrics", max(0.5, min(5.0, left)), None, headers)
+        if isinstance(reply, Failure) or reply.status != 200:
+            return None
+        return reply.body.decode("utf-8", "replace")
+
+    async def _sent_bytes(self, state: BackendState, deadline: float) -> float | None:
+        """The KV bytes the instance has pushed so far (None: no such metric, or no answer)."""
+        text = await self._metrics(state, deadline)
+        return None if text is None else held_counts(text, (SENT_BYTES,)).get(SENT_BYTES)
+
     async def _wait_empty(self, state: BackendState, deadline: float) -> dict[str, float] | None:
         """Read the instance's ``/metrics`` until it holds nothing (or the deadline); its last
         counts, None when it has no such metrics (not vLLM, or not answering)."""
-        config = self.router.config
-        headers = {"Authorization": config.backend_authorization} if config.backend_authorization else None
         names = HELD_METRICS[state.backend.role]
         while True:
-            left = deadline - time.monotonic()
-            reply = await fetch(self.router.http, state, "GET", "/metrics", max(0.5, min(5.0, left)), None, headers)
-            if isinstance(reply, Failure) or reply.status != 200:
+            text = await self._metrics(state, deadline)
+            if text is None:
                 return None
-            held = held_counts(reply.body.decode("utf-8", "replace"), names)
+            held = held_counts(text, names)
             if not held:
                 return None
             if not any(v > 0 for v in held.values()) or time.monotonic() + METRICS_POLL_S > deadline:

@@ -222,15 +222,23 @@ def prefill_body(body: dict[str, Any], room: int) -> dict[str, Any]:
 
 
 def decode_body(
-    body: dict[str, Any], room: int, prefiller: Backend, prefilled_tokens: int | None = None
+    body: dict[str, Any],
+    room: int,
+    prefiller: Backend,
+    prefilled_tokens: int | None = None,
+    migrate_room: int | None = None,
 ) -> dict[str, Any]:
     """Body for D: the client's request, plus where to get the KV cache from (``prefiller``).
 
     ``prefilled_tokens``: P holds the KV of only the prompt's first that many tokens (the
-    first-token path's continuation); None: of the whole prompt.
+    first-token path's continuation, a stream moved with its KV); None: of the whole prompt.
+    ``prefiller`` may be a drained decoder (:mod:`proxy.kv_move`): its own bootstrap server, DP rank
+    0. ``migrate_room``: D is movable by KV; if the request is aborted there, D holds its KV as this
+    room for a while (a drain's move loads it from there).
     """
     out = dict(body)  # shallow: only top-level keys are replaced
     out.pop(ROOM_KEY, None)
     host, port = prefiller.bootstrap_address
-    out[KV_KEY] = DecodeParams(room, host, port, prefiller.dp_rank, prefilled_tokens).to_json()
+    rank = prefiller.dp_rank if prefiller.role == "prefill" else 0
+    out[KV_KEY] = DecodeParams(room, host, port, rank, prefilled_tokens, migrate_room).to_json()
     return out

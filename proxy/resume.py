@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from proxy.attempt import Attempt, Opened
+from proxy.drain import MoveMode
 from proxy.errors import DECODE_FAILED, RouterError
 from proxy.failure_policy import Tried, decide, resume_refusal, settle
+from proxy.kv_move import kv_leg, kv_movable
 from proxy.payloads import new_room
 from proxy.resume_body import StreamTracker, resume_call
 from proxy.routing import RouteRequest
@@ -45,10 +47,10 @@ def mid_stream_error(attempt: Attempt, event: str) -> Failure:
     return Failure(attempt.d, FailureKind.ERROR_EVENT, RouterError(502, message, DECODE_FAILED), True)
 
 
-def _mark(ex: Exchange, phase: str) -> None:
+def _mark(ex: Exchange, phase: str, at: float | None = None) -> None:
     """A ``d_cut``/``resumed`` mark in the request's phase trace (numbered after the first)."""
     n = ex.progress.resumes
-    ex.progress.moves.append((phase if n <= 1 else f"{phase}_{n}", time.time()))
+    ex.progress.moves.append((phase if n <= 1 else f"{phase}_{n}", time.time() if at is None else at))
 
 
 async def resume_stream(
@@ -56,11 +58,25 @@ async def resume_stream(
 ) -> bool:
     """Continue the client's ``response`` after ``attempt`` failed with ``failure`` mid-stream; True
     when the stream was taken over (it is then complete, or ended by a later leg), False when it was
-    not resumed (the caller ends it with the error event, as without resume)."""
+    not resumed (the caller ends it with the error event, as without resume). A drain's cut
+    (``FailureKind.DRAIN``) tells the drain how the stream moved (:meth:`proxy.drain.Drains.settled`)."""
+    if failure.kind is not FailureKind.DRAIN:
+        return await _resume(ex, attempt, failure, response, tracker)
+    try:
+        return await _resume(ex, attempt, failure, response, tracker)
+    finally:
+        ex.router.drains.settled(attempt, MoveMode.FAILED, ex.progress.room)  # no-op once settled
+
+
+async def _resume(
+    ex: Exchange, attempt: Attempt, failure: Failure, response: web.StreamResponse, tracker: StreamTracker
+) -> bool:
     router = ex.router
     config = router.config
     cut_at = time.monotonic()
     if tracker.finished:
+        if failure.kind is FailureKind.DRAIN:
+            router.drains.settled(attempt, None, ex.progress.room)  # nothing left to move
         # The answer's finish reason went out: only usage and [DONE] are missing.
         attempt.close()
         router.metrics.backend_error(ex.endpoint, failure.state.backend, failure.kind.value)
@@ -85,8 +101,16 @@ async def resume_stream(
     tried.d.add(attempt.d)
     if decide(failure, attempt).avoid_p:
         tried.p.add(attempt.p)
-    replayed = call.replayed - attempt.call.replayed
     cut_from = attempt.d.backend.name
+    if kv_movable(failure, attempt):  # a drained decoder holds the KV: move it (proxy.kv_move)
+        cut_wall = time.time()
+        leg = await kv_leg(ex, attempt, call, tried)
+        if leg is not None:
+            ex.progress.resumes += 1
+            _mark(ex, "d_cut", cut_wall)
+            new, outcome = leg
+            await _relay_leg(ex, attempt, failure, new, outcome, response, tracker, cut_at, MoveMode.KV)
+            return True
     while ex.progress.resumes < config.resume_attempts:
         ex.progress.resumes += 1
         _mark(ex, "d_cut")
@@ -103,30 +127,7 @@ async def resume_stream(
         ex.progress.attempt = new = Attempt(router, call, p, d, room, remaining)
         outcome = await new.run()
         if isinstance(outcome, Opened):
-            settle(router, ex.endpoint, failure, Tried(), attempt)  # the cut counted (unhealthy if unreachable)
-            seconds = time.monotonic() - cut_at
-            router.metrics.resumed(ex.endpoint, failure.kind.value, replayed, seconds)
-            _mark(ex, "resumed")
-            if not ex.progress.decoders:
-                ex.progress.decoders.append(attempt.d.backend.address)
-            ex.progress.decoders.append(d.backend.address)
-            logger.warning(
-                "rid=%s room=%s stream cut on %s (%s) after %d token(s); resumed on %s + %s in %.1f ms "
-                "(%d token(s) prefilled again, max_tokens %s; resumed leg %d/%d)",
-                ex.rid,
-                room,
-                cut_from,
-                failure.kind.value,
-                tracker.sent_tokens,
-                p.backend.name,
-                d.backend.name,
-                seconds * 1000,
-                call.replayed,
-                call.body.get("max_tokens"),
-                ex.progress.resumes,
-                config.resume_attempts,
-            )
-            await ex.relay(new, outcome, response, tracker=StreamTracker(call, identity=tracker.identity))
+            await _relay_leg(ex, attempt, failure, new, outcome, response, tracker, cut_at, MoveMode.REPLAY)
             return True
         new.close()
         if not isinstance(outcome, Failure):  # a streamed request is always Opened
@@ -144,3 +145,48 @@ async def resume_stream(
             break
     logger.error("rid=%s stream cut on %s, not resumed: every resumed leg failed", ex.rid, cut_from)
     return False
+
+
+async def _relay_leg(
+    ex: Exchange,
+    attempt: Attempt,
+    failure: Failure,
+    new: Attempt,
+    outcome: Opened,
+    response: web.StreamResponse,
+    tracker: StreamTracker,
+    cut_at: float,
+    mode: MoveMode,
+) -> None:
+    """The resumed leg ``new`` opened (by ``mode``): count it, log it, relay it to the client."""
+    router = ex.router
+    call = new.call
+    settle(router, ex.endpoint, failure, Tried(), attempt)  # the cut counted (unhealthy if unreachable)
+    seconds = time.monotonic() - cut_at
+    # Tokens prefilled again: none when the KV moved (the target loaded it from the drained decoder).
+    replayed = 0 if mode is MoveMode.KV else call.replayed - attempt.call.replayed
+    router.metrics.resumed(ex.endpoint, failure.kind.value, replayed, seconds)
+    _mark(ex, "resumed")
+    if not ex.progress.decoders:
+        ex.progress.decoders.append(attempt.d.backend.address)
+    ex.progress.decoders.append(new.d.backend.address)
+    if failure.kind is FailureKind.DRAIN:
+        router.drains.settled(attempt, mode, new.room)
+    logger.warning(
+        "rid=%s room=%s stream cut on %s (%s) after %d token(s); resumed on %s + %s in %.1f ms by %s "
+        "(%d token(s) prefilled again, max_tokens %s; resumed leg %d/%d)",
+        ex.rid,
+        new.room,
+        attempt.d.backend.name,
+        failure.kind.value,
+        tracker.sent_tokens,
+        new.p.backend.name,
+        new.d.backend.name,
+        seconds * 1000,
+        mode.value,
+        replayed,
+        call.body.get("max_tokens"),
+        ex.progress.resumes,
+        router.config.resume_attempts,
+    )
+    await ex.relay(new, outcome, response, tracker=StreamTracker(call, identity=tracker.identity))

@@ -68,7 +68,9 @@ class Backend:
     """One vLLM instance behind the Router.
 
     ``bootstrap_port`` is the port of the prefill deployment's bootstrap server, which the
-    decode side contacts to find P's ranks; it is ``None`` for decoders. The server runs in the
+    decode side contacts to find P's ranks. A decoder has one only when it serves pushes of its own
+    KV (the connector's ``migration``): it is then *movable by KV* (:attr:`movable`: a drain moves
+    its streams with their KV, :mod:`proxy.kv_move`); ``None`` otherwise. The server runs in the
     deployment's DP-rank-0 leader: ``bootstrap_host`` names that host when it is not this
     instance's (a DP rank on another node), ``None`` meaning ``host``. ``dp_rank`` is this
     instance's DP rank within its deployment, sent to D as ``prefill_dp_rank``; ``None`` (the
@@ -87,6 +89,11 @@ class Backend:
     def bootstrap_address(self) -> tuple[str, int | None]:
         """(host, port) of the bootstrap server D contacts for this prefiller's KV."""
         return (self.bootstrap_host or self.host, self.bootstrap_port)
+
+    @property
+    def movable(self) -> bool:
+        """A decoder whose streams a drain moves with their KV (its bootstrap port is known)."""
+        return self.role == "decode" and self.bootstrap_port is not None
 
     def url(self, tls: bool = False) -> str:
         """``http://host:port`` of the instance's OpenAI-compatible server; ``https://`` with
@@ -179,7 +186,9 @@ class RouterConfig:
     def describe(self) -> str:
         """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800); D: h:8002``."""
         prefill = ", ".join(_describe_prefiller(b) for b in self.prefillers)
-        decode = ", ".join(b.address for b in self.decoders)
+        decode = ", ".join(
+            f"{b.address} (bootstrap {b.bootstrap_port})" if b.movable else b.address for b in self.decoders
+        )
         return f"P: {prefill}; D: {decode}; routing: {self.routing}"
 
 

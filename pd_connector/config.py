@@ -109,6 +109,11 @@ class DisaggConfig:
     host_pool_blocks: int = 0
     d2rh_zmq_port: int = D2RH_ZMQ_PORT
     d2rh_scheduler_ready_port: int = D2RH_SCHEDULER_READY_PORT
+    # D: a request aborted while it carries a migrate_room (kv_params) keeps its KV as that room for
+    # migrate_hold_s, for another decoder to load (a Router drain moving it; pd_connector.migration). D's ranks
+    # then also push KV (a PrefillSide) and its leader hosts a bootstrap server at bootstrap_port.
+    migration: bool = False
+    migrate_hold_s: float = 10.0
 
     @property
     def is_prefill(self) -> bool:
@@ -117,6 +122,11 @@ class DisaggConfig:
     @property
     def is_decode(self) -> bool:
         return self.mode == DECODE
+
+    @property
+    def pushes_kv(self) -> bool:
+        """This instance's ranks push KV to decode ranks: P, and D with ``migration`` (its held rooms)."""
+        return self.is_prefill or self.migration
 
 
 _FIELD_TYPES: dict[str, type] = {
@@ -153,6 +163,8 @@ _FIELD_TYPES: dict[str, type] = {
     "host_pool_blocks": int,
     "d2rh_zmq_port": int,
     "d2rh_scheduler_ready_port": int,
+    "migration": bool,
+    "migrate_hold_s": float,
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(DisaggConfig)} - {"mode", "backend_options"}
 
@@ -229,6 +241,7 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
             )
     cfg = DisaggConfig(mode=mode, **values)
     _validate(cfg)
+    _validate_migration(cfg, explicit_port="bootstrap_port" in values)
     try:
         token_of(cfg)
     except AuthError as exc:
@@ -279,7 +292,8 @@ def _validate(cfg: DisaggConfig) -> None:
         raise ConfigError(
             f"kv_connector_extra_config.bootstrap_host must be a host name or IP, got {cfg.bootstrap_host!r}"
         )
-    for key in ("room_timeout_s", "kv_wait_timeout_s", "peer_timeout_s", "register_interval_s", "http_timeout_s"):
+    timeouts = ("room_timeout_s", "kv_wait_timeout_s", "peer_timeout_s", "register_interval_s", "http_timeout_s")
+    for key in (*timeouts, "migrate_hold_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"kv_connector_extra_config.{key} must be > 0, got {getattr(cfg, key)}")
     if not 0.5 <= cfg.peer_timeout_s <= 3600:  # shorter: a scheduling hiccup would count as a dead peer
@@ -315,6 +329,24 @@ def _validate(cfg: DisaggConfig) -> None:
         raise ConfigError(
             f"kv_connector_extra_config.max_batch_entries must be in 1..{limit} (the {cfg.backend!r} backend's "
             f"largest batch), got {cfg.max_batch_entries}"
+        )
+
+
+def _validate_migration(cfg: DisaggConfig, explicit_port: bool) -> None:
+    """``migration`` is D's (kv_consumer), not with D2RH, and needs D's own bootstrap_port named."""
+    if not cfg.migration:
+        return
+    if cfg.is_prefill:
+        raise ConfigError(
+            "kv_connector_extra_config.migration is a decode (kv_role kv_consumer) option: it lets a decoder's "
+            "aborted requests keep their KV for another decoder; this instance is kv_producer"
+        )
+    if cfg.d2rh:
+        raise ConfigError("kv_connector_extra_config.migration with d2rh is not supported")
+    if not explicit_port:
+        raise ConfigError(
+            "kv_connector_extra_config.migration needs bootstrap_port set: the decoder serves its own bootstrap "
+            "server there (another port than the prefill's on the same host)"
         )
 
 

@@ -13,7 +13,8 @@ from pd_connector.layer_chunks import LayerChunk
 
 @dataclass(frozen=True)
 class SendJob:
-    """P: request `req_id` (room) finished prefill; its KV sits in `block_ids`."""
+    """P: request `req_id` (room) finished prefill; its KV sits in `block_ids`. D with migration: an aborted
+    request's KV held as its migrate room (pd_connector.migration)."""
 
     req_id: str
     room: int
@@ -27,6 +28,12 @@ class SendJob:
     samples: int = 1
     # Hybrid KV cache manager (pd_connector.kv_groups): every group's block table (block_ids is group 0); empty: one group.
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # How long the room waits for a decode to ask (None: room_timeout_s); D's migrate rooms: migrate_hold_s.
+    hold_s: float | None = None
+
+    def hold_seconds(self, default: float) -> float:
+        """How long this room's KV is held unclaimed: its own ``hold_s``, else ``default`` (room_timeout_s)."""
+        return self.hold_s if self.hold_s is not None else default
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from pd_connector.kv_params import (
 from pd_connector.layer_chunks import ChunkPlanner
 from pd_connector.metadata import HostLoad, PDConnectorMetadata, RecvJob, SendJob
 from pd_connector.metaserver import DecodeFirst
+from pd_connector.migration import MigrationHolds
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -100,6 +101,8 @@ class PDScheduler:
         self._d_first = DecodeFirst(cfg) if cfg.is_decode else None
         # D, D2RH mode: KV staged in the host pool first (pd_connector.d2rh; set by the connector).
         self.d2rh: D2RHScheduler | None = None
+        # D with migration: aborted requests' KV held as their migrate rooms (pd_connector.migration).
+        self._migration = MigrationHolds(cfg, block_size) if cfg.is_decode and cfg.migration else None
 
     def _params(self, request: Request) -> PrefillParams | DecodeParams | None:
         rid = request.request_id
@@ -248,7 +251,13 @@ class PDScheduler:
     def request_finished(
         self, request: Request, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """``block_ids``: the request's blocks (one group), or one list per KV cache group (hybrid)."""
+        """``block_ids``: the request's blocks (one group), or one list per KV cache group (hybrid).
+
+        vLLM (0.32 and 0.23 alike) calls this for every finished request on both roles, ABORTED ones on a
+        kv_consumer included; (True, ...) keeps the blocks until a worker reports the request in
+        finished_sending. D with migration holds an aborted request's KV here: ``request.num_computed_tokens``
+        is then prompt + generated - 1 (plus a step still in flight with async scheduling; pd_connector.migration).
+        """
         groups = [list(g) for g in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
         rid = request.request_id
         params = self._parsed.pop(rid) if rid in self._parsed else _params_of(request)
@@ -256,6 +265,8 @@ class PDScheduler:
             self._chunks.forget(rid)
         if self.d2rh is not None:
             self.d2rh.finished(rid)
+        # D: KV not (yet) in the request's blocks: never asked for, loading, or landed but not run since.
+        kv_pending = rid not in self._recv_planned or rid in self._awaiting_kv or rid in self._kv_ready
         if self.cfg.is_decode and isinstance(params, DecodeParams) and rid not in self._recv_planned:
             self._abandon(rid, params)  # aborted while it queued: P may hold the room for it
         self._local_hits.pop(rid, None)
@@ -267,6 +278,9 @@ class PDScheduler:
         bypass = reason_for(self.cfg.is_prefill, getattr(request, "kv_transfer_params", None), params)
         if bypass is not None:
             self.bypassed.record(rid, bypass)
+        if self._migration is not None and (held := self._migration.hold(request, params, groups, kv_pending)):
+            self._sends.append(held)  # vLLM keeps the blocks until the worker reports it in finished_sending
+            return True, None
         if not self.cfg.is_prefill or not isinstance(params, PrefillParams):
             return False, None
         from vllm.v1.request import RequestStatus
@@ -307,6 +321,8 @@ class PDScheduler:
             self.d2rh.worker_output(getattr(output, "kv_connector_worker_meta", None))
         for rid in output.finished_sending or ():
             self._holding.discard(rid)
+            if self._migration is not None:
+                self._migration.released(rid)
             room = self._room_of.pop(rid, None)
             if room is not None and self._live_rooms.get(room) == rid:
                 del self._live_rooms[room]
@@ -316,7 +332,7 @@ class PDScheduler:
                 self._kv_ready.add(rid)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._holding or self._sends)
+        return bool(self._holding or self._sends) or (self._migration is not None and self._migration.holding())
 
     # -------------------------------------------------------------------- both
 

@@ -3,7 +3,8 @@
 It owns this rank's transfer backend (``transfer.registry``, Mooncake by default) and
 KVTransferManager (ZMQ), registers P ranks with
 the bootstrap server (the leader, dp 0 / tp 0, also hosts that server) and
-turns each step's metadata into transfer work.
+turns each step's metadata into transfer work. A D with ``migration`` pushes KV too (its aborted
+requests' migrate rooms, pd_connector.migration): its ranks join a bootstrap server of their own as P's do.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class PDWorker:
             self.d2rh = D2RHWorker(host, self.manager.stats, self.manager.pool.submit, device)
         if self.cfg.is_prefill and self.cfg.transfer_mode == "layer":
             self.layers = enable_layer_push(self.manager.prefill, spec, reshuffle is not None, kv_caches, num_blocks)
-        if self.cfg.is_prefill:
+        if self.cfg.pushes_kv:  # P, and D with migration (at D's own bootstrap_port)
             self._join_prefill_deployment(spec)
 
     def _num_blocks(self, kv_caches: dict[str, Any]) -> int:

@@ -3,7 +3,8 @@
 It wires the pieces together: the ZMQ ``Channel`` (sockets and listener), the ``TaskPool``
 (backend writes, handshakes), the ``Outbox`` (finished requests for vLLM), ``TransferStats``,
 and the side this rank plays: ``PrefillSide`` (rooms and pushes) on P, ``DecodeSide`` (loads)
-on D. The transfer backend is the caller's: it opens it, registers the KV memory and closes it
+on D; a D with ``migration`` has both (its aborted requests' KV is held as rooms other decoders load:
+pd_connector.migration). The transfer backend is the caller's: it opens it, registers the KV memory and closes it
 after ``close()``.
 """
 
@@ -71,7 +72,7 @@ class KVTransferManager:
         ctx = dataclasses.replace(ctx, reshuffle=reshuffle, device=device)
         if reshuffle is not None:
             reshuffle.device = device
-        self.prefill = PrefillSide(ctx, backend) if cfg.is_prefill else None
+        self.prefill = PrefillSide(ctx, backend) if cfg.pushes_kv else None
         self.decode = DecodeSide(ctx, backend.descriptor, self.peer_id, self.endpoint) if cfg.is_decode else None
         self.channel.start()
         logger.info("KV transfer manager (%s) listening on %s, peer %s", cfg.mode, self.endpoint, self.peer_id)
@@ -81,9 +82,10 @@ class KVTransferManager:
     # ------------------------------------------------------------ public API
 
     def add_sends(self, jobs: Sequence[SendJob]) -> None:
-        """P, on the forward's thread (start_load_kv): these rooms finished prefill; send each as soon as
-        its D ranks ask, once the device ran the forward that wrote their KV (a marker recorded now
-        on the forward's stream follows every forward queued before it, that prefill's included)."""
+        """P (and D with migration: an aborted request's KV), on the forward's thread (start_load_kv): these
+        rooms finished prefill; send each as soon as its D ranks ask, once the device ran the forward that
+        wrote their KV (a marker recorded now on the forward's stream follows every forward queued before it,
+        that prefill's included)."""
         prefill = self._prefill("add_sends")
         prefill.add_sends(jobs, self.device.record() if jobs else None)
 
@@ -129,7 +131,7 @@ class KVTransferManager:
 
     def _prefill(self, what: str) -> PrefillSide:
         if self.prefill is None:
-            raise RuntimeError(f"{what} on a {self.cfg.mode} rank: only prefill ranks send KV")
+            raise RuntimeError(f"{what} on a {self.cfg.mode} rank: only prefill ranks (and migration decode) send KV")
         return self.prefill
 
     def _decode(self, what: str) -> DecodeSide:

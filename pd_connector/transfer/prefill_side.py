@@ -4,7 +4,7 @@ A room becomes sendable when both halves are here, in either order: the schedule
 (prefill done, KV queued into these blocks) and D's `TransferRequest` (write into those blocks). The
 write (``room_push``) runs on the task pool (its threads bound to the rank's device) once the device
 marker recorded with the `SendJob` completed (``device_sync``: the forward's KV is in memory), then `TransferDone` goes to D and the request goes to the outbox
-so vLLM frees P's blocks. A room nobody asks for is freed after room_timeout_s.
+so vLLM frees P's blocks. A room nobody asks for is freed after room_timeout_s (its job's hold_s if set).
 
 Every room's life is here: the table, the lock, every ``states.RoomState`` move (the states and the
 ``Room`` record: ``rooms``), and the claims of both modes: a request-mode push (``room_push``) or a
@@ -76,7 +76,7 @@ class PrefillSide:
         rooms waits for it before the first byte moves (None: the KV is in memory already, CPU)."""
         now = time.monotonic()
         for job in jobs:
-            ready = Room(job.room, RoomState.READY, job, now + self._cfg.room_timeout_s)
+            ready = Room(job.room, RoomState.READY, job, now + job.hold_seconds(self._cfg.room_timeout_s))
             with self._lock:
                 old = self._rooms.get(job.room)
                 if old is not None and old.state is not RoomState.AWAITING_PREFILL:
@@ -431,7 +431,7 @@ class PrefillSide:
                             "room=%d req=%s: no decode asked for this KV within %g s; freeing its blocks",
                             room.room,
                             room.job.req_id,
-                            self._cfg.room_timeout_s,
+                            room.job.hold_seconds(self._cfg.room_timeout_s),
                         )
                     self._finish_if_served(room)
                 elif room.state is RoomState.AWAITING_PREFILL:

@@ -20,6 +20,11 @@ long options below, with underscores). Modes:
 ``--stream-delay`` holds a stream's first chunk back after its headers were sent (vLLM sends
 the headers of a stream at once and its first chunk once D has the KV and a token).
 ``--done-linger`` keeps a stream open that long after its ``data: [DONE]`` event.
+Spec keys only: ``metrics`` serves ``GET /metrics`` like a PDConnector decoder (requests running,
+KV rooms held 0, ``vllm:pd_kv_sent_bytes_total``: a stream aborted while its kv_transfer_params
+named a ``migrate_room`` counts KV_BYTES_PER_TOKEN per prompt and sent token, as a drained decoder
+pushing it); ``fail_bootstrap_port`` answers HTTP 500 to a request whose KV comes from that
+bootstrap port (a failed KV load).
 
 Every generation request is recorded; ``GET /stats`` returns the counts of started,
 completed and disconnected requests and the records (path, X-Request-Id, Authorization,
@@ -51,6 +56,8 @@ GENERATED_ID_BASE = 1000
 #: A text prompt holding this gets a token 1 without text (the first bytes of a character): P's
 #: ``return_token_ids`` answer has text "", and a stream for that prompt starts with an empty chunk.
 PARTIAL_MARK = "[partial]"
+#: ``metrics``: KV bytes "pushed" per token of an aborted request with a migrate room.
+KV_BYTES_PER_TOKEN = 1024
 
 
 def prompt_ids(prompt: Any) -> list[int]:
@@ -123,10 +130,13 @@ def build_app(
     chunk_interval: float,
     stream_delay: float = 0.0,
     done_linger: float = 0.0,
+    metrics: bool = False,
+    fail_bootstrap_port: int | None = None,
 ) -> FastAPI:
     """The fake server for one behaviour ``mode``."""
     app = FastAPI()
     records: list[dict[str, Any]] = []
+    sent_bytes = [0]
 
     async def sleep_or_disconnect(request: Request, seconds: float | None) -> bool:
         """Sleep (forever when ``seconds`` is None); return True early if the client went away."""
@@ -163,6 +173,11 @@ def build_app(
             message = f"block size mismatch: the prefill deployment uses --block-size 32, fake {port} 64"
             error = {"message": message, "type": "kv_transfer_incompatible", "param": "kv_transfer_params", "code": 409}
             return JSONResponse({"error": error}, status_code=409)
+
+        if fail_bootstrap_port is not None and isinstance(kv, dict) and kv.get("bootstrap_port") == fail_bootstrap_port:
+            record["state"] = "completed"
+            error = {"message": f"fake backend {port}: KV load failed", "type": "InternalServerError", "code": 500}
+            return JSONResponse({"error": error, "object": "error"}, status_code=500)
 
         if mode in ("fail500", "fail400"):
             if await sleep_or_disconnect(request, delay):
@@ -216,6 +231,7 @@ def build_app(
 
         async def events() -> AsyncIterator[bytes]:
             finished = False
+            sent = 0
             try:
                 # Like vLLM: the status line and headers go out at once, data once tokens exist.
                 if stream_delay and await sleep_or_disconnect(request, stream_delay):
@@ -228,6 +244,7 @@ def build_app(
                         gen = GENERATED_ID_BASE + int(token[3:]) if token.startswith("tok") else GENERATED_ID_BASE
                         ids = {"prompt_token_ids": prompt if index == 0 else None, "token_ids": [gen]}
                     yield _chunk(path, rid, index, token, kv, port, ids)
+                    sent += 1
                 if mode == "die_mid_stream":
                     record["state"] = "died"
                     raise RuntimeError("fake backend dies mid-stream on purpose")
@@ -240,6 +257,8 @@ def build_app(
                 if done_linger:
                     await sleep_or_disconnect(request, done_linger)
             finally:
+                if not finished and isinstance(kv, dict) and kv.get("migrate_room") is not None:
+                    sent_bytes[0] += KV_BYTES_PER_TOKEN * (len(prompt_ids(body.get("prompt"))) + sent)
                 if record["state"] != "died":
                     record["state"] = "completed" if finished else "disconnected"
 
@@ -261,6 +280,17 @@ def build_app(
     async def health() -> Response:
         return Response(status_code=200)
 
+    if metrics:
+
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            running = sum(1 for r in records if r["state"] == "started")
+            text = (
+                f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\nvllm:pd_kv_rooms_held 0\n"
+                f"# TYPE vllm:pd_kv_sent_bytes counter\nvllm:pd_kv_sent_bytes_total {sent_bytes[0]}\n"
+            )
+            return Response(text, media_type="text/plain")
+
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         counts = {state: sum(1 for r in records if r["state"] == state) for state in ("completed", "disconnected")}
@@ -269,7 +299,17 @@ def build_app(
     return app
 
 
-SPEC_KEYS = {"port", "mode", "delay", "chunks", "chunk_interval", "stream_delay", "done_linger"}
+SPEC_KEYS = {
+    "port",
+    "mode",
+    "delay",
+    "chunks",
+    "chunk_interval",
+    "stream_delay",
+    "done_linger",
+    "metrics",
+    "fail_bootstrap_port",
+}
 #: Optional spec keys: serve HTTPS with this certificate and key.
 TLS_KEYS = {"ssl_certfile", "ssl_keyfile"}
 
@@ -289,6 +329,8 @@ async def serve(specs: list[dict[str, Any]], host: str) -> None:
             spec.get("chunk_interval", 0.2),
             spec.get("stream_delay", 0.0),
             spec.get("done_linger", 0.0),
+            spec.get("metrics", False),
+            spec.get("fail_bootstrap_port"),
         )
         tls = {k: spec[k] for k in TLS_KEYS if k in spec}
         config = uvicorn.Config(app, host=host, port=spec["port"], log_level="warning", access_log=False, **tls)

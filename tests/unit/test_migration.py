@@ -7,6 +7,7 @@ in-process backend)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +27,8 @@ from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.states import RoomState
 from tests.support.fake_scheduler import BS, D_PARAMS, FakeBlocks, FakeRequest, meta
 from tests.support.loopback import HOST, wait_for
+from tests.support.real_scheduler import BLOCK, PROMPT, make_scheduler, request, step
+from tests.support.real_scheduler import NUM_BLOCKS as SCHED_BLOCKS
 from tests.support.transfer_rig import (
     BLOCK_SIZE,
     BOTH_BACKENDS,
@@ -274,3 +277,33 @@ def test_unclaimed_migrate_room_expires_after_migrate_hold_s(rig: Rig, pd_logs: 
     wait_for(src.idle, timeout=5, what="the expired room to leave the table")
     sched.update_connector_output(KVConnectorOutput(finished_sending={"src-3"}))
     assert not sched.has_pending_push_work()
+
+
+# ------------------------------------------------------------------ inside vLLM's real scheduler
+
+
+def test_real_scheduler_keeps_an_aborted_requests_blocks_until_finished_sending(tiny_model: Path) -> None:
+    """vLLM (either line) calls request_finished for a kv_consumer's ABORTED request and keeps its blocks
+    while PDConnector holds them; num_computed_tokens is prompt + generated - 1 there."""
+    sched = make_scheduler(tiny_model, "kv_consumer", migration=True, migrate_hold_s=2.0, bootstrap_port=18900)
+    params = DecodeParams(99, "127.0.0.1", 18800, 0, migrate_room=MIGRATE).to_json()
+    sched.add_request(request("d-m", params, max_tokens=32))
+    step(sched)  # load asked for
+    step(sched, KVConnectorOutput(finished_recving={"d-m"}))
+    for _ in range(5):  # the last prompt token's step, then decode steps: 5 tokens sampled
+        step(sched)
+    req = sched.requests["d-m"]
+    generated = len(req.output_token_ids)
+    assert generated == 5 and req.num_computed_tokens == len(PROMPT) + generated - 1
+    sched.finish_requests("d-m", RequestStatus.FINISHED_ABORTED)  # the Router closed the stream
+    _, meta_, _ = step(sched)
+    (job,) = meta_.sends
+    assert (job.room, job.num_tokens, job.hold_s) == (MIGRATE, len(PROMPT) + 4, 2.0)
+    assert len(job.block_ids) == -(-job.num_tokens // BLOCK)
+    used = SCHED_BLOCKS - 1 - sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert used >= len(job.block_ids) and "d-m" in sched.requests
+    step(sched)
+    assert SCHED_BLOCKS - 1 - sched.kv_cache_manager.block_pool.get_num_free_blocks() == used  # still held
+    step(sched, KVConnectorOutput(finished_sending={"d-m"}))
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == SCHED_BLOCKS - 1 and "d-m" not in sched.requests
+    assert not sched.connector.has_pending_push_work()

@@ -16,6 +16,7 @@ import torch
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+import pd_connector.worker as worker_mod
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.config import ConfigError, parse_config
 from pd_connector.kv_params import MIGRATE_ROOM, DecodeParams, KVParamsError, parse_kv_params
@@ -25,18 +26,21 @@ from pd_connector.metadata import PDConnectorMetadata, SendJob
 from pd_connector.scheduler import PDScheduler
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.states import RoomState
+from pd_connector.worker import PDWorker
 from tests.support.fake_scheduler import BS, D_PARAMS, FakeBlocks, FakeRequest, meta
-from tests.support.loopback import HOST, wait_for
+from tests.support.loopback import HOST, free_port, wait_for
 from tests.support.real_scheduler import BLOCK, PROMPT, make_scheduler, request, step
 from tests.support.real_scheduler import NUM_BLOCKS as SCHED_BLOCKS
 from tests.support.transfer_rig import (
     BLOCK_SIZE,
     BOTH_BACKENDS,
     DTYPE,
+    HEADS,
     LAYERS,
     NUM_BLOCKS,
     Rig,
     Side,
+    make_kv,
     recv_job,
     snapshot,
 )
@@ -307,3 +311,30 @@ def test_real_scheduler_keeps_an_aborted_requests_blocks_until_finished_sending(
     step(sched, KVConnectorOutput(finished_sending={"d-m"}))
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == SCHED_BLOCKS - 1 and "d-m" not in sched.requests
     assert not sched.connector.has_pending_push_work()
+
+
+# ------------------------------------------------------------------ the worker
+
+
+def test_migration_decoder_worker_hosts_its_bootstrap_server_and_takes_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker_mod, "_tp_rank_and_size", lambda: (0, 1))
+    port = free_port()
+    extra = {"backend": "inproc", "local_ip": HOST, "migration": True, "bootstrap_port": port, "migrate_hold_s": 30}
+    cfg = parse_config("kv_consumer", extra)
+    model = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: HEADS, dtype="float16")
+    vllm_config = SimpleNamespace(
+        model_config=model,
+        cache_config=SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto", num_gpu_blocks=NUM_BLOCKS),
+        parallel_config=SimpleNamespace(data_parallel_index=0, data_parallel_rank=0, data_parallel_size=1),
+        observability_config=SimpleNamespace(otlp_traces_endpoint=None),
+    )
+    worker = PDWorker(cfg, vllm_config, None)  # type: ignore[arg-type]
+    try:
+        worker.register_kv_caches(make_kv())
+        assert worker.bootstrap is not None and worker.bootstrap.port == port
+        assert worker.bootstrap.state.is_ready  # this rank registered at D's own server
+        assert worker.manager is not None and worker.manager.prefill is not None and worker.manager.decode is not None
+        worker.start_step(PDConnectorMetadata(sends=[SendJob("d-1", MIGRATE, [1, 2], 20, hold_s=30.0)]))
+        assert worker.manager.prefill.rooms_held() == 1
+    finally:
+        worker.shutdown()

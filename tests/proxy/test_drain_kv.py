@@ -55,7 +55,7 @@ def fakes(proc_dir: Path) -> Iterator[dict[str, int]]:
     specs = [
         {"port": ports["p"], "mode": "ok"},
         {"port": ports["src"], "mode": "slow_stream", "chunks": 200, "chunk_interval": 0.1, "metrics": True},
-        {"port": ports["dst"], "mode": "slow_stream", "chunks": 20, "chunk_interval": 0.05},
+        {"port": ports["dst"], "mode": "slow_stream", "chunks": 20, "chunk_interval": 0.1},
         {
             "port": ports["dst_fail"],
             "mode": "slow_stream",
@@ -115,7 +115,9 @@ def _one_stream(client: _Client) -> None:
     assert payloads[-1]["usage"]["completion_tokens"] == 20
 
 
-def _drain_while_streaming(router: Router, fakes: dict[str, int], rid: str) -> tuple[_Client, dict[str, Any]]:
+def _drain_while_streaming(router: Router, fakes: dict[str, int], rid: str) -> tuple[_Client, dict[str, Any], bool]:
+    """Drain ``src`` while ``rid`` streams from it: the client (ended), the drain's result, and
+    whether the client's stream still ran when the drain answered."""
     client = _Client(router, rid)
     client.start()
     wait_state(fakes["src"], rid, "started")
@@ -124,10 +126,11 @@ def _drain_while_streaming(router: Router, fakes: dict[str, int], rid: str) -> t
     answer = httpx.post(
         f"{router.url}/instances/drain", json=payload, headers=admin_headers(router), timeout=60, trust_env=False
     )
+    streaming = client.is_alive()
     client.join(30)
     assert answer.status_code == 200, answer.text
     (result,) = answer.json()["results"]
-    return client, result
+    return client, result, streaming
 
 
 def _sent_bytes(port: int) -> float:
@@ -164,8 +167,9 @@ def test_drain_moves_the_stream_with_its_kv(fakes: dict[str, int], fresh_router:
     router = fresh_router(fakes["p"], (fakes["src"], fakes["dst"]), *_movable(fakes, ("src", "dst")))
     rid = new_rid("kv-move")
     sent_before = _sent_bytes(fakes["src"])
-    client, result = _drain_while_streaming(router, fakes, rid)
+    client, result, streaming = _drain_while_streaming(router, fakes, rid)
     assert result["result"] == "drained" and result["moved"] == {"kv": 1} and result["waited"] == 0
+    assert streaming  # the leg on dst holds nothing on src: the drain did not wait for the stream's end
     pushed = _sent_bytes(fakes["src"]) - sent_before
     assert pushed > 0 and result["kv_bytes_moved"] == pushed
     assert result["held"] == {
@@ -207,7 +211,7 @@ def test_drain_moves_the_stream_with_its_kv(fakes: dict[str, int], fresh_router:
 def test_failed_kv_leg_falls_back_to_replay(fakes: dict[str, int], fresh_router: RouterFactory) -> None:
     router = fresh_router(fakes["p"], (fakes["src"], fakes["dst_fail"]), *_movable(fakes, ("src", "dst_fail")))
     rid = new_rid("kv-fallback")
-    client, result = _drain_while_streaming(router, fakes, rid)
+    client, result, _ = _drain_while_streaming(router, fakes, rid)
     assert result["result"] == "drained" and result["moved"] == {"replay": 1}
     _one_stream(client)
     kv_leg, replayed = records(fakes["dst_fail"], rid)
@@ -223,7 +227,7 @@ def test_failed_kv_leg_falls_back_to_replay(fakes: dict[str, int], fresh_router:
 def test_decoder_without_bootstrap_port_replays(fakes: dict[str, int], fresh_router: RouterFactory) -> None:
     router = fresh_router(fakes["p"], (fakes["src"], fakes["dst"]))
     rid = new_rid("kv-none")
-    client, result = _drain_while_streaming(router, fakes, rid)
+    client, result, _ = _drain_while_streaming(router, fakes, rid)
     assert result["result"] == "drained" and result["moved"] == {"replay": 1} and result["kv_bytes_moved"] == 0
     _one_stream(client)
     (cut,) = records(fakes["src"], rid)

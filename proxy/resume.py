@@ -11,9 +11,11 @@ events reach the client on the same response, rewritten as the first leg's
 client's prompt and every generated token. Greedy output is what one instance gives: the new
 decoder's prompt is exactly the tokens one instance had.
 
-A resumed leg that fails before its first chunk is tried again on another pair while resumed legs
-are left (``--resume-attempts`` per request, each counted); then, or when no decoder that has not
-failed the request is left, the relay ends the stream with the error event. A cut after the finish
+A drain's cut of a decoder movable by KV goes on first by a leg that loads the KV the drained decoder
+holds (:mod:`proxy.kv_move`: nothing prefilled again), by the replay above if that leg fails before
+its first chunk. A resumed leg that fails before its first chunk is tried again on another pair
+while resumed legs are left (``--resume-attempts`` per request, each counted); then, or when no
+decoder that has not failed the request is left, the relay ends the stream with the error event. A cut after the finish
 reason went out needs no decoder: the Router ends the stream (usage when asked, ``[DONE]``).
 """
 

@@ -248,7 +248,9 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         """Called once when a request finishes, before its blocks are freed.
 
         On P, a prefill with `do_remote_decode` that finished normally keeps its
-        blocks (True) until the push is done; an aborted one drops its room.
+        blocks (True) until the push is done; an aborted one drops its room. On D with
+        `migration`, an aborted request carrying `migrate_room` keeps its blocks the same way
+        (what vLLM guarantees there, on 0.32 and 0.23: PDScheduler.request_finished).
         """
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="PORT",
         help="bootstrap-server port of each decode instance started with the connector's migration on; one value "
-        "applies to all. A drain then moves their streams with their KV (D -> D push) instead of prefilling the "
+        "applies to all, 0 for a decoder without migration. A drain then moves their streams with their KV (D -> D push) instead of prefilling the "
         "tokens again (default: none, drains replay)",
     )
     policies = "; ".join(f"'{name}' = {describe(name)}" for name in ROUTING_POLICIES).replace("%", "%%")
@@ -358,6 +358,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     decoder_bootstrap = _one_or_each(
         parser, "--decoder-bootstrap-ports", args.decoder_bootstrap_ports, len(decode_pairs), kind="decoder"
     )
+    decoder_bootstrap = [None if port == 0 else port for port in decoder_bootstrap]  # 0: this one has none
     for port in decoder_bootstrap:
         if port is not None:
             _check_port(parser, "--decoder-bootstrap-ports", port)

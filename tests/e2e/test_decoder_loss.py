@@ -4,9 +4,11 @@ Module setup: ONE extra decode instance (a second consumer of the session stack'
 by the tests below, which run in file order:
 
 1. drain: 8 long greedy streams run through a Router in front of P and both decoders; the extra
-   decoder is drained (``POST /instances/drain``) once its streams are under way. The move is by
-   REPLAY today (proxy/drain.py): its streams go on on the other decoder after P prefilled their
-   prompt plus the tokens already sent; its KV is not pushed D -> D (``kv_bytes_moved`` 0).
+   decoder (started with the connector's ``migration``, its own bootstrap server, and known to the
+   Router through ``--decoder-bootstrap-ports``) is drained (``POST /instances/drain``) once its
+   streams are under way. Its streams move WITH THEIR KV (proxy/kv_move.py): the extra decoder
+   holds each aborted request's blocks as its migrate room and pushes them to the stack's decoder,
+   which computes nothing of the prompt or the tokens already sent (``kv_bytes_moved`` > 0, no replay).
 2. kill: the drained decoder is idle again (checked); a fresh Router sends it streams again and the
    test SIGKILLs its process group while streams run on both decoders: they resume on the live one.
 3. no KV left on P for the dead decoder.
@@ -37,6 +39,7 @@ from launch.processes import (
     PDStack,
     ProcessGroup,
     free_port,
+    free_ports,
     router_cmd,
     vllm_env,
     vllm_serve_cmd,
@@ -71,6 +74,7 @@ class ExtraDecoder:
     process: ManagedProcess
     host: str
     port: int
+    bootstrap_port: int
 
     @property
     def url(self) -> str:
@@ -92,17 +96,17 @@ class RoutedPair:
 @pytest.fixture(scope="module")
 def extra_decoder(pd_stack: PDStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExtraDecoder]:
     with ProcessGroup(tmp_path_factory.mktemp("decoder-loss-logs")) as group:
-        port = free_port()
+        port, bootstrap_port = free_ports(2)
         cmd = vllm_serve_cmd(
             pd_stack.model,
             port,
             kv_role="kv_consumer",
-            bootstrap_port=pd_stack.bootstrap_port,
-            extra_config={"kv_wait_timeout_s": D_KV_WAIT_TIMEOUT_S},
+            bootstrap_port=bootstrap_port,  # its own bootstrap server: other decoders load its KV from it
+            extra_config={"kv_wait_timeout_s": D_KV_WAIT_TIMEOUT_S, "migration": True},
         )
         process = group.start("decode-extra", cmd, env=vllm_env("1"))
         wait_http_ok(f"http://{pd_stack.host}:{port}/health", START_TIMEOUT_S, process)
-        yield ExtraDecoder(group=group, process=process, host=pd_stack.host, port=port)
+        yield ExtraDecoder(group=group, process=process, host=pd_stack.host, port=port, bootstrap_port=bootstrap_port)
 
 
 def start_router(pd_stack: PDStack, extra: ExtraDecoder, name: str) -> RoutedPair:
@@ -117,6 +121,7 @@ def start_router(pd_stack: PDStack, extra: ExtraDecoder, name: str) -> RoutedPai
     )
     # A slow health answer on this loaded machine must not send the odd rooms to the live decoder.
     cmd += ["--health-interval", "1", "--health-timeout", "15", "--trust-client-room"]
+    cmd += ["--decoder-bootstrap-ports", "0", str(extra.bootstrap_port)]  # the extra decoder moves by KV
     process = extra.group.start(name, cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://{host}:{port}"
     wait_http_ok(f"{url}/health", 60, process)
@@ -191,14 +196,15 @@ def test_drained_decoder_hands_its_streams_over_without_an_error(
 
     assert answer.status_code == 200, answer.text
     (result,) = answer.json()["results"]
-    moved = result["moved"].get("replay", 0)
+    moved = result["moved"].get("kv", 0)
     print(
         f"\ndrain of {extra_decoder.url}: {result['result']} in {drain_s:.2f} s (Router: {result['seconds']} s); "
-        f"streams moved {result['moved']} (by replay), finished in place {result['waited']}, "
+        f"streams moved {result['moved']}, finished in place {result['waited']}, "
         f"KV bytes moved {result['kv_bytes_moved']}; held after {held_after}"
     )
     assert result["result"] == "drained" and moved >= 1, result
-    assert result["kv_bytes_moved"] == 0  # replay: the decoder's KV is not pushed D -> D (yet)
+    assert set(result["moved"]) == {"kv"}, result  # no stream replayed (recomputed) nor lost
+    assert result["kv_bytes_moved"] > 0, result
     assert result["held"] is not None and not any(result["held"].values()), result["held"]
     assert not any(held_after.values()), held_after
     assert [d["port"] for d in answer.json()["decoders"]] == [pd_stack.decode_port]
@@ -213,6 +219,7 @@ def test_drained_decoder_hands_its_streams_over_without_an_error(
         assert by_room[room].text == by_room[room - 1].text, f"room {room} differs from room {room - 1}"
     assert metric(router.url, "pd_router_resumes_total", endpoint="/v1/completions", reason="drain") == moved
     assert metric(router.url, "pd_router_drain_moves_total") == moved
+    assert metric(router.url, "pd_router_resume_replayed_tokens_total") == 0  # nothing prefilled again
     log = Path(router.process.log_path or "").read_text(errors="replace")
     traced = re.findall(r"rid=\S+ room=\d+ POST .* drain \+[\d.]+ ms.* resumed \+", log)
     assert len(traced) == moved, "the phase trace of each moved request shows drain, cut and resume"

@@ -249,7 +249,10 @@ def test_decoder_bootstrap_ports_flag(capsys: pytest.CaptureFixture[str]) -> Non
     each = parse_config([*BASE, "--decoder-bootstrap-ports", "18900", "18901"])
     assert [d.bootstrap_port for d in each.decoders] == [18900, 18901]
     assert "(bootstrap 18901)" in each.describe()
-    for bad in (["18900", "18901", "18902"], ["0"]):
+    mixed = parse_config([*BASE, "--decoder-bootstrap-ports", "0", "18901"])  # 0: that decoder has none
+    assert [d.bootstrap_port for d in mixed.decoders] == [None, 18901]
+    assert [d.movable for d in mixed.decoders] == [False, True]
+    for bad in (["18900", "18901", "18902"], ["65536"]):
         with pytest.raises(SystemExit):
             parse_config([*BASE, "--decoder-bootstrap-ports", *bad])
     assert "one per decoder (2)" in capsys.readouterr().err

@@ -242,7 +242,7 @@ def test_killed_decoders_streams_resume_on_the_live_one_and_traffic_moves_there(
     assert not any(held(extra_decoder.url, "decode").values()), held(extra_decoder.url, "decode")
     warm_up(router, model)
 
-    rooms = [10, 11, 12, 13, 14, 15]  # even: live decoder, odd: extra decoder
+    rooms = list(range(10, 18))  # concurrency 8; even: live decoder, odd: extra decoder
     on_extra = [room for room in rooms if room % 2]
     started: list[int] = []
     with ThreadPoolExecutor(len(rooms)) as pool:

@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.attempt import Attempt, AttemptState
 from proxy.backend_pool import BackendState
 from proxy.errors import DECODE_FAILED, RouterError
+from proxy.kv_move import holds_kv_for_move
 from proxy.resume_body import StreamTracker, resume_call
 from proxy.upstream import Failure, FailureKind, fetch
 
@@ -197,7 +198,7 @@ class Drains:
         if pending is None:
             pending = self._pending[attempt.d] = weakref.WeakSet()
         pending.add(attempt)
-        mode = MoveMode.KV if attempt.migrate_room is not None and attempt.d.backend.movable else MoveMode.REPLAY
+        mode = MoveMode.KV if holds_kv_for_move(attempt) else MoveMode.REPLAY
         logger.info(
             "rid=%s room=%s moving off draining %s (%s%s)",
             attempt.call.rid,

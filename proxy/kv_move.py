@@ -36,10 +36,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("proxy")
 
 
+def holds_kv_for_move(attempt: Attempt) -> bool:
+    """Whether ``attempt``'s decoder keeps the request's KV as the attempt's migrate room if it is cut."""
+    return attempt.migrate_room is not None and attempt.d.backend.movable
+
+
 def kv_movable(failure: Failure, attempt: Attempt) -> bool:
     """Whether ``attempt``'s stream, cut by ``failure``, moves with its KV: a drain cut it and its
     decoder holds the request's KV as the attempt's migrate room."""
-    return failure.kind is FailureKind.DRAIN and attempt.migrate_room is not None and attempt.d.backend.movable
+    return failure.kind is FailureKind.DRAIN and holds_kv_for_move(attempt)
 
 
 def prefilled_tokens(call: Call) -> int | None:

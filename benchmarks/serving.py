@@ -23,7 +23,9 @@ the lowest rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
 
     python benchmarks/serving.py            # 18-20 minutes on 2 cores (start-up 1-3 min per system)
     python benchmarks/serving.py --quick    # ~9 minutes: 2 rates, 1 request per bucket (a smoke run)
-    python benchmarks/serving.py --closed-loop-only   # only the closed-loop phase (serving_closed.py)
+    python benchmarks/serving.py --closed-loop-only   # only the closed-loop phase (serving_closed.py): it
+                                                      # judges pd against `colocated` and `colocated_p` (one
+                                                      # instance on P's cores: PD's own tax)
 """
 
 from __future__ import annotations
@@ -105,22 +107,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--closed-loop",
         type=int,
         help="requests per point of the closed-loop phase (serving_closed.py: the next request as soon as the "
-        "previous first token came, each system alone; judges pd/colocated TTFT <= 1.15) (default 12; quick 4; 0: skip)",
+        "previous first token came, each system alone; judges pd TTFT <= 1.15x colocated and colocated_p, one "
+        "instance on P's cores) (default 16: at concurrency 4 fewer are decided by the loop's start; quick 4; 0: skip)",
     )
     p.add_argument(
-        "--closed-loop-repeats", type=int, default=2, help="rounds of the closed-loop phase (pd and colocated in each)"
+        "--closed-loop-repeats",
+        type=int,
+        default=2,
+        help="rounds of the closed-loop phase (pd and both baselines in each)",
     )
     p.add_argument(
         "--closed-loop-modes",
         nargs="+",
         choices=("layer", "request"),
         default=["layer", "request"],
-        help="PDConnector transfer modes the closed-loop phase runs pd with (each judged against colocated)",
+        help="PDConnector transfer modes the closed-loop phase runs pd with (each judged against both baselines)",
     )
     p.add_argument("--closed-loop-only", action="store_true", help="run only the closed-loop phase")
     args = p.parse_args(argv)
     if args.closed_loop is None:
-        args.closed_loop = 4 if args.quick else 12
+        args.closed_loop = 4 if args.quick else 16
     args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.1, 0.3, 0.6])
     args.duration = args.duration or (10.0 if args.quick else 20.0)
     args.min_per_bucket = args.min_per_bucket or (1 if args.quick else 3)
@@ -247,8 +253,10 @@ def bench_interleaved(model: str, args: argparse.Namespace, log_dir: Path) -> di
 
 def bench_closed(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """The closed-loop phase (serving_closed.py): per round, pd in each of --closed-loop-modes, then
-    colocated, each started alone on the same cores; PD_TRANSFER_MODE is --pd-transfer-mode after it."""
-    variants = [(f"pd_{mode}", "pd", mode) for mode in args.closed_loop_modes] + [("colocated", "colocated", None)]
+    colocated and colocated_p, each started alone on the same cores; PD_TRANSFER_MODE is
+    --pd-transfer-mode after it."""
+    variants = [(f"pd_{mode}", "pd", mode) for mode in args.closed_loop_modes]
+    variants += [("colocated", "colocated", None), ("colocated_p", "colocated_p", None)]
     out = bench_closed_loop(
         model, variants=variants, starters=STARTERS, set_mode=lambda mode: PD_TRANSFER_MODE.update(mode=mode),
         serve_args=SERVE_ARGS, cpus=(args.p_cpus, args.d_cpus), start_timeout=args.start_timeout,
@@ -257,6 +265,19 @@ def bench_closed(model: str, args: argparse.Namespace, log_dir: Path) -> dict[st
     )  # fmt: skip
     PD_TRANSFER_MODE["mode"] = args.pd_transfer_mode
     return out
+
+
+def closed_verdict(mode: str, judged: dict[str, Any]) -> dict[str, Any]:
+    """One closed-loop acceptance entry: the worst point's ratio and the points over the limit."""
+    points = judged.get("points") or {}
+    ratios_ = [p["ratio"] for p in points.values() if p["ratio"] is not None]
+    return {
+        "transfer_mode": mode,
+        "limit": judged.get("limit"),
+        "max": max(ratios_, default=None),
+        "over_limit": sorted(key for key, p in points.items() if p["pass"] is False),
+        "pass": judged.get("all_pass"),
+    }
 
 
 def plot(systems: dict[str, dict[str, Any]], path: Path, slo: tuple[float, float]) -> str | None:
@@ -353,15 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         report["closed_loop"] = closed = bench_closed(model, args, log_dir)
         # judged in the connector's default transfer_mode (issue 26 item 4: chosen by this phase)
         mode = DisaggConfig.transfer_mode
-        judged = closed["vs_colocated"].get(f"pd_{mode}") or {}
-        report["acceptance"]["closed_loop_ttft_ratio_vs_colocated"] = {
-            "transfer_mode": mode,
-            "limit": judged.get("limit"),
-            "max": max(
-                (p["ratio"] for p in (judged.get("points") or {}).values() if p["ratio"] is not None), default=None
-            ),
-            "pass": judged.get("all_pass"),
-        }
+        for baseline, key in (
+            ("colocated", "closed_loop_ttft_ratio_vs_colocated"),
+            ("colocated_p", "closed_loop_ttft_ratio_vs_colocated_on_p_cores"),
+        ):
+            judged = closed.get(f"vs_{baseline}", {}).get(f"pd_{mode}") or {}
+            report["acceptance"][key] = closed_verdict(mode, judged)
         flags = [c.get("pass") for c in report["acceptance"].values() if isinstance(c, dict)]
         report["acceptance"]["all_pass"] = bool(flags) and all(f is True for f in flags)
     if "vllm_mooncake" in systems and "error" in systems["vllm_mooncake"]:

@@ -6,11 +6,19 @@ measures the back-to-back case: `concurrency` clients, each sending its next pro
 its previous request's first token arrived (that stream goes on in the background), at each
 prompt length of `LENGTHS` and each concurrency of `CONCURRENCY`. Every system is started alone
 (its own `ProcessGroup`, nothing else of the benchmark up) on the same cores, in the order given;
-`serving.py` runs pd (each transfer mode asked) and colocated back to back, `--closed-loop-repeats`
-times, so the machine's drift hits each round alike.
+`serving.py` runs pd (each transfer mode asked), colocated and colocated_p back to back,
+`--closed-loop-repeats` times, so the machine's drift hits each round alike.
 
-`judge`: per (length, concurrency), pd / colocated TTFT p50 (the median over the repeats of each
-round's ratio of p50s); passes at <= `LIMIT`.
+`judge`: per (length, concurrency), pd / a baseline's TTFT p50 (the median over the repeats of each
+round's ratio of p50s); passes at <= `LIMIT`. Two baselines:
+
+- `colocated`: two plain instances, one on P's cores and one on D's (the same hardware as PD). At
+  concurrency 4 PD gives prefill one core where these give it two: a prefill-bound closed loop then
+  runs ~2x slower on PD whatever PD does (in 1P1D the decoder's cores never prefill);
+- `colocated_p`: one plain instance on P's cores (the prefill capacity PD gives its prompts):
+  pd / colocated_p is what PD adds (Router hop, handshake, KV push on P's cores, P's extra steps).
+
+Variants run in the given order in even rounds and reversed in odd ones (drift hits both alike).
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from benchmarks.serving_trace import PROMPT_TOKEN_IDS, Result, StreamError, data
 LENGTHS = (64, 1024, 1900)
 CONCURRENCY = (1, 4)
 LIMIT = 1.15
+#: The baselines pd is judged against (variant labels; see the module's docstring).
+BASELINES = ("colocated", "colocated_p")
 
 
 def prompts_for(length: int, count: int, seed: int) -> list[list[int]]:
@@ -190,13 +200,14 @@ def bench_closed_loop(
     concurrency: Sequence[int] = CONCURRENCY,
 ) -> dict[str, Any]:
     """`repeats` rounds; in each, every variant (label, system, pd transfer mode or None) alone:
-    started, warmed, every point run, stopped. Then `judge` per pd variant against colocated."""
+    started, warmed, every point run, stopped (order reversed in odd rounds). Then `judge` per pd
+    variant against each baseline variant that ran (`colocated`, `colocated_p`)."""
     from launch.processes import ProcessFailed, ProcessGroup
 
     rounds: list[dict[str, Any]] = []
     for index in range(repeats):
         rnd: dict[str, Any] = {}
-        for label, system, mode in variants:
+        for label, system, mode in variants if index % 2 == 0 else list(reversed(variants)):
             if mode is not None:
                 set_mode(mode)
             entry: dict[str, Any] = {"system": system, "transfer_mode": mode}
@@ -228,6 +239,9 @@ def bench_closed_loop(
         "output_tokens": max_tokens,
         "repeats": repeats,
         "rounds": rounds,
-        "vs_colocated": {label: judge(rounds, label) for label, system, _ in variants if system == "pd"},
     }
+    pd_labels = [label for label, system, _ in variants if system == "pd"]
+    for baseline in BASELINES:
+        if any(label == baseline for label, _, _ in variants):
+            out[f"vs_{baseline}"] = {label: judge(rounds, label, baseline) for label in pd_labels}
     return out

@@ -3,6 +3,9 @@
 - `pd`: 1P1D PDConnector (P's whole process tree on `p_cpus`, D's on `d_cpus`) behind the Router;
 - `colocated`: two plain `vllm serve` instances, one on each side's cores, behind a round-robin
   front end (`serving_proxy.py rr`; the Router has no plain mode);
+- `colocated_p` (closed-loop phase only): ONE plain instance on P's cores, behind the same front
+  end: the prefill capacity PD gives its prompts, so pd / colocated_p is PD's own tax (hop, handshake,
+  push, P's steps) with the core split taken out. D's cores stay idle;
 - `vllm_mooncake`: vLLM's in-tree MooncakeConnector 1P1D (Mooncake TCP) on the same cores behind
   `serving_proxy.py mooncake`, with the CPU patches of `vllm_mooncake_cpu/sitecustomize.py`.
 
@@ -86,6 +89,14 @@ def start_colocated(
     return _front_end(group, front, ["rr", _url(a), _url(b)], backends, timeout)
 
 
+def start_colocated_p(
+    group: ProcessGroup, model: str, serve_args: Sequence[str], cpus: tuple[str, str], timeout: float
+) -> str:
+    port, front = free_ports(2)
+    proc = group.start("colocated-p", vllm_serve_cmd(model, port, extra_args=serve_args), env=vllm_env(cpus[0]))
+    return _front_end(group, front, ["rr", _url(port)], [(_url(port), proc)], timeout)
+
+
 def start_vllm_mooncake(
     group: ProcessGroup, model: str, serve_args: Sequence[str], cpus: tuple[str, str], timeout: float
 ) -> str:
@@ -112,5 +123,6 @@ def start_vllm_mooncake(
 STARTERS: dict[str, Callable[[ProcessGroup, str, Sequence[str], tuple[str, str], float], str]] = {
     "pd": start_pd,
     "colocated": start_colocated,
+    "colocated_p": start_colocated_p,
     "vllm_mooncake": start_vllm_mooncake,
 }

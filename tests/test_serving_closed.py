@@ -84,3 +84,54 @@ def test_judge_takes_the_median_of_the_rounds_ratios() -> None:
     rounds[1]["pd_layer"] = system(48.0)
     assert judge(rounds, "pd_layer")["all_pass"] is False
     assert judge([{"pd_layer": system(1.0), "colocated": {"error": "x"}}], "pd_layer")["all_pass"] is False
+
+
+def test_each_round_runs_every_variant_alone_and_alternates_the_order(tmp_path) -> None:
+    """bench_closed_loop: variants start one at a time, the order flips every round, and pd is judged
+    against each baseline that ran (colocated: both cores; colocated_p: one instance on P's cores)."""
+    from benchmarks import serving_closed
+
+    started: list[str] = []
+    p50 = {"pd": 100.0, "colocated": 50.0, "colocated_p": 95.0}
+
+    def starter(system: str):
+        def start(group, model, serve_args, cpus, timeout) -> str:  # noqa: ANN001 - the starters' signature
+            started.append(system)
+            return f"http://{system}"
+
+        return start
+
+    def fake_points(url: str, model: str, **kwargs) -> dict:  # noqa: ANN003
+        return {"64x1": {"ttft_ms": {"p50": p50[url.removeprefix("http://")]}}}
+
+    variants = [("pd_request", "pd", "request"), ("colocated", "colocated", None), ("colocated_p", "colocated_p", None)]
+    modes: list[str] = []
+    original = serving_closed.run_points, serving_closed.warm
+    serving_closed.run_points, serving_closed.warm = fake_points, lambda *a, **k: None
+    try:
+        out = serving_closed.bench_closed_loop(
+            "m", variants=variants, starters={s: starter(s) for _, s, _ in variants}, set_mode=modes.append,
+            serve_args=[], cpus=("0", "1"), start_timeout=1.0, requests=1, repeats=2, max_tokens=1, seed=0,
+            log_dir=tmp_path, say=lambda _: None,
+        )  # fmt: skip
+    finally:
+        serving_closed.run_points, serving_closed.warm = original
+    assert started == ["pd", "colocated", "colocated_p", "colocated_p", "colocated", "pd"]
+    assert modes == ["request", "request"]
+    assert out["vs_colocated"]["pd_request"]["points"]["64x1"]["ratio"] == 2.0
+    assert out["vs_colocated"]["pd_request"]["all_pass"] is False
+    assert out["vs_colocated_p"]["pd_request"]["points"]["64x1"]["ratio"] == 1.053
+    assert out["vs_colocated_p"]["pd_request"]["all_pass"] is True
+
+
+def test_closed_verdict_names_the_points_over_the_limit() -> None:
+    from benchmarks.serving import closed_verdict
+
+    judged = {
+        "limit": LIMIT,
+        "all_pass": False,
+        "points": {"64x1": {"ratio": 0.9, "pass": True}, "64x4": {"ratio": 1.9, "pass": False}},
+    }
+    verdict = closed_verdict("request", judged)
+    assert verdict == {"transfer_mode": "request", "limit": LIMIT, "max": 1.9, "over_limit": ["64x4"], "pass": False}
+    assert closed_verdict("request", {})["pass"] is None

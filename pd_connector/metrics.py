@@ -163,9 +163,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
             )
 
         self.counters = {
-            "bytes_sent": counter("bytes_sent", "KV bytes this prefill instance pushed to decode instances."),
+            "bytes_sent": counter("bytes_sent", "KV bytes this instance pushed (P, or a migrating decoder)."),
             "bytes_received": counter("bytes_received", "KV bytes this decode instance received (its blocks filled)."),
-            "transfers_ok": counter("transfers_ok", "Successful KV pushes of this prefill instance (one per D rank)."),
+            "transfers_ok": counter("transfers_ok", "Successful KV pushes of this instance (one per D rank)."),
             "recvs_ok": counter("recvs_ok", "Completed KV loads of this decode instance."),
             "rooms_expired": counter("rooms_expired", "Rooms freed on prefill because no decode asked in time."),
             "auth_refused": counter("auth_refused", "ZMQ frames refused: missing or wrong control-plane token."),
@@ -186,7 +186,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
         }
         self.throughput = histogram("throughput", "Throughput of one KV push (bytes/s).", _THROUGHPUT_BUCKETS)
         self.gauges = {
-            "rooms_held": gauge("rooms_held", "Rooms whose KV this prefill instance holds for decode."),
+            "rooms_held": gauge("rooms_held", "Rooms whose KV this instance holds (P, or a migrating decoder)."),
             "loads_waiting": gauge("loads_waiting", "KV loads this decode instance is waiting for."),
         }
         failures = self._counter_cls(

@@ -71,6 +71,12 @@ def router_factory(proc_dir: Path) -> Iterator[RouterFactory]:
             router.proc.stop()
 
 
+@pytest.fixture(scope="session")
+def router_ok(backends: Backends, router_factory: RouterFactory) -> Router:
+    """A Router in front of one healthy prefiller and one healthy decoder (the test_router_* modules share it)."""
+    return router_factory(backends.ok_p, backends.ok_d)
+
+
 @pytest.fixture
 def fresh_router(proc_dir: Path) -> Iterator[RouterFactory]:
     """``make(prefill, decode, *extra_flags)``: a new Router process, stopped when the test ends."""

@@ -31,6 +31,7 @@ from proxy.attempt import Attempt, Opened
 from proxy.drain import MoveMode
 from proxy.errors import DECODE_FAILED, RouterError
 from proxy.failure_policy import Tried, decide, resume_refusal, settle
+from proxy.held_tail import settle_held_tail
 from proxy.kv_move import kv_leg, kv_movable
 from proxy.payloads import new_room
 from proxy.resume_body import StreamTracker, resume_call
@@ -91,6 +92,8 @@ async def _resume(
         await response.write_eof(tracker.closing_events())
         return True
     refusal = resume_refusal(failure, ex.progress.resumes, config.resume_attempts)
+    if refusal is None:
+        await settle_held_tail(ex, attempt, tracker)  # the client's last tokens whose text was held
     call = resume_call(tracker) if refusal is None else None
     if refusal is None and call is None:
         refusal = "no prompt token ids seen or no token left to generate"

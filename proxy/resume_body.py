@@ -15,7 +15,9 @@ A resumed leg (:func:`resume_call`) prefills the leg's prompt ids plus the gener
 client has (token ids, so the new decoder sees exactly the tokens one instance had: no
 re-tokenization of text) and generates the rest of the budget. Tokens whose text is still held back
 (empty text or a text ending in U+FFFD: the first bytes of a character) are not replayed but
-generated again, so their text reaches the client.
+generated again, so their text reaches the client. An event of several tokens (vLLM merges steps
+when its reader lags) may hold its last tokens' bytes with nothing in its text to say so: those are
+:attr:`StreamTracker.unsure` until :func:`proxy.held_tail.settle_held_tail` asks an instance.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class StreamTracker:
         #: Token ids D generated on this leg, in order, and how many of them the client has whole.
         self.generated: list[int] = []
         self.committed = 0
+        #: How many of the last committed tokens may still have had their text held: the later
+        #: tokens of a merged event (several steps in one event; see :mod:`proxy.held_tail`).
+        self.unsure = 0
         #: A finish reason went out (the answer is complete but for usage and ``[DONE]``).
         self.finished = False
         #: D's error event, when one came (the leg ends there).
@@ -166,9 +171,9 @@ class StreamTracker:
         self.generated.extend(ids)
         if _FINISH in event and _NO_FINISH not in event:
             self.finished = True
-            self.committed = len(self.generated)
-        elif not any(held in event for held in _HELD_TEXT):
-            self.committed = len(self.generated)
+            self._commit(0)
+        elif ids and not any(held in event for held in _HELD_TEXT):
+            self._commit(len(ids))
         if self.keep_ids:
             return event
         return event[:at] + _NO_IDS + event[stop + 1 :]
@@ -178,21 +183,33 @@ class StreamTracker:
         if isinstance(prompt, list) and self.prompt_ids is None:
             self.prompt_ids = [t for t in prompt if isinstance(t, int)]
         ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            self.generated.extend(t for t in ids if isinstance(t, int))
+        steps = [t for t in ids if isinstance(t, int)] if isinstance(ids, list) else []
+        self.generated.extend(steps)
         text = choice.get("text")
-        if isinstance(text, str) and text and not text.endswith("\ufffd"):
-            self.committed = len(self.generated)
+        if steps and isinstance(text, str) and text and not text.endswith("\ufffd"):
+            self._commit(len(steps))
         if choice.get("finish_reason") is not None:
             self.finished = True
-            self.committed = len(self.generated)
+            self._commit(0)
         if self.resumed or not self.keep_ids:
             if "prompt_token_ids" in choice:
                 choice["prompt_token_ids"] = None
         if not self.keep_ids and "token_ids" in choice:
             choice["token_ids"] = None
 
+    def _commit(self, steps: int) -> None:
+        """Every token so far is the client's: the event that sent text named ``steps`` of them
+        (0: a finish reason, nothing held). Its text covers the first surely, the others maybe."""
+        self.committed = len(self.generated)
+        self.unsure = max(0, steps - 1)
+
     # -- after a cut -----------------------------------------------------------------------------
+
+    def hold_back(self, end: int) -> None:
+        """The client has the text of the first ``end`` committed tokens only (the rest was held):
+        those are generated again on a resumed leg (:func:`proxy.held_tail.settle_held_tail`)."""
+        self.committed = min(end, self.committed)
+        self.unsure = 0
 
     @property
     def sent_tokens(self) -> int:

@@ -216,7 +216,9 @@ def test_drained_decoder_hands_its_streams_over_without_an_error(
         assert outcome.done and outcome.finish_reason == "length", outcome.events[-2:]
         assert outcome.usage is not None and outcome.usage["completion_tokens"] == DRAIN_STREAM_TOKENS, outcome.usage
     for room in on_extra:  # greedy: the moved stream is the uninterrupted one's twin
-        assert by_room[room].text == by_room[room - 1].text, f"room {room} differs from room {room - 1}"
+        got, want = by_room[room].text, by_room[room - 1].text
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        assert got == want, f"room {room} differs from room {room - 1} at character {at}: {got[at - 40 : at + 80]!r}"
     assert metric(router.url, "pd_router_resumes_total", endpoint="/v1/completions", reason="drain") == moved
     assert metric(router.url, "pd_router_drain_moves_total") == moved
     assert metric(router.url, "pd_router_resume_replayed_tokens_total") == 0  # nothing prefilled again

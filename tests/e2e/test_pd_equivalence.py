@@ -8,6 +8,7 @@ Router.
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from tests.support.serving import (
@@ -64,3 +65,26 @@ def test_equivalence_no_kv_left(reference: dict, pd_stack) -> None:
     complete(pd_stack.router_url, pd_stack.model, prompts()[-1], stream=False)
     assert wait_kv_free(pd_stack.prefill_url) == 0.0, f"P still holds KV: {kv_usage(pd_stack.prefill_url)}"
     assert wait_kv_free(pd_stack.decode_url) == 0.0, f"D still holds KV: {kv_usage(pd_stack.decode_url)}"
+
+
+def test_detokenize_marks_a_character_cut_short(pd_stack) -> None:
+    """What the Router's resume asks of vLLM (proxy/held_tail.py): ``/detokenize`` of ids ending
+    inside a character ends in U+FFFD; with the character's last byte it is the character."""
+    url, model = pd_stack.decode_url, pd_stack.model
+    answer = httpx.post(
+        f"{url}/tokenize",
+        json={"model": model, "prompt": "中", "add_special_tokens": False},
+        timeout=30,
+        trust_env=False,
+    )
+    assert answer.status_code == 200, answer.text
+    ids = answer.json()["tokens"]
+    assert len(ids) > 1, ids  # a byte-level tokenizer: the character spans several ids
+
+    def text(tokens: list[int]) -> str:
+        reply = httpx.post(f"{url}/detokenize", json={"model": model, "tokens": tokens}, timeout=30, trust_env=False)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["prompt"]
+
+    assert text(ids[:-1]).endswith("\ufffd")
+    assert text(ids) == "中"

@@ -24,7 +24,12 @@ Spec keys only: ``metrics`` serves ``GET /metrics`` like a PDConnector decoder (
 KV rooms held 0, ``vllm:pd_kv_sent_bytes_total``: a stream aborted while its kv_transfer_params
 named a ``migrate_room`` counts KV_BYTES_PER_TOKEN per prompt and sent token, as a drained decoder
 pushing it); ``fail_bootstrap_port`` answers HTTP 500 to a request whose KV comes from that
-bootstrap port (a failed KV load).
+bootstrap port (a failed KV load); ``held_last`` (die_mid_stream, ``return_token_ids``): the last
+event before the drop names one more token, HELD_ID, whose text is held (as when vLLM merges two
+steps into one event and the second ends inside a character).
+
+``POST /detokenize`` answers like vLLM's: ``{"prompt": text}`` of ``tokens`` (GENERATED_ID_BASE + i:
+``tok<i> ``, HELD_ID: U+FFFD, any other id: that character); each call is counted in ``/stats``.
 
 Every generation request is recorded; ``GET /stats`` returns the counts of started,
 completed and disconnected requests and the records (path, X-Request-Id, Authorization,
@@ -56,6 +61,9 @@ GENERATED_ID_BASE = 1000
 #: A text prompt holding this gets a token 1 without text (the first bytes of a character): P's
 #: ``return_token_ids`` answer has text "", and a stream for that prompt starts with an empty chunk.
 PARTIAL_MARK = "[partial]"
+#: ``held_last``: the token whose text is still held when the stream drops (a generated id, so a
+#: resumed leg given it in its prompt would go on one token too far).
+HELD_ID = GENERATED_ID_BASE + 500
 #: ``metrics``: KV bytes "pushed" per token of an aborted request with a migrate room.
 KV_BYTES_PER_TOKEN = 1024
 
@@ -65,6 +73,13 @@ def prompt_ids(prompt: Any) -> list[int]:
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     return [ord(c) for c in str(prompt)]
+
+
+def _token_text(token: int) -> str:
+    """The fake's text of one token id (``/detokenize``)."""
+    if token == HELD_ID:
+        return "\ufffd"
+    return f"tok{token - GENERATED_ID_BASE} " if token >= GENERATED_ID_BASE else chr(token)
 
 
 def _completion(path: str, rid: str, text: str, kv: Any, port: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -132,11 +147,13 @@ def build_app(
     done_linger: float = 0.0,
     metrics: bool = False,
     fail_bootstrap_port: int | None = None,
+    held_last: bool = False,
 ) -> FastAPI:
     """The fake server for one behaviour ``mode``."""
     app = FastAPI()
     records: list[dict[str, Any]] = []
     sent_bytes = [0]
+    detokenized = [0]
 
     async def sleep_or_disconnect(request: Request, seconds: float | None) -> bool:
         """Sleep (forever when ``seconds`` is None); return True early if the client went away."""
@@ -242,7 +259,8 @@ def build_app(
                     ids = None
                     if token_ids:
                         gen = GENERATED_ID_BASE + int(token[3:]) if token.startswith("tok") else GENERATED_ID_BASE
-                        ids = {"prompt_token_ids": prompt if index == 0 else None, "token_ids": [gen]}
+                        held = [HELD_ID] if held_last and mode == "die_mid_stream" and index == len(tokens) - 1 else []
+                        ids = {"prompt_token_ids": prompt if index == 0 else None, "token_ids": [gen, *held]}
                     yield _chunk(path, rid, index, token, kv, port, ids)
                     sent += 1
                 if mode == "die_mid_stream":
@@ -272,6 +290,12 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await generate(request)
 
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        detokenized[0] += 1
+        tokens = (await request.json()).get("tokens") or []
+        return {"prompt": "".join(_token_text(t) for t in tokens)}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": f"fake-{port}"}]}
@@ -294,7 +318,7 @@ def build_app(
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         counts = {state: sum(1 for r in records if r["state"] == state) for state in ("completed", "disconnected")}
-        return {"mode": mode, "started": len(records), **counts, "requests": records}
+        return {"mode": mode, "started": len(records), **counts, "detokenized": detokenized[0], "requests": records}
 
     return app
 
@@ -309,6 +333,7 @@ SPEC_KEYS = {
     "done_linger",
     "metrics",
     "fail_bootstrap_port",
+    "held_last",
 }
 #: Optional spec keys: serve HTTPS with this certificate and key.
 TLS_KEYS = {"ssl_certfile", "ssl_keyfile"}
@@ -331,6 +356,7 @@ async def serve(specs: list[dict[str, Any]], host: str) -> None:
             spec.get("done_linger", 0.0),
             spec.get("metrics", False),
             spec.get("fail_bootstrap_port"),
+            spec.get("held_last", False),
         )
         tls = {k: spec[k] for k in TLS_KEYS if k in spec}
         config = uvicorn.Config(app, host=host, port=spec["port"], log_level="warning", access_log=False, **tls)

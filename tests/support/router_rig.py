@@ -114,6 +114,7 @@ class Backends:
     late_stream: int
     die_mid_stream: int
     die_mid_stream2: int
+    die_held: int
     resume_d: int
     error_event: int
     lingering_d: int
@@ -145,6 +146,8 @@ BACKEND_SPECS: dict[str, dict[str, Any]] = {
     # Three chunks 50 ms apart, then the connection drops.
     "die_mid_stream": {"mode": "die_mid_stream", "chunks": 3, "chunk_interval": 0.05},
     "die_mid_stream2": {"mode": "die_mid_stream", "chunks": 3, "chunk_interval": 0.05},
+    # The same, its last event naming one more token whose text is still held (HELD_ID).
+    "die_held": {"mode": "die_mid_stream", "chunks": 3, "chunk_interval": 0.05, "held_last": True},
     # Eight tokens in all (request_body's max_tokens), a resumed stream continuing where it was cut.
     "resume_d": {"mode": "slow_stream", "chunks": 8, "chunk_interval": 0.01},
     "error_event": {"mode": "error_event"},

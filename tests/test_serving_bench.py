@@ -193,7 +193,9 @@ def test_acceptance_uses_the_lowest_rate_for_ttft_and_the_highest_for_tpot() -> 
     tpot = result["tpot_p99_ours_vs_colocated_at_highest_rate"]
     assert (tpot["value"], tpot["ours_ms"], tpot["colocated_ms"], tpot["pass"]) == (0.75, 30.0, 40.0, True)
     mc = result["ttft_p50_ratio_vs_vllm_mooncake"]
-    assert mc["trace"]["overall"] == round(830 / 825, 3) and mc["source"] == "trace"  # the ratio of the p50s: 830 vs 825 ms, reported
+    assert (
+        mc["trace"]["overall"] == round(830 / 825, 3) and mc["source"] == "trace"
+    )  # the ratio of the p50s: 830 vs 825 ms, reported
     # paired, per request: 120/200, 600/700, 1100/1000, 1500/1400 -> median of 0.857 and 1.071
     assert mc["paired_per_bucket"] == {"64-500": 0.6, "500-1000": 0.857, "1000-1500": 1.1, "1500-2000": 1.071}
     assert mc["value"] == round((600 / 700 + 1500 / 1400) / 2, 3) and mc["pass"] is True
@@ -212,7 +214,11 @@ def test_acceptance_uses_the_lowest_rate_for_ttft_and_the_highest_for_tpot() -> 
     systems["pd"]["runs"][1] = _run(0.2, [100, 710, 1010, 1410], 99.0)
     systems["vllm_mooncake"]["runs"][0] = _run(0.2, [1000, 700, 1000, 1400], 1.0)
     mc = acceptance(systems)["ttft_p50_ratio_vs_vllm_mooncake"]
-    assert mc["trace"]["overall"] < 1.0 and mc["pass"] is False and mc["value"] == round((1410 / 1400 + 1010 / 1000) / 2, 3)
+    assert (
+        mc["trace"]["overall"] < 1.0
+        and mc["pass"] is False
+        and mc["value"] == round((1410 / 1400 + 1010 / 1000) / 2, 3)
+    )
     # A failed request on either side is left out of the pairs; a bucket without a pair is named.
     systems["pd"]["runs"][1]["requests_ttft_ms"][0] = None
     mc = acceptance(systems)["ttft_p50_ratio_vs_vllm_mooncake"]

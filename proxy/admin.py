@@ -61,10 +61,14 @@ class Membership:
         pool = self.pool
         existing = pool.find(backend.role, backend.host, backend.port)
         if existing is not None:
+            changed = existing.backend != backend  # e.g. a decoder restarted with migration's bootstrap port
+            if changed:
+                logger.info("%s %s: now %s (was %s)", backend.role, backend.address, backend, existing.backend)
+                existing.backend = backend
             if existing.draining:
                 pool.undrain(existing)
                 return "re-activated"
-            return "already present"
+            return "updated" if changed else "already present"
         if backend.key in self.waiting:
             return "waiting"
         state = BackendState(backend, healthy=False)

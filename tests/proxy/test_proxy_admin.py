@@ -136,6 +136,12 @@ def test_added_prefiller_gets_its_bootstrap_port(router_admin: Router, backends:
     with http_client() as client:
         response = client.post(f"{router.url}/v1/completions", json=request_body("/v1/completions", bootstrap_room=1))
     assert response.json()["kv_transfer_params"]["bootstrap_port"] == 17777
+    # The same instance restarted with another bootstrap port: its details are updated, not ignored.
+    moved = _admin(router, "add", {**payload, "bootstrap_port": 17778})
+    assert moved.json()["results"][0]["result"] == "updated"
+    with http_client() as client:
+        response = client.post(f"{router.url}/v1/completions", json=request_body("/v1/completions", bootstrap_room=1))
+    assert response.json()["kv_transfer_params"]["bootstrap_port"] == 17778
 
 
 def test_added_dp_rank_prefiller_names_its_rank_and_bootstrap_host(router_admin: Router, backends: Backends) -> None:

@@ -59,6 +59,8 @@ class PrefillSide:
         self._lock = threading.Lock()
         self._rooms: dict[int, Room] = {}  # rooms not CLOSED
         self._closed: OrderedDict[int, CloseReason] = OrderedDict()
+        # Expired rooms: how long each was held unclaimed (room_timeout_s, or a job's own hold_s).
+        self._held_for: OrderedDict[int, float] = OrderedDict()
         # D requests cancelled before their room's prefill finished: room -> their claims.
         self._early_cancels: OrderedDict[int, set[ClaimKey]] = OrderedDict()
         self._peers: dict[str, proto.PeerHello] = {}
@@ -227,7 +229,7 @@ class PrefillSide:
             "room=%d req=%s: decode asked before prefill finished%s",
             req.room,
             req.request_id,
-            f" (room closed before: {closed.message(self._cfg.room_timeout_s)})" if closed else "",
+            f" (room closed before: {self._closed_message(req.room, closed)})" if closed else "",
         )
         if self.layers is not None:
             self.layers.offer(req.room)  # a running layer-wise stream takes it
@@ -379,8 +381,14 @@ class PrefillSide:
             room.state = RoomState.CLOSED
             reason = room.close_reason
             remember(self._closed, room.room, reason)
+            if reason is CloseReason.EXPIRED:
+                remember(self._held_for, room.room, room.job.hold_seconds(self._cfg.room_timeout_s))
             self._ctx.traces.emit(room.room, None if reason is CloseReason.SENT else reason.value)
             self._ctx.outbox.sent(room.job.req_id)
+
+    def _closed_message(self, room: int, reason: CloseReason) -> str:
+        """What D is told of a room closed for ``reason`` (an expired one names its own hold)."""
+        return reason.message(self._held_for.get(room, self._cfg.room_timeout_s))
 
     def _reply(
         self,
@@ -441,6 +449,6 @@ class PrefillSide:
                         del self._rooms[room.room]
         for w in stale:
             if w.closed_before is not None:
-                self._reply(w.req, DoneStatus.ROOM_CLOSED, w.closed_before.message(self._cfg.room_timeout_s))
+                self._reply(w.req, DoneStatus.ROOM_CLOSED, self._closed_message(w.req.room, w.closed_before))
             else:
                 self._reply(w.req, DoneStatus.TIMEOUT, f"prefill did not produce room {w.req.room} in time")

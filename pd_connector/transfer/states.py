@@ -22,9 +22,10 @@ class CloseReason(enum.Enum):
     ABORTED = "aborted"
     CANCELLED = "cancelled"
 
-    def message(self, room_timeout_s: float) -> str:
+    def message(self, held_s: float) -> str:
+        """``held_s``: how long an expired room was held unclaimed (its room_timeout_s or hold_s)."""
         if self is CloseReason.EXPIRED:
-            return f"prefill freed the KV after waiting {room_timeout_s:g} s for decode"
+            return f"prefill freed the KV after waiting {held_s:g} s for decode"
         return _MESSAGES[self]
 
 

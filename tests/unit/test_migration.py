@@ -281,6 +281,12 @@ def test_unclaimed_migrate_room_expires_after_migrate_hold_s(rig: Rig, pd_logs: 
     wait_for(src.idle, timeout=5, what="the expired room to leave the table")
     sched.update_connector_output(KVConnectorOutput(finished_sending={"src-3"}))
     assert not sched.has_pending_push_work()
+    # A target asking after that is told the room's own hold, not room_timeout_s.
+    target = rig.make("decode")
+    target.mgr.add_recvs([recv_job(rig, "t-3", MIGRATE, [0, 1], num_tokens=45, dp_rank=0)])
+    target.wait_recv("t-3")
+    assert "t-3" in target.failed
+    assert "prefill freed the KV after waiting 0.5 s for decode" in pd_logs.text
 
 
 # ------------------------------------------------------------------ inside vLLM's real scheduler

@@ -120,7 +120,7 @@ async def settle_held_tail(ex: Exchange, attempt: Attempt, tracker: StreamTracke
             tracker.hold_back(whole)
             if whole < counted:
                 logger.info(
-                    "rid=%s room=%s %d of the client's last token(s) had no text yet (held by %s); "
+                    "rid=%s room=%s %d of the client's last token(s) had no text yet (/detokenize on %s); "
                     "they are generated again",
                     ex.rid,
                     ex.progress.room,

@@ -29,7 +29,7 @@ import msgspec
 from proxy.upstream import Failure, fetch
 
 if TYPE_CHECKING:
-    from proxy.attempt import Attempt
+    from proxy.attempt import Attempt, Call
     from proxy.backend_pool import BackendState
     from proxy.exchange import Exchange
     from proxy.resume_body import StreamTracker
@@ -70,16 +70,15 @@ def longest_whole(ends: list[int], texts: list[str]) -> int | None:
     return None
 
 
-async def _detokenize(ex: Exchange, state: BackendState, model: object, ids: list[int], deadline: float) -> str | None:
-    config = ex.router.config
-    headers = {"Content-Type": "application/json"}
-    if config.backend_authorization:
-        headers["Authorization"] = config.backend_authorization
+async def _detokenize(ex: Exchange, state: BackendState, call: Call, ids: list[int], deadline: float) -> str | None:
+    """``state``'s text of ``ids`` (None: no usable answer); sent with ``call``'s backend headers
+    (its request id, trace context and the Router's key for the backends)."""
     body: dict[str, object] = {"tokens": ids}
+    model = call.body.get("model")
     if isinstance(model, str):
         body["model"] = model
     left = max(0.05, deadline - time.monotonic())
-    reply = await fetch(ex.router.http, state, "POST", "/detokenize", left, _ENCODER.encode(body), headers)
+    reply = await fetch(ex.router.http, state, "POST", "/detokenize", left, _ENCODER.encode(body), call.headers)
     if isinstance(reply, Failure) or reply.status != 200:
         return None
     try:
@@ -97,14 +96,15 @@ async def settle_held_tail(ex: Exchange, attempt: Attempt, tracker: StreamTracke
     if not ends:
         return
     counted = tracker.committed
-    model = attempt.call.body.get("model")
     sources = [attempt.d, attempt.p]
     sources += [s for s in ex.router.pool.all_states() if s.healthy and s not in sources]
     deadline = time.monotonic() + TIMEOUT_S
     for state in sources:
         if time.monotonic() >= deadline:
             break
-        texts = await asyncio.gather(*(_detokenize(ex, state, model, window(tracker, end), deadline) for end in ends))
+        texts = await asyncio.gather(
+            *(_detokenize(ex, state, attempt.call, window(tracker, end), deadline) for end in ends)
+        )
         if any(text is None for text in texts):
             continue
         whole = longest_whole(ends, [t for t in texts if t is not None])

@@ -33,13 +33,14 @@ from tests.support.router_rig import (
 TOKENS = [f"tok{i} " for i in range(8)]
 
 
-def _detokenized(port: int) -> int:
-    return httpx.get(f"http://{HOST}:{port}/stats", timeout=5, trust_env=False).json()["detokenized"]
+def _detokenized(port: int) -> list[str]:
+    """The request ids of the ``/detokenize`` calls the fake answered."""
+    return httpx.get(f"http://{HOST}:{port}/stats", timeout=5, trust_env=False).json()["detokenized_for"]
 
 
 def test_held_token_is_generated_again_not_replayed(backends: Backends, router_factory: RouterFactory) -> None:
     router = router_factory(backends.ok_p, (backends.die_held, backends.resume_d), "--no-first-token-from-prefill")
-    asked = _detokenized(backends.die_held)
+    asked = len(_detokenized(backends.die_held))
     rid = new_rid("held-tail")
     body = request_body("/v1/completions", stream=True, bootstrap_room=0, stream_options={"include_usage": True})
     with http_client() as client:
@@ -54,7 +55,8 @@ def test_held_token_is_generated_again_not_replayed(backends: Backends, router_f
     base = GENERATED_ID_BASE
     assert resumed["body"]["prompt"] == [ord("H"), ord("i"), base, base + 1, base + 2]  # not HELD_ID
     assert resumed["body"]["max_tokens"] == 5
-    assert _detokenized(backends.die_held) > asked  # the cut decoder was asked (it still answers)
+    ids = _detokenized(backends.die_held)
+    assert len(ids) > asked and rid in ids  # the cut decoder was asked (it still answers), under the request's id
     log = router.proc.log_text()
     assert f"rid={rid} " in log and "1 of the client's last token(s) had no text yet" in log
 

@@ -29,7 +29,8 @@ event before the drop names one more token, HELD_ID, whose text is held (as when
 steps into one event and the second ends inside a character).
 
 ``POST /detokenize`` answers like vLLM's: ``{"prompt": text}`` of ``tokens`` (GENERATED_ID_BASE + i:
-``tok<i> ``, HELD_ID: U+FFFD, any other id: that character); each call is counted in ``/stats``.
+``tok<i> ``, HELD_ID: U+FFFD, any other id: that character); ``/stats`` lists each call's
+X-Request-Id (``detokenized_for``).
 
 Every generation request is recorded; ``GET /stats`` returns the counts of started,
 completed and disconnected requests and the records (path, X-Request-Id, Authorization,
@@ -153,7 +154,7 @@ def build_app(
     app = FastAPI()
     records: list[dict[str, Any]] = []
     sent_bytes = [0]
-    detokenized = [0]
+    detokenized_for: list[str] = []  # the X-Request-Id of each /detokenize call
 
     async def sleep_or_disconnect(request: Request, seconds: float | None) -> bool:
         """Sleep (forever when ``seconds`` is None); return True early if the client went away."""
@@ -292,7 +293,7 @@ def build_app(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        detokenized[0] += 1
+        detokenized_for.append(request.headers.get("x-request-id", ""))
         tokens = (await request.json()).get("tokens") or []
         return {"prompt": "".join(_token_text(t) for t in tokens)}
 
@@ -318,7 +319,13 @@ def build_app(
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         counts = {state: sum(1 for r in records if r["state"] == state) for state in ("completed", "disconnected")}
-        return {"mode": mode, "started": len(records), **counts, "detokenized": detokenized[0], "requests": records}
+        return {
+            "mode": mode,
+            "started": len(records),
+            **counts,
+            "detokenized_for": detokenized_for,
+            "requests": records,
+        }
 
     return app
 

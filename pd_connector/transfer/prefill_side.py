@@ -36,7 +36,7 @@ from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.layerwise import LayerStreams, StreamResult
 from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
 from pd_connector.transfer.room_push import PushOutcome, log_push, push_room
-from pd_connector.transfer.rooms import ClaimKey, Room, WaitingRequest, remember
+from pd_connector.transfer.rooms import ClaimKey, ClosedRooms, Room, WaitingRequest, remember
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
 from pd_connector.transfer.write_guard import WriteGuard, guard_push
@@ -58,9 +58,7 @@ class PrefillSide:
         self._backend = backend
         self._lock = threading.Lock()
         self._rooms: dict[int, Room] = {}  # rooms not CLOSED
-        self._closed: OrderedDict[int, CloseReason] = OrderedDict()
-        # Expired rooms: how long each was held unclaimed (room_timeout_s, or a job's own hold_s).
-        self._held_for: OrderedDict[int, float] = OrderedDict()
+        self._closed = ClosedRooms(self._cfg.room_timeout_s)
         # D requests cancelled before their room's prefill finished: room -> their claims.
         self._early_cancels: OrderedDict[int, set[ClaimKey]] = OrderedDict()
         self._peers: dict[str, proto.PeerHello] = {}
@@ -104,7 +102,7 @@ class PrefillSide:
                 )
                 if cancelled:  # D gave up before this prefill finished: free at once
                     self._rooms.pop(job.room, None)
-                    remember(self._closed, job.room, CloseReason.CANCELLED)
+                    self._closed.add(job.room, CloseReason.CANCELLED)
                     self._ctx.outbox.sent(job.req_id)
                 else:
                     self._rooms[job.room] = ready
@@ -135,7 +133,7 @@ class PrefillSide:
         """These rooms will never have KV (request aborted); tell their D if it asks."""
         for room in rooms:
             with self._lock:
-                remember(self._closed, room, CloseReason.ABORTED)
+                self._closed.add(room, CloseReason.ABORTED)
                 waiting: list[WaitingRequest] = []
                 pending = self._rooms.get(room)
                 if pending is not None and pending.state is RoomState.AWAITING_PREFILL:
@@ -229,7 +227,7 @@ class PrefillSide:
             "room=%d req=%s: decode asked before prefill finished%s",
             req.room,
             req.request_id,
-            f" (room closed before: {self._closed_message(req.room, closed)})" if closed else "",
+            f" (room closed before: {self._closed.message(req.room, closed)})" if closed else "",
         )
         if self.layers is not None:
             self.layers.offer(req.room)  # a running layer-wise stream takes it
@@ -252,7 +250,7 @@ class PrefillSide:
                     room.waiting = [w for w in room.waiting if ClaimKey.of(w.req) != key]
                 if room is None or (not room.waiting and not room.submitted_ids):
                     self._rooms.pop(cancel.room, None)
-                    remember(self._closed, cancel.room, CloseReason.CANCELLED)
+                    self._closed.add(cancel.room, CloseReason.CANCELLED)
             else:
                 room.cancelled.add(key)
                 assert room.job is not None
@@ -380,15 +378,9 @@ class PrefillSide:
             self._forward_done.pop(room.room, None)
             room.state = RoomState.CLOSED
             reason = room.close_reason
-            remember(self._closed, room.room, reason)
-            if reason is CloseReason.EXPIRED:
-                remember(self._held_for, room.room, room.job.hold_seconds(self._cfg.room_timeout_s))
+            self._closed.add(room.room, reason, room.job.hold_seconds(self._cfg.room_timeout_s))
             self._ctx.traces.emit(room.room, None if reason is CloseReason.SENT else reason.value)
             self._ctx.outbox.sent(room.job.req_id)
-
-    def _closed_message(self, room: int, reason: CloseReason) -> str:
-        """What D is told of a room closed for ``reason`` (an expired one names its own hold)."""
-        return reason.message(self._held_for.get(room, self._cfg.room_timeout_s))
 
     def _reply(
         self,
@@ -449,6 +441,6 @@ class PrefillSide:
                         del self._rooms[room.room]
         for w in stale:
             if w.closed_before is not None:
-                self._reply(w.req, DoneStatus.ROOM_CLOSED, self._closed_message(w.req.room, w.closed_before))
+                self._reply(w.req, DoneStatus.ROOM_CLOSED, self._closed.message(w.req.room, w.closed_before))
             else:
                 self._reply(w.req, DoneStatus.TIMEOUT, f"prefill did not produce room {w.req.room} in time")

@@ -5,7 +5,7 @@
 held) -> DRAINING (expired: no new request, freed once in-flight writes end) -> CLOSED, or READY ->
 CLOSED once every expected claim was served or cancelled. A room that never reaches READY (aborted,
 cancelled, its waiting requests timed out) leaves the table from AWAITING_PREFILL; every room that
-leaves it is remembered by its ``CloseReason`` (``remember``: the newest ``CLOSED_ROOMS_KEPT``). A
+leaves it is remembered by its ``CloseReason`` (``ClosedRooms``: the newest ``CLOSED_ROOMS_KEPT``). A
 claim is one D rank's ask for a room
 (``ClaimKey``): the D ranks of one request share the request id, so claims are keyed by
 (request id, D peer id). The same keys name the layer-wise readers (``layerwise``).
@@ -111,3 +111,24 @@ def remember(table: OrderedDict[int, V], room: int, value: V) -> None:
     table.move_to_end(room)
     while len(table) > CLOSED_ROOMS_KEPT:
         table.popitem(last=False)
+
+
+class ClosedRooms:
+    """Rooms that left P's table: why each closed and, for an expired one, how long it was held
+    unclaimed (its job's ``hold_s``, else room_timeout_s); the newest ``CLOSED_ROOMS_KEPT``."""
+
+    def __init__(self, room_timeout_s: float) -> None:
+        self._room_timeout_s = room_timeout_s
+        self._table: OrderedDict[int, tuple[CloseReason, float]] = OrderedDict()
+
+    def add(self, room: int, reason: CloseReason, held_s: float | None = None) -> None:
+        remember(self._table, room, (reason, self._room_timeout_s if held_s is None else held_s))
+
+    def get(self, room: int) -> CloseReason | None:
+        entry = self._table.get(room)
+        return None if entry is None else entry[0]
+
+    def message(self, room: int, reason: CloseReason) -> str:
+        """What a D asking for ``room`` is told of its close for ``reason`` (an expired room names its hold)."""
+        entry = self._table.get(room)
+        return reason.message(self._room_timeout_s if entry is None else entry[1])

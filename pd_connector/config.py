@@ -95,6 +95,13 @@ class DisaggConfig:
     # D: hosts of the metaservers a D-first request may name (pd_connector.metaserver; same entry forms).
     # Empty: loopback only when local_ip is loopback, else none.
     trusted_metaservers: tuple[str, ...] = ()
+    # D: mutual TLS of its posts to a metaserver (vLLM-Ascend's tls_config, ascend_settings): the client
+    # certificate and key D presents (PEM; the key's password, if any), and the CA bundle it verifies the
+    # metaserver with (empty: the system's). Used for https metaserver URLs only.
+    metaserver_ssl_certfile: str = ""
+    metaserver_ssl_keyfile: str = ""
+    metaserver_ssl_keyfile_password: str = field(default="", repr=False)
+    metaserver_ssl_ca_certs: str = ""
     # D: check a checksum of what landed before a load counts as done (transfer.checksum).
     verify_kv: bool = False
     # P: "request" pushes a room's KV once its prefill finished; "layer" writes each layer's KV while
@@ -157,6 +164,10 @@ _FIELD_TYPES: dict[str, type] = {
     "bootstrap_ssl_ca_certs": str,
     "trusted_bootstrap_hosts": tuple,
     "trusted_metaservers": tuple,
+    "metaserver_ssl_certfile": str,
+    "metaserver_ssl_keyfile": str,
+    "metaserver_ssl_keyfile_password": str,
+    "metaserver_ssl_ca_certs": str,
     "verify_kv": bool,
     "transfer_mode": str,
     "d2rh": bool,

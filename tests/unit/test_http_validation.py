@@ -7,14 +7,9 @@ import json
 import socket
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from pd_connector.bootstrap.client import register_rank
@@ -22,6 +17,8 @@ from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.http_validation import CHECKED_PATHS, KVParamsValidationMiddleware, parse_body
 from pd_connector.messages import RegisterRank
 from tests.support.loopback import free_port
+from tests.support.validation_app import compat_app as _compat_app
+from tests.support.validation_app import make_app, post
 
 GOOD_D = {
     "do_remote_prefill": True,
@@ -33,27 +30,10 @@ GOOD_D = {
 GOOD_P = {"do_remote_decode": True, "bootstrap_room": 5}
 
 
-async def echo(request: Request) -> JSONResponse:
-    raw = await request.body()
-    return JSONResponse({"path": request.url.path, "method": request.method, "body": raw.decode("latin-1")})
-
-
-def make_app() -> Starlette:
-    routes = [Route(path, echo, methods=["GET", "POST"]) for path in (*CHECKED_PATHS, "/v1/models", "/tokenize")]
-    app = Starlette(routes=routes)
-    app.add_middleware(KVParamsValidationMiddleware)
-    return app
-
-
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
     with TestClient(make_app()) as c:
         yield c
-
-
-def post(client: TestClient, path: str, body: Any) -> Any:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return client.post(path, content=raw, headers={"content-type": "application/json"})
 
 
 @pytest.mark.parametrize("path", CHECKED_PATHS)
@@ -222,40 +202,6 @@ def test_parse_body_reports_only_malformed_params() -> None:
 
 
 # ------------------------------------------- D: is the named prefill deployment compatible?
-
-
-class _ModelConfig(SimpleNamespace):
-    """The parts of vLLM's ModelConfig that compat.model_fingerprint reads."""
-
-    def get_hidden_size(self) -> int:
-        return self.hidden
-
-    def get_vocab_size(self) -> int:
-        return 259
-
-    def get_total_num_kv_heads(self) -> int:
-        return 2
-
-    def get_head_size(self) -> int:
-        return 32
-
-
-def _compat_app(
-    block_size: int, dtype: str = "float32", role: str = "kv_consumer", hidden: int = 0, extra: dict | None = None
-) -> Starlette:
-    app = make_app()
-    model = (
-        _ModelConfig(dtype=f"torch.{dtype}", architectures=["LlamaForCausalLM"], hidden=hidden,
-                     hf_text_config=SimpleNamespace(num_hidden_layers=2))
-        if hidden
-        else SimpleNamespace(dtype=f"torch.{dtype}")
-    )  # fmt: skip
-    app.state.vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector="PDConnector", kv_role=role, kv_connector_extra_config=extra),
-        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
-        model_config=model,
-    )
-    return app
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pd_connector.http_validation import parse_body
 from pd_connector.kv_params import DecodeParams, PrefillParams, parse_kv_params
 from pd_connector.scheduler import PDScheduler
 from tests.support.fake_scheduler import FakeBlocks, FakeRequest, meta
+from tests.support.validation_app import compat_app, post
 
 PROXY = "http://127.0.0.1:8000/v1/metaserver"
 D_FIRST = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": PROXY}
@@ -252,9 +253,7 @@ def test_sender_queue_is_bounded(pd_logs: pytest.LogCaptureFixture) -> None:
 def test_middleware_refuses_an_untrusted_metaserver_with_403_and_passes_a_trusted_one() -> None:
     from starlette.testclient import TestClient
 
-    from tests.unit.test_http_validation import _compat_app, post
-
-    with TestClient(_compat_app(block_size=32, extra={"trusted_metaservers": ["10.9.0.0/16"]})) as c:
+    with TestClient(compat_app(block_size=32, extra={"trusted_metaservers": ["10.9.0.0/16"]})) as c:
         ok = {**D_FIRST, "metaserver": "http://10.9.1.1:8000/v1/metaserver"}
         r = post(c, "/v1/completions", {"model": "m", "prompt": "hi", "kv_transfer_params": ok})
         assert r.status_code == 200  # no 400 for the missing room, no route check: the engine gets it
@@ -263,6 +262,6 @@ def test_middleware_refuses_an_untrusted_metaserver_with_403_and_passes_a_truste
         err = r.json()["error"]
         assert err["type"] == "kv_transfer_untrusted_metaserver" and PROXY in err["message"]
         assert "trusted_metaservers: 10.9.0.0/16" in err["message"]
-    with TestClient(_compat_app(block_size=32, role="kv_producer")) as c:  # P: not its business
+    with TestClient(compat_app(block_size=32, role="kv_producer")) as c:  # P: not its business
         body = {"model": "m", "prompt": "hi", "kv_transfer_params": {**D_FIRST, "metaserver": "http://203.0.113.1/"}}
         assert post(c, "/v1/completions", body).status_code == 200

@@ -13,3 +13,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from launch.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight DeepSeek-V3-shaped MLA model (2 dense layers, ~10 MB), built once per session."""
+    from launch.tiny_mla import make_tiny_mla_model
+
+    return make_tiny_mla_model(tmp_path_factory.mktemp("models") / "tiny-mla")

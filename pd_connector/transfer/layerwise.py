@@ -8,15 +8,17 @@ room) records, per layer, how many of the room's blocks hold their final KV; eac
 the room (a ``Reader``) has, per layer, how many of them were queued for writing to it. A layer
 done -> every reader gets that layer's new blocks; a reader that comes late (D's request after
 the prefill started, or ended) first gets everything already computed, so nothing is missed and
-nothing is written twice. The writes run in order on one writer thread (a layer's write overlaps
-the next layers' compute), bound to the rank's device. When the final chunk's every layer is
+nothing is written twice. The writes run on writer threads bound to the rank's device (a layer's
+write overlaps the next layers' compute), queued per D rank (``layer_writers.PeerWriters``): one D
+rank's writes run in the order queued, one at a time, and a D whose writes stall holds only the
+thread serving it, never another D's layers. When the final chunk's every layer is
 written, the reader is done: ``TransferDone`` goes to D at once, without waiting for P's scheduler
 to see the request finish.
 
 Device ordering (``device_sync``): on an NPU/GPU ``save_kv_layer`` comes when the layer's KV
 write is queued on the forward's stream, not done. ``on_layer`` (and ``on_forward_end``) record a
 marker on that stream right then; the stream keeps it per layer and every write of that layer (also
-a late reader's backlog) waits for it on the writer thread before the backend reads a byte.
+a late reader's backlog) waits for it on its writer thread before the backend reads a byte.
 
 The claims stay P's rooms' (``prefill_side.PrefillSide``, the ``StreamHost``): a stream takes D's
 waiting requests from the room (``take_for_stream``; a reader is keyed by its ``rooms.ClaimKey``),
@@ -26,8 +28,9 @@ the prefill finished (``release``) are served by request mode's push. Models wit
 groups and token-major KV with a staging buffer (nhd_reshuffle) stay on request mode.
 
 Reader states (``ReaderState``): STREAMING (queued writes follow the layers) -> DONE (reported
-OK) or STOPPED (cancelled by D, room aborted, a write failed: no new writes; reported once its
-in-flight writes ended).
+OK) or STOPPED (cancelled by D, room aborted, a write failed: no new writes; writes still queued
+skip the backend). Any answer to D waits until every write queued for the reader returned
+(``Reader.pending`` at 0), so D never frees a block a write may still land in.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,6 +52,8 @@ from pd_connector.messages import DoneStatus
 from pd_connector.tp_mapping import HeadSlice, plan_decode_rank, slices_from, tp_transfer_entries
 from pd_connector.transfer.backend import TransferBackend, TransferError
 from pd_connector.transfer.context import RankContext, RankSpec
+from pd_connector.transfer.layer_writers import MAX_LAYER_WRITERS, PeerWriters
+from pd_connector.transfer.room_push import StreamResult
 from pd_connector.transfer.rooms import ClaimKey
 
 if TYPE_CHECKING:
@@ -87,17 +91,6 @@ class StreamHost(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class StreamResult:
-    req: proto.TransferRequest
-    status: DoneStatus
-    error: str
-    nbytes: int
-    entries: int
-    seconds: float
-    checksum: int | None = None
-
-
 @dataclass
 class Stream:
     room: int
@@ -127,7 +120,7 @@ class Reader:
     state: ReaderState = ReaderState.STREAMING
     status: DoneStatus = DoneStatus.OK
     error: str = ""
-    pending: int = 0
+    pending: int = 0  # writes queued or running; no answer to D before it is 0
     nbytes: int = 0
     entries: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -152,10 +145,17 @@ class Reader:
 
 
 class LayerStreams:
-    """A P rank's streams; called from the forward thread, the listener and the writer thread."""
+    """A P rank's streams; called from the forward thread, the listener and the writer threads.
+
+    ``writers``: threads writing layers at most (``layer_writers``), each serving one D rank at a time."""
 
     def __init__(
-        self, ctx: RankContext, backend: TransferBackend, host: StreamHost, layer_regions: Mapping[str, range]
+        self,
+        ctx: RankContext,
+        backend: TransferBackend,
+        host: StreamHost,
+        layer_regions: Mapping[str, range],
+        writers: int = MAX_LAYER_WRITERS,
     ) -> None:
         self._ctx = ctx
         self._spec = ctx.spec
@@ -170,9 +170,7 @@ class LayerStreams:
         self._readers: dict[tuple[int, ClaimKey], Reader] = {}
         self._step: object | None = None  # the metadata of the step being run
         self._device = ctx.device
-        self._writer = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pd-layer-push", initializer=self._device.bind_thread
-        )
+        self._writers = PeerWriters(writers, initializer=self._device.bind_thread)
 
     # ------------------------------------------------------------ forward thread
 
@@ -247,7 +245,7 @@ class LayerStreams:
             self._streams.pop(room, None)
 
     def close(self) -> None:
-        self._writer.shutdown(wait=False, cancel_futures=True)
+        self._writers.close()
 
     # ----------------------------------------------------------------- inside
 
@@ -355,19 +353,22 @@ class LayerStreams:
             reader.stop(DoneStatus.BAD_REQUEST, str(exc))
             return
         reader.pending += 1
-        self._writer.submit(self._write, reader, stream.layer_ready[layer], src, dst, lengths)
+        ready = stream.layer_ready[layer]
+        self._writers.submit(reader.peer.transfer_descriptor, lambda: self._write(reader, ready, src, dst, lengths))
 
     def _write(self, reader: Reader, ready: Marker, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        """Writer thread: one layer's blocks to one reader, once the device wrote them (``ready``)."""
+        """Writer thread of the reader's D rank: one layer's blocks to it, once the device wrote them (``ready``)."""
         error = ""
+        wanted: Callable[[], bool] = lambda: reader.state is ReaderState.STREAMING  # noqa: E731
+        skipped = not wanted()  # the reader stopped while this write was queued: nothing to move
         try:
-            ready.wait()
-            wanted: Callable[[], bool] = lambda: reader.state is ReaderState.STREAMING  # noqa: E731
-            self._backend.write(
-                reader.peer.transfer_descriptor, src, dst, lengths, self._ctx.cfg.max_batch_entries, wanted
-            )
-            if reader.summed is not None:
-                reader.summed.add(src, dst, lengths)
+            if not skipped:
+                ready.wait()
+                self._backend.write(
+                    reader.peer.transfer_descriptor, src, dst, lengths, self._ctx.cfg.max_batch_entries, wanted
+                )
+                if reader.summed is not None:
+                    reader.summed.add(src, dst, lengths)
         except TransferError as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - reported to D, never lost
@@ -377,7 +378,7 @@ class LayerStreams:
             reader.pending -= 1
             if error:
                 reader.stop(DoneStatus.TRANSFER_FAILED, error)
-            else:
+            elif not skipped:
                 reader.nbytes += sum(lengths)
                 reader.entries += len(lengths)
             finished = self._take_finished()

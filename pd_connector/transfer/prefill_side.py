@@ -33,9 +33,9 @@ from pd_connector.pp_stages import PipelineError, localize_hello
 from pd_connector.transfer.backend import TransferBackend, describe
 from pd_connector.transfer.checksum import RunningChecksum
 from pd_connector.transfer.context import RankContext
-from pd_connector.transfer.layerwise import LayerStreams, StreamResult
+from pd_connector.transfer.layerwise import LayerStreams
 from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
-from pd_connector.transfer.room_push import PushOutcome, log_push, push_room
+from pd_connector.transfer.room_push import PushOutcome, StreamResult, log_push, push_room
 from pd_connector.transfer.rooms import ClaimKey, ClosedRooms, Room, WaitingRequest, remember
 from pd_connector.transfer.states import CloseReason, RoomState
 from pd_connector.transfer.stats import reason_of_status
@@ -259,13 +259,14 @@ class PrefillSide:
         logger.warning("room=%d req=%s: %s", cancel.room, cancel.request_id, why)
         for w in dropped:  # D waits for one answer per request it sent
             self._reply(w.req, status, why)
+        # A layer-wise reader of the claim stops and answers once its writes ended (also one whose room
+        # left the table, aborted): D must not be told before, it would free blocks a write may still land in.
+        streamed = self.layers is not None and self.layers.stop(cancel.room, key, status, why)
         peer = self._peers.get(cancel.peer_id)
-        if room is None and peer is not None:  # no write of the room runs here: D may hold its blocks until told
+        if room is None and peer is not None and not streamed:  # no write of it runs: D may hold its blocks until told
             spec = self._spec
             done = proto.TransferDone(cancel.room, cancel.request_id, spec.tp_rank, status, why, pp_rank=spec.pp_rank)
             self._ctx.send(peer.endpoint, done)
-        if self.layers is not None:  # a layer-wise stream of it stops and answers once its writes ended
-            self.layers.stop(cancel.room, key, status, why)
         if room is None or room.state is RoomState.AWAITING_PREFILL:
             self._ctx.traces.emit(cancel.room, "cancelled")
 

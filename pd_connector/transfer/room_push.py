@@ -4,7 +4,7 @@
 against D's registered KV blocks (``write_guard``), writes the room's blocks through the transfer
 backend and maps every failure to the ``DoneStatus`` D is told. It never raises: a room's end is
 always reported, so its KV is never held forever. `log_push` writes the push's log line and counts
-it; the end of a layer-wise stream's reader (``layerwise.StreamResult``) logs through it too.
+it; the end of a layer-wise stream's reader (``StreamResult``) logs through it too.
 """
 
 from __future__ import annotations
@@ -43,6 +43,19 @@ class PushOutcome:
     @property
     def ok(self) -> bool:
         return self.status is DoneStatus.OK
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """How one layer-wise reader (``layerwise.Reader``) ended: D request ``req`` is told ``status``."""
+
+    req: proto.TransferRequest
+    status: DoneStatus
+    error: str
+    nbytes: int
+    entries: int
+    seconds: float
+    checksum: int | None = None
 
 
 def push_room(
@@ -99,7 +112,7 @@ def push_room(
 
 
 class Pushed(Protocol):
-    """How a push ended: a request-mode ``PushOutcome`` or a layer-wise ``layerwise.StreamResult``."""
+    """How a push ended: a request-mode ``PushOutcome`` or a layer-wise ``StreamResult``."""
 
     @property
     def status(self) -> DoneStatus: ...

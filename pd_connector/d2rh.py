@@ -34,11 +34,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-
 from pd_connector.host_pool import HostPool
 from pd_connector.kv_params import DecodeParams
 from pd_connector.metadata import HostLoad, RecvJob
+from pd_connector.vllm_bases import KVConnectorWorkerMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

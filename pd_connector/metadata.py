@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
 from pd_connector.kv_params import host_port
 from pd_connector.layer_chunks import LayerChunk
+from pd_connector.vllm_bases import KVConnectorMetadata
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,16 @@
 
 At parse time (``resolve``, called by ``config.parse_config`` on the coerced keys):
 
-- ``tls_config`` (vLLM-Ascend's layer-wise connector: TLS of its control-plane calls, to the
-  metaserver): ``{"ssl_enable": true, "ssl_certfile", "ssl_keyfile", "ssl_ca_certs"}`` becomes
-  ``bootstrap_ssl_certfile`` / ``bootstrap_ssl_keyfile`` / ``bootstrap_ssl_ca_certs``, PDConnector's
-  control-plane TLS. ``ssl_enable`` false or absent means no TLS, as there; both forms naming
-  different things is an error naming both keys.
+- ``tls_config`` (vLLM-Ascend's ``MooncakeLayerwiseConnector``: the client TLS of D's posts to the
+  layer-wise proxy's metaserver, an ``httpx`` client with ``cert=(ssl_certfile, ssl_keyfile,
+  ssl_keyfile_password)`` and ``verify=ssl_ca_certs``): ``{"ssl_enable": true, "ssl_certfile",
+  "ssl_keyfile", "ssl_keyfile_password", "ssl_ca_certs"}`` becomes ``metaserver_ssl_certfile`` /
+  ``metaserver_ssl_keyfile`` / ``metaserver_ssl_keyfile_password`` / ``metaserver_ssl_ca_certs``: the
+  certificate D presents to an https metaserver (mutual TLS) and the CA it verifies that metaserver
+  with (``pd_connector.metaserver``). Without ``ssl_ca_certs`` vLLM-Ascend does not verify the
+  metaserver; PDConnector verifies it with the system's CA store. ``ssl_enable`` false or absent means
+  none of it, as there; both forms naming different things is an error naming both keys. The
+  bootstrap server's TLS is not this: it keeps its own keys (``bootstrap_ssl_*``).
 - ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` (environment; how long vLLM-Ascend's P keeps a finished
   prefill's KV for D): P's ``room_timeout_s`` when that key is not given.
 - ``qos_priority``: HIXL channel QoS of the transfer's initiator, an integer in 0..4 (default 1).
@@ -28,6 +33,7 @@ import json
 import logging
 import math
 import os
+import ssl
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -40,13 +46,16 @@ KEY = "kv_connector_extra_config"
 TLS_CONFIG = "tls_config"
 #: Keys parse_config takes besides DisaggConfig's fields (folded into them here).
 EXTRA_KEYS = (TLS_CONFIG,)
-#: tls_config key -> the DisaggConfig field it stands for.
+#: tls_config key -> the DisaggConfig field it stands for (D's client TLS toward a metaserver).
 TLS_FIELDS = {
-    "ssl_certfile": "bootstrap_ssl_certfile",
-    "ssl_keyfile": "bootstrap_ssl_keyfile",
-    "ssl_ca_certs": "bootstrap_ssl_ca_certs",
+    "ssl_certfile": "metaserver_ssl_certfile",
+    "ssl_keyfile": "metaserver_ssl_keyfile",
+    "ssl_keyfile_password": "metaserver_ssl_keyfile_password",
+    "ssl_ca_certs": "metaserver_ssl_ca_certs",
 }
-TLS_KEYS = ("ssl_enable", *TLS_FIELDS, "ssl_keyfile_password")
+TLS_KEYS = ("ssl_enable", *TLS_FIELDS)
+#: TLS_FIELDS' values that name files (the password does not).
+_TLS_FILES = ("metaserver_ssl_certfile", "metaserver_ssl_keyfile", "metaserver_ssl_ca_certs")
 
 ABORT_TIMEOUT_ENV = "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"
 RESOURCE_CONFIG_ENV = "ASCEND_GLOBAL_RESOURCE_CONFIG"
@@ -75,6 +84,7 @@ def resolve(
     env = os.environ if env is None else env
     if tls is not None:
         merge_tls(values, tls)
+    check_metaserver_tls(values)
     hold_from_env(is_prefill, values, env)
     qos = values.get("qos_priority", DEFAULT_QOS)
     check_qos(qos)
@@ -83,7 +93,7 @@ def resolve(
 
 
 def tls_values(tls: Any) -> dict[str, str] | None:
-    """The bootstrap TLS fields vLLM-Ascend's ``tls_config`` stands for; None when it does not enable TLS."""
+    """The metaserver TLS fields vLLM-Ascend's ``tls_config`` stands for; None when it does not enable TLS."""
     where = f"{KEY}.{TLS_CONFIG}"
     if not isinstance(tls, dict):
         raise SettingError(f"{where} must be an object with keys {list(TLS_KEYS)}, got {tls!r}")
@@ -95,24 +105,21 @@ def tls_values(tls: Any) -> dict[str, str] | None:
         raise SettingError(f"{where}.ssl_enable must be true or false, got {enable!r}")
     if not enable:
         return None
-    if tls.get("ssl_keyfile_password"):
-        raise SettingError(
-            f"{where}.ssl_keyfile_password: the bootstrap server takes no password-protected key; "
-            f"give {where}.ssl_keyfile an unencrypted key readable only by the serving user"
-        )
     out = {}
     for key, field in TLS_FIELDS.items():
         value = tls.get(key)
         if value is None or value is False or value == "":
             continue
         if not isinstance(value, str):
-            raise SettingError(f"{where}.{key} must be a file path, got {value!r}")
+            what = "a string" if key == "ssl_keyfile_password" else "a file path"
+            shown = "<hidden>" if key == "ssl_keyfile_password" else repr(value)
+            raise SettingError(f"{where}.{key} must be {what}, got {shown}")
         out[field] = value
     return out
 
 
 def merge_tls(values: dict[str, Any], tls: Any) -> None:
-    """Put ``tls_config``'s files into the ``bootstrap_ssl_*`` fields; a contradiction names both keys."""
+    """Put ``tls_config``'s values into the ``metaserver_ssl_*`` fields; a contradiction names both keys."""
     mapped = tls_values(tls)
     where = f"{KEY}.{TLS_CONFIG}"
     if mapped is None:
@@ -125,17 +132,52 @@ def merge_tls(values: dict[str, Any], tls: Any) -> None:
     for key, field in TLS_FIELDS.items():
         value, given = mapped.get(field), values.get(field)
         if value and given and value != given:
+            if field not in _TLS_FILES:
+                raise SettingError(f"{where}.{key} and {KEY}.{field} differ; set one of them")
             raise SettingError(
                 f"{where}.{key} is {value!r} but {KEY}.{field} is {given!r}; they name the same file, set one of them"
             )
         if value:
             values[field] = value
-    if not values.get("bootstrap_ssl_ca_certs"):
+
+
+def check_metaserver_tls(values: Mapping[str, Any]) -> None:
+    """D's metaserver TLS files load (certificate with its key and password, CA bundle); errors name the key."""
+    cert, key = values.get("metaserver_ssl_certfile", ""), values.get("metaserver_ssl_keyfile", "")
+    password, ca = values.get("metaserver_ssl_keyfile_password", ""), values.get("metaserver_ssl_ca_certs", "")
+    if bool(cert) != bool(key):
         raise SettingError(
-            f"{where}.ssl_enable is true but neither {where}.ssl_ca_certs nor {KEY}.bootstrap_ssl_ca_certs names "
-            "a CA file: PDConnector's bootstrap clients always verify the server (for a self-signed "
-            "certificate: the certificate itself)"
+            f"{KEY}.metaserver_ssl_certfile and metaserver_ssl_keyfile go together (tls_config: ssl_certfile and "
+            "ssl_keyfile): set both or neither"
         )
+    if password and not key:
+        raise SettingError(f"{KEY}.metaserver_ssl_keyfile_password is set but metaserver_ssl_keyfile is not")
+    for field in _TLS_FILES:
+        path = values.get(field, "")
+        if path and not os.access(path, os.R_OK):
+            raise SettingError(f"{KEY}.{field} {path!r} is not a readable file")
+    try:
+        ctx = ssl.create_default_context(cafile=ca or None)
+    except (ssl.SSLError, OSError) as exc:
+        raise SettingError(f"{KEY}.metaserver_ssl_ca_certs {ca!r} is not a CA bundle (PEM): {exc}") from None
+    if not cert:
+        return
+    try:
+        ctx.load_cert_chain(cert, key, password or None)
+    except (ssl.SSLError, OSError) as exc:
+        raise SettingError(
+            f"{KEY}.metaserver_ssl_certfile {cert!r} with metaserver_ssl_keyfile {key!r} does not load (PEM "
+            f"certificate and its key{', and the key password' if password else ''}): {exc}"
+        ) from None
+
+
+def client_tls_context(certfile: str, keyfile: str, password: str, ca_certs: str) -> ssl.SSLContext:
+    """A client context verifying servers with ``ca_certs`` (empty: the system's CA store) and, with
+    ``certfile``, presenting that certificate (mutual TLS)."""
+    ctx = ssl.create_default_context(cafile=ca_certs or None)
+    if certfile:
+        ctx.load_cert_chain(certfile, keyfile or None, password or None)
+    return ctx
 
 
 def abort_timeout_s(env: Mapping[str, str]) -> float | None:

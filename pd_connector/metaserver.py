@@ -22,6 +22,10 @@ PDConnector's D does the same, in its own protocol:
   never answers or P never pushes, D's load fails after ``kv_wait_timeout_s`` as any load does, and
   P's waiting request after ``room_timeout_s``.
 
+Mutual TLS (vLLM-Ascend's ``tls_config``, ``ascend_settings``): to an https metaserver D presents
+``metaserver_ssl_certfile`` / ``metaserver_ssl_keyfile`` and verifies the metaserver with
+``metaserver_ssl_ca_certs`` (empty: the system's CA store) (:func:`tls_context_of`).
+
 The metaserver URL comes from the client's request, so D posts only to hosts on
 ``trusted_metaservers`` (:func:`trusted_metaservers_of`; default: loopback only, and only when D's
 ``local_ip`` is loopback). D's HTTP middleware answers 403 naming the URL for any other one; without
@@ -35,6 +39,7 @@ import logging
 import os
 import queue
 import re
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +49,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from pd_connector.ascend_settings import client_tls_context
 from pd_connector.bootstrap.trust import LOOPBACK_ENTRIES, TrustedHosts, is_loopback_host
 from pd_connector.config import DisaggConfig
 from pd_connector.kv_params import (
@@ -95,6 +101,19 @@ def trusted_metaservers_of(cfg: DisaggConfig) -> TrustedHosts:
     if cfg.trusted_metaservers:
         return TrustedHosts.parse(cfg.trusted_metaservers, key=TRUSTED_KEY)
     return TrustedHosts.parse(LOOPBACK_ENTRIES if is_loopback_host(cfg.local_ip) else ())
+
+
+def tls_context_of(cfg: DisaggConfig) -> ssl.SSLContext | None:
+    """D's client TLS toward https metaservers (``metaserver_ssl_*``, vLLM-Ascend's ``tls_config``); None
+    when none is configured (httpx's default verification)."""
+    if not (cfg.metaserver_ssl_certfile or cfg.metaserver_ssl_ca_certs):
+        return None
+    return client_tls_context(
+        cfg.metaserver_ssl_certfile,
+        cfg.metaserver_ssl_keyfile,
+        cfg.metaserver_ssl_keyfile_password,
+        cfg.metaserver_ssl_ca_certs,
+    )
 
 
 def check_url(url: object, trusted: TrustedHosts) -> str:
@@ -183,13 +202,16 @@ class MetaserverSender:
         limit: int = QUEUE_LIMIT,
         client: Callable[[], httpx.Client] | None = None,
         retry_delay_s: float = 0.2,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: the client context of https posts (its certificate presented, its CAs trusted)."""
         self._timeout = httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S)
         self._queue: queue.Queue[Post | None] = queue.Queue(maxsize=limit)
         self._threads_wanted = threads
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._make_client = client or (lambda: httpx.Client(timeout=self._timeout, trust_env=False))
+        verify: ssl.SSLContext | bool = tls if tls is not None else True
+        self._make_client = client or (lambda: httpx.Client(timeout=self._timeout, trust_env=False, verify=verify))
         self._retry_delay_s = retry_delay_s
         self.sent = 0
         self.failed = 0
@@ -310,7 +332,7 @@ class DecodeFirst:
         if post is None:
             return
         if self._sender is None:
-            self._sender = MetaserverSender(self._cfg.kv_wait_timeout_s)
+            self._sender = MetaserverSender(self._cfg.kv_wait_timeout_s, tls=tls_context_of(self._cfg))
         self._sender.submit(post)
 
     def forget(self, request_id: str) -> None:

@@ -1,10 +1,11 @@
-"""Issue 20 item 3: vLLM-Ascend 0.23 settings its users carry, taken with vLLM-Ascend's meaning.
+"""vLLM-Ascend 0.23 settings its users carry, taken with vLLM-Ascend's meaning.
 
 Each is set the vLLM-Ascend way (the extra-config key or the environment variable) and its effect
-checked: ``qos_priority`` merged into ``ASCEND_GLOBAL_RESOURCE_CONFIG`` before the engine starts (seed
-003), ``tls_config`` as the bootstrap's TLS (a real https bootstrap call), ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``
-as P's hold (a room nobody asks for is freed after it), ``ASCEND_TRANSFER_TIMEOUT`` from ``HCCL_RDMA_*``,
-and the endpoint file of the physical NPU id (a stand-in ``npu-smi`` on PATH).
+checked: ``qos_priority`` merged into ``ASCEND_GLOBAL_RESOURCE_CONFIG`` before the engine starts,
+``tls_config`` as D's client TLS toward the metaserver (its effect: test_metaserver.py's mutual-TLS
+metaserver), ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` as P's hold (a room nobody asks for is freed after
+it), ``ASCEND_TRANSFER_TIMEOUT`` from ``HCCL_RDMA_*``, and the endpoint file of the physical NPU id (a
+stand-in ``npu-smi`` on PATH).
 """
 
 from __future__ import annotations
@@ -19,22 +20,20 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from pd_connector import ascend_env, ascend_settings
 from pd_connector import worker as worker_mod
 from pd_connector.ascend_env import endpoint_file, parse_npu_map, setup_local_comm_res
 from pd_connector.ascend_settings import apply_transport_env, transfer_timeout_ms
-from pd_connector.bootstrap.client import register_rank
-from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import ConfigError, parse_config
 from pd_connector.layout import regions_of_kv_caches
-from pd_connector.messages import RegisterRank
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import register_backend
 from pd_connector.worker import PDWorker
 from tests.support.ascend_kv import ascend_kv
-from tests.support.loopback import HOST, free_port
+from tests.support.loopback import HOST
 from tests.support.transfer_rig import BLOCK_SIZE, DTYPE, LAYERS, NUM_BLOCKS, Rig, Side
 
 ENV_NAMES = (
@@ -305,71 +304,89 @@ def _va_tls(certfile: str, keyfile: str, ca: str, **more: Any) -> dict[str, Any]
     return {"ssl_enable": True, "ssl_certfile": certfile, "ssl_keyfile": keyfile, "ssl_ca_certs": ca, **more}
 
 
-def test_tls_config_becomes_the_bootstrap_tls(cert: tuple[str, str]) -> None:
-    certfile, keyfile = cert
-    p = parse_config("kv_producer", {"tls_config": _va_tls(certfile, keyfile, certfile)})
-    assert (p.bootstrap_ssl_certfile, p.bootstrap_ssl_keyfile, p.bootstrap_ssl_ca_certs) == (
-        certfile,
-        keyfile,
-        certfile,
+def _metaserver_tls(cfg: Any) -> tuple[str, str, str, str]:
+    return (
+        cfg.metaserver_ssl_certfile,
+        cfg.metaserver_ssl_keyfile,
+        cfg.metaserver_ssl_keyfile_password,
+        cfg.metaserver_ssl_ca_certs,
     )
+
+
+def test_tls_config_is_ds_client_tls_toward_the_metaserver(cert: tuple[str, str], tmp_path: Path) -> None:
+    """As vLLM-Ascend's MooncakeLayerwiseConnector: D's metaserver client presents the certificate and
+    verifies with the CA (the effect: test_metaserver.py's mutual-TLS metaserver). The bootstrap server's
+    TLS is not touched: it keeps its bootstrap_ssl_* keys."""
+    certfile, keyfile = cert
+    d = parse_config("kv_consumer", {"tls_config": _va_tls(certfile, keyfile, certfile)})
+    assert _metaserver_tls(d) == (certfile, keyfile, "", certfile)
+    assert (d.bootstrap_ssl_certfile, d.bootstrap_ssl_keyfile, d.bootstrap_ssl_ca_certs) == ("", "", "")
+    # A key with a password (vLLM-Ascend's ssl_keyfile_password): it loads, and the password is not in the repr.
+    locked = tmp_path / "locked-key.pem"
+    key = serialization.load_pem_private_key(Path(keyfile).read_bytes(), None)
+    locked.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw1")
+        )
+    )
+    d = parse_config(
+        "kv_consumer", {"tls_config": _va_tls(certfile, str(locked), certfile, ssl_keyfile_password="pw1")}
+    )
+    assert _metaserver_tls(d) == (certfile, str(locked), "pw1", certfile) and "pw1" not in repr(d)
+    # The CA alone: verify the metaserver, present no certificate.
     d = parse_config("kv_consumer", {"tls_config": {"ssl_enable": True, "ssl_ca_certs": certfile}})
-    assert d.bootstrap_ssl_ca_certs == certfile and not d.bootstrap_ssl_certfile
-    # The effect: P's bootstrap server speaks TLS with these files and a rank registers over https.
-    server = BootstrapServer(
-        BootstrapState(attn_tp_size=1, attn_dp_size=1), HOST, free_port(),
-        ssl_certfile=p.bootstrap_ssl_certfile, ssl_keyfile=p.bootstrap_ssl_keyfile,
-    )  # fmt: skip
-    server.start()
-    try:
-        info = RegisterRank(1, 0, 1, 0, HOST, free_port(), 16, "float16", num_layers=2)
-        addr = f"{HOST}:{server.port}"
-        assert register_rank(addr, info, 1, 0.01, 5, ca_certs=p.bootstrap_ssl_ca_certs)
-        assert not register_rank(addr, info, 1, 0.01, 5)  # plain http is not answered
-    finally:
-        server.stop()
+    assert _metaserver_tls(d) == ("", "", "", certfile)
+    # The bootstrap keys and tls_config side by side: each its own.
+    both = {"tls_config": _va_tls(certfile, keyfile, certfile), "bootstrap_ssl_ca_certs": certfile}
+    d = parse_config("kv_consumer", both)
+    assert d.bootstrap_ssl_ca_certs == certfile and d.metaserver_ssl_certfile == certfile
 
 
 def test_tls_config_disabled_means_no_tls(cert: tuple[str, str]) -> None:
     certfile, keyfile = cert
-    cfg = parse_config("kv_producer", {"tls_config": _va_tls(certfile, keyfile, certfile, ssl_enable=False)})
-    assert (cfg.bootstrap_ssl_certfile, cfg.bootstrap_ssl_keyfile, cfg.bootstrap_ssl_ca_certs) == ("", "", "")
-    assert parse_config("kv_consumer", {"tls_config": {}}).bootstrap_ssl_ca_certs == ""
+    cfg = parse_config("kv_consumer", {"tls_config": _va_tls(certfile, keyfile, certfile, ssl_enable=False)})
+    assert _metaserver_tls(cfg) == ("", "", "", "")
+    assert _metaserver_tls(parse_config("kv_consumer", {"tls_config": {}})) == ("", "", "", "")
     # Both forms naming the same file agree.
-    same = {"tls_config": _va_tls(certfile, keyfile, certfile), "bootstrap_ssl_certfile": certfile}
-    assert parse_config("kv_producer", same).bootstrap_ssl_certfile == certfile
+    same = {"tls_config": _va_tls(certfile, keyfile, certfile), "metaserver_ssl_certfile": certfile}
+    assert parse_config("kv_consumer", same).metaserver_ssl_certfile == certfile
 
 
-def test_tls_config_errors_name_the_keys(cert: tuple[str, str]) -> None:
+def test_tls_config_errors_name_the_keys(cert: tuple[str, str], tmp_path: Path) -> None:
     certfile, keyfile = cert
-    other = str(Path(certfile).with_name("other.pem"))
+    other = str(tmp_path / "other.pem")
     Path(other).write_text(Path(certfile).read_text())
+    not_pem = str(tmp_path / "not-pem.txt")
+    Path(not_pem).write_text("hello")
     cases: list[tuple[dict[str, Any], list[str]]] = [
         (
-            {"tls_config": _va_tls(other, keyfile, certfile), "bootstrap_ssl_certfile": certfile},
-            ["tls_config.ssl_certfile is " + repr(other), "bootstrap_ssl_certfile is " + repr(certfile)],
+            {"tls_config": _va_tls(other, keyfile, certfile), "metaserver_ssl_certfile": certfile},
+            ["tls_config.ssl_certfile is " + repr(other), "metaserver_ssl_certfile is " + repr(certfile)],
         ),
         (
-            {"tls_config": _va_tls(certfile, keyfile, certfile), "bootstrap_ssl_ca_certs": other},
-            ["tls_config.ssl_ca_certs", "bootstrap_ssl_ca_certs"],
+            {"tls_config": _va_tls(certfile, keyfile, certfile), "metaserver_ssl_ca_certs": other},
+            ["tls_config.ssl_ca_certs", "metaserver_ssl_ca_certs"],
         ),
         (
-            {"tls_config": {"ssl_enable": False}, "bootstrap_ssl_ca_certs": certfile},
-            ["tls_config.ssl_enable is false", "bootstrap_ssl_ca_certs"],
+            {"tls_config": {"ssl_enable": False}, "metaserver_ssl_ca_certs": certfile},
+            ["tls_config.ssl_enable is false", "metaserver_ssl_ca_certs"],
         ),
-        ({"tls_config": {"ssl_enable": True}}, ["tls_config.ssl_ca_certs", "bootstrap_ssl_ca_certs"]),
         ({"tls_config": {"ssl_enable": True, "ssl_cafile": "x"}}, ["ssl_cafile", "tls_config", "ssl_ca_certs"]),
         ({"tls_config": {"ssl_enable": "yes"}}, ["tls_config.ssl_enable"]),
-        ({"tls_config": _va_tls(certfile, keyfile, certfile, ssl_keyfile_password="pw")}, ["ssl_keyfile_password"]),
         ({"tls_config": {"ssl_enable": True, "ssl_ca_certs": 5}}, ["tls_config.ssl_ca_certs"]),
         ({"tls_config": [1]}, ["tls_config", "object"]),
         ({"tls_confg": {}}, ["tls_confg", "known keys", "tls_config"]),
-        # Mapped keys go through the bootstrap TLS checks: a certificate without its key.
-        ({"tls_config": {"ssl_enable": True, "ssl_certfile": certfile, "ssl_ca_certs": certfile}}, ["ssl_keyfile"]),
+        # A certificate without its key, a password without a key, files that are not there or not PEM.
+        ({"tls_config": {"ssl_enable": True, "ssl_certfile": certfile}}, ["metaserver_ssl_keyfile", "ssl_keyfile"]),
+        ({"tls_config": {"ssl_enable": True, "ssl_keyfile_password": "pw"}}, ["metaserver_ssl_keyfile_password"]),
+        ({"metaserver_ssl_ca_certs": str(tmp_path / "nope.pem")}, ["metaserver_ssl_ca_certs", "nope.pem", "readable"]),
+        ({"tls_config": {"ssl_enable": True, "ssl_ca_certs": not_pem}}, ["metaserver_ssl_ca_certs", "not-pem.txt"]),
+        ({"tls_config": _va_tls(certfile, not_pem, certfile)}, ["metaserver_ssl_certfile", "not-pem.txt"]),
+        ({"tls_config": _va_tls(certfile, keyfile, certfile, ssl_keyfile_password=7)}, ["ssl_keyfile_password"]),
     ]
     for extra, words in cases:
         with pytest.raises(ConfigError) as info:
-            parse_config("kv_producer", extra)
+            parse_config("kv_consumer", extra)
         for word in words:
             assert word in str(info.value), (extra, str(info.value))
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from pd_connector.http_validation import parse_body
 from pd_connector.kv_params import DecodeParams, PrefillParams, parse_kv_params
 from pd_connector.scheduler import PDScheduler
 from tests.support.fake_scheduler import FakeBlocks, FakeRequest, meta
+from tests.support.key_files import self_signed
 from tests.support.validation_app import compat_app, post
 
 PROXY = "http://127.0.0.1:8000/v1/metaserver"
@@ -245,6 +248,68 @@ def test_sender_queue_is_bounded(pd_logs: pytest.LogCaptureFixture) -> None:
     assert sender.submit(ms.Post(PROXY, {}, 1, "r1"))
     assert not sender.submit(ms.Post(PROXY, {}, 2, "r2"))
     assert sender.failed == 1 and any("room=2 req=r2" in r.getMessage() for r in pd_logs.records)
+
+
+# ------------------------------------------------------------------ mutual TLS (tls_config)
+
+
+@pytest.fixture
+def mtls_server(tmp_path: Path) -> Iterator[tuple[str, type[_Handler], tuple[Path, Path], tuple[Path, Path]]]:
+    """An https metaserver that requires a client certificate signed by the client's (self-signed) CA:
+    (url, handler, server cert and key, client cert and key)."""
+    server_pair, client_pair = self_signed(tmp_path, "metaserver"), self_signed(tmp_path, "decoder")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(*server_pair)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(client_pair[0])
+    handler = type("H", (_Handler,), {"seen": [], "status": 200})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    httpd.handle_error = lambda *_: None  # type: ignore[method-assign]  # refused handshakes
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{httpd.server_address[1]}/v1/metaserver", handler, server_pair, client_pair
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _d_first_post(cfg: DisaggConfig, url: str) -> ms.DecodeFirst:
+    """D's scheduler side takes a D-first request for ``url`` and queues its post (its own sender: cfg's TLS)."""
+    first = ms.DecodeFirst(cfg)
+    assert isinstance(first.params_of(FakeRequest("tls-1", {**D_FIRST, "metaserver": url}, 8)), DecodeParams)
+    first.allocated("tls-1")
+    return first
+
+
+def test_tls_config_is_the_client_certificate_of_ds_metaserver_posts(mtls_server: Any) -> None:
+    url, handler, (server_cert, _), (client_cert, client_key) = mtls_server
+    tls = {"ssl_enable": True, "ssl_certfile": str(client_cert), "ssl_keyfile": str(client_key)}
+    cfg = parse_config("kv_consumer", {"tls_config": {**tls, "ssl_ca_certs": str(server_cert)}})
+    first = _d_first_post(cfg, url)
+    try:
+        sender = first._sender
+        assert sender is not None
+        _wait(lambda: sender.sent == 1)
+        assert sender.sent == 1 and sender.failed == 0
+        assert handler.seen[0]["do_remote_decode"] is True and handler.seen[0]["request_id"] == "tls-1"
+    finally:
+        first.close()
+
+
+@pytest.mark.parametrize("with_ca_only", [False, True])
+def test_without_tls_config_the_metaserver_refuses_d(mtls_server: Any, with_ca_only: bool) -> None:
+    url, handler, (server_cert, _), _ = mtls_server
+    extra = {"tls_config": {"ssl_enable": True, "ssl_ca_certs": str(server_cert)}} if with_ca_only else {}
+    first = _d_first_post(parse_config("kv_consumer", extra), url)
+    try:
+        sender = first._sender
+        assert sender is not None
+        _wait(lambda: sender.failed == 1, timeout=15)
+        assert sender.failed == 1 and sender.sent == 0 and handler.seen == []
+    finally:
+        first.close()
 
 
 # ------------------------------------------------------------------ D's middleware

@@ -53,6 +53,16 @@ class BackendOptions(Protocol):
         """Whether the bytes move over Ascend's HIXL, so vLLM-Ascend's QoS and timeout settings apply."""
         ...
 
+    @property
+    def batch_stall_s(self) -> float:
+        """The longest one batch write may take before the transport itself fails it, in seconds.
+
+        The timing contract of a write after a reader gave up: P's slowest batch, retries included, is
+        ``transfer.backend.batch_budget_s(batch_stall_s)``, and D keeps a stopped load's blocks out of
+        reuse that long plus peer_timeout_s and a margin (``transfer.loads.stop_wait_s``). A backend
+        derives it from its own options and the environment its transport reads."""
+        ...
+
     def memory_problem(self, device_types: Iterable[str], regions: int, staging: int) -> str | None:
         """Why this backend cannot move KV on ``device_types`` in ``regions`` registered regions
         (``staging`` of them P's NHD staging buffer); None when it can."""
@@ -63,12 +73,18 @@ class BackendOptions(Protocol):
         ...
 
 
+#: ``batch_stall_s`` of a backend whose batch is a local copy in this process (no peer, no network):
+#: a bound for a loop of memory copies, so a stopped load is not held for a network transport's timeout.
+LOCAL_COPY_STALL_S = 2.0
+
+
 @dataclass(frozen=True)
 class NoOptions:
     """The options of a backend without keys: no limits but the batch size, nothing to prepare."""
 
     batch_limit: int = 1 << 16
     uses_hixl: bool = False
+    batch_stall_s: float = LOCAL_COPY_STALL_S
 
     def memory_problem(self, device_types: Iterable[str], regions: int, staging: int) -> str | None:
         return None
@@ -96,15 +112,22 @@ class BackendSpec:
 _REGISTERED: dict[str, BackendSpec] = {}
 
 
-def register_backend(name: str, factory: Callable[[DisaggConfig], TransferBackend], options_of: str = "") -> None:
+def register_backend(
+    name: str,
+    factory: Callable[[DisaggConfig], TransferBackend],
+    options_of: str = "",
+    parse: Callable[[Mapping[str, Any]], BackendOptions] | None = None,
+) -> None:
     """Make ``name`` a valid ``backend`` value; ``factory(cfg)`` opens one for a worker rank.
 
-    Its options are those of backend ``options_of`` (default: the default backend's, so a test's
-    spy of the default backend takes the same keys).
+    Its option keys are those of backend ``options_of`` (default: the default backend's, so a test's
+    spy of the default backend takes the same keys), and so is their parser unless ``parse`` is given
+    (e.g. options with another ``batch_stall_s``).
     """
     if not name:
         raise ValueError("a transfer backend needs a non-empty name")
-    _REGISTERED[name] = replace(spec_of(options_of or DEFAULT_BACKEND), open=factory)
+    base = spec_of(options_of or DEFAULT_BACKEND)
+    _REGISTERED[name] = replace(base, open=factory, parse=parse or base.parse)
 
 
 def known_backends() -> tuple[str, ...]:

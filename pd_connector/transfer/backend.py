@@ -10,6 +10,7 @@ looks inside a descriptor.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -17,11 +18,21 @@ logger = logging.getLogger(__name__)
 
 #: Extra tries of a failed batch write (the same bytes to the same places, so a repeat is harmless).
 WRITE_RETRIES = 1
-#: The longest one batch write may take before it fails: Mooncake's TCP transport drops a connection
-#: that made no progress for this long (MC_TCP_PROGRESS_TIMEOUT_SEC, set by ``mooncake``); RDMA and
-#: HIXL batches complete or fail far sooner. With the retries, P's slowest batch is
-#: ``(1 + WRITE_RETRIES) * BATCH_STALL_S``; D holds a stopped load's blocks longer (``loads``).
-BATCH_STALL_S = 10.0
+
+
+def batch_budget_s(stall_s: float, retries: int = WRITE_RETRIES) -> float:
+    """The longest one batch, its retries included, may be in flight: ``(1 + retries) * stall_s``.
+
+    ``stall_s`` is the active transport's bound on one batch write (``BackendOptions.batch_stall_s``).
+    P starts no retry that could end past this budget (``write_in_batches``); D keeps a stopped load's
+    blocks for this budget plus what P's view of D can lag (``loads.stop_wait_s``)."""
+    return (1 + retries) * stall_s
+
+
+def overrun_tolerance_s(stall_s: float) -> float:
+    """How far past ``stall_s`` an attempt may end and still count as within it: a transport fails a
+    batch at its timeout, and returning takes a moment. Smaller than D's stop-wait margin."""
+    return min(0.05 * stall_s, 1.0)
 
 
 #: Byte addresses or lengths of write entries.
@@ -89,6 +100,8 @@ def write_in_batches(
     what: str,
     peer: str,
     retries: int = WRITE_RETRIES,
+    stall_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Call ``write_batch(src, dst, lengths) -> status`` (0: ok) per batch of at most max_batch entries.
 
@@ -97,16 +110,34 @@ def write_in_batches(
     answered, i.e. until this returned or raised. A failed batch is written again up to ``retries``
     times unless the reader gave up; a batch that still fails raises TransferError. ``what`` and ``peer`` name the
     write in messages ("Mooncake batch write of 12 entries to 10.0.0.3:15000 failed with -1").
+
+    ``stall_s`` (the transport's bound on one batch write, ``BackendOptions.batch_stall_s``) is P's half
+    of the timing contract: a batch and its retries end within ``batch_budget_s(stall_s, retries)`` of
+    the batch's start: retry k starts only if the k tries before it stayed within k * ``stall_s`` (give
+    or take ``overrun_tolerance_s``), so it too ends within the budget (TransferError otherwise); without
+    ``stall_s`` nothing is timed. A batch starts only while the reader wants it, and P learns that D gave
+    up within peer_timeout_s (its cancel, or liveness), so every byte lands within budget +
+    peer_timeout_s of D giving up: D's stop wait (``loads.stop_wait_s``) is that plus a margin. An
+    attempt that outlasted ``stall_s`` broke the transport's bound; it is logged with the bound.
     """
     for start in range(0, len(src), max_batch):
         if still_wanted is not None and not still_wanted():
             raise WriteStopped(f"{what} to {peer} stopped after {start} of {len(src)} entries: the reader gave up")
         end = start + max_batch
         batch = (list(src[start:end]), list(dst[start:end]), list(lengths[start:end]))
-        ret = write_batch(*batch)
+        began = clock()
+        ret = _attempt(write_batch, batch, stall_s, clock, what, peer)
         for attempt in range(retries):
             if ret == 0 or (still_wanted is not None and not still_wanted()):
                 break
+            elapsed = clock() - began
+            if stall_s is not None and elapsed > (attempt + 1) * stall_s + overrun_tolerance_s(stall_s):
+                budget = batch_budget_s(stall_s, retries)
+                raise TransferError(
+                    f"{what} of {len(batch[0])} entries to {peer} failed with {ret} after {elapsed:.1f} s; not tried "
+                    f"again: a retry could end past the batch's {budget:g} s budget ({1 + retries} x the transport's "
+                    f"{stall_s:g} s batch bound, batch_stall_s) that the reader's wait counts on"
+                )
             logger.warning(
                 "%s of %d entries to %s failed with %d; trying again (%d/%d)",
                 what,
@@ -116,6 +147,32 @@ def write_in_batches(
                 attempt + 1,
                 retries,
             )
-            ret = write_batch(*batch)
+            ret = _attempt(write_batch, batch, stall_s, clock, what, peer)
         if ret != 0:
             raise TransferError(f"{what} of {len(batch[0])} entries to {peer} failed with {ret}")
+
+
+def _attempt(
+    write_batch: BatchWrite,
+    batch: tuple[list[int], list[int], list[int]],
+    stall_s: float | None,
+    clock: Callable[[], float],
+    what: str,
+    peer: str,
+) -> int:
+    """One try of one batch; an attempt longer than the transport's bound ``stall_s`` is logged."""
+    t0 = clock()
+    ret = write_batch(*batch)
+    took = clock() - t0
+    if stall_s is not None and took > stall_s + overrun_tolerance_s(stall_s):
+        logger.error(
+            "%s of %d entries to %s took %.1f s, past the transport's %g s batch bound (batch_stall_s, from its "
+            "timeout settings, see Timeouts in docs/configuration.md): D's stop wait counts on that bound, so a "
+            "reader that gave up meanwhile may already have reused the blocks",
+            what,
+            len(batch[0]),
+            peer,
+            took,
+            stall_s,
+        )
+    return int(ret)

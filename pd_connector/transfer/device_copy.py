@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.transfer.backend import Ints, TransferError, Wanted, write_in_batches
-from pd_connector.transfer_backends import BackendSpec
+from pd_connector.transfer_backends import LOCAL_COPY_STALL_S, BackendSpec
 
 if TYPE_CHECKING:
     from pd_connector.config import DisaggConfig
@@ -65,10 +65,12 @@ def _cuda_copy() -> Copy | None:
 
 @dataclass(frozen=True)
 class DeviceCopyOptions:
-    """No keys; a batch is a loop of copies, so it is only bounded to keep a cancel prompt."""
+    """No keys; a batch is a loop of copies, so it is only bounded to keep a cancel prompt, and it ends
+    within ``batch_stall_s`` (no peer or network to wait for)."""
 
     batch_limit: int = 1 << 16
     uses_hixl: bool = False
+    batch_stall_s: float = LOCAL_COPY_STALL_S
 
     def memory_problem(self, device_types: Iterable[str], regions: int, staging: int) -> str | None:
         other = sorted(set(device_types) - {"cpu", "cuda"})
@@ -91,8 +93,10 @@ def _inside(ranges: Sequence[tuple[int, int]], addr: int, length: int) -> bool:
 class DeviceCopyBackend:
     """One rank's registered ranges; ``write`` copies into another rank's of this process."""
 
-    def __init__(self, copy: Copy | None = None) -> None:
+    def __init__(self, copy: Copy | None = None, stall_s: float | None = None) -> None:
+        """``stall_s``: the options' ``batch_stall_s`` (each batch's bound, ``write_in_batches``)."""
         self._copy = copy or _cuda_copy() or _host_copy
+        self.stall_s = stall_s
         self._descriptor = f"device_copy:{os.getpid()}:{next(_IDS)}".encode()
         self._ranges: list[tuple[int, int]] = []
         self.batches = 0  # batch writes this backend made
@@ -101,7 +105,7 @@ class DeviceCopyBackend:
 
     @classmethod
     def from_config(cls, cfg: DisaggConfig) -> DeviceCopyBackend:
-        return cls()
+        return cls(stall_s=cfg.backend_options.batch_stall_s)
 
     @property
     def descriptor(self) -> bytes:
@@ -132,7 +136,17 @@ class DeviceCopyBackend:
             return 0
 
         peer_name = peer_descriptor.decode()
-        write_in_batches(write_batch, src, dst, lengths, max_batch, still_wanted, what="device_copy", peer=peer_name)
+        write_in_batches(
+            write_batch,
+            src,
+            dst,
+            lengths,
+            max_batch,
+            still_wanted,
+            what="device_copy",
+            peer=peer_name,
+            stall_s=self.stall_s,
+        )
 
     def close(self) -> None:
         with _LOCK:

@@ -7,8 +7,19 @@ writes in flight: each P rank checks between every batch whether the reader stil
 (``backend.write_in_batches``), so at most its batch in flight lands, and it answers (``TransferDone``,
 any status) once its write returned. D therefore tells each P rank that has not answered to stop
 (``TransferCancel``) and keeps the load, state CANCELLING, until every P rank asked answered or was
-declared lost (silent for peer_timeout_s, ``liveness``), or until ``stop_wait_s``, a bound longer
-than P's slowest batch; only then does vLLM get the request (as failed) and its blocks back.
+declared lost (silent for peer_timeout_s, ``liveness``), or until ``stop_wait_s``.
+
+The timing contract, from the active transport's bound on one batch write (``batch_stall_s`` of the
+backend's options: ``transfer_backends.BackendOptions``):
+
+- P: a batch starts only while the reader wants it, and a batch with its retries ends within
+  ``batch_budget_s(batch_stall_s)`` = ``(1 + WRITE_RETRIES) * batch_stall_s`` of its start
+  (``write_in_batches`` starts no retry that could end later).
+- P learns that D gave up within peer_timeout_s: D's TransferCancel, or P's liveness declares a D
+  rank lost after peer_timeout_s of silence and stops its writes the same way.
+- D: so every byte of a stopped load has landed ``batch_budget_s + peer_timeout_s`` after D gave up;
+  ``stop_wait_s`` adds ``STOP_MARGIN_S`` (listener ticks, thread scheduling, a transport ending a
+  batch a moment after its timeout).
 """
 
 from __future__ import annotations
@@ -20,20 +31,34 @@ from pd_connector import messages as proto
 from pd_connector.config import DisaggConfig
 from pd_connector.metadata import RecvJob
 from pd_connector.tp_mapping import HeadSlice
-from pd_connector.transfer.backend import BATCH_STALL_S, WRITE_RETRIES
+from pd_connector.transfer.backend import batch_budget_s
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason
 
-#: The shortest wait for P's last answers after a cancel (P answers within a batch: milliseconds).
-CANCEL_GRACE_S = 2.0
+#: What D's stop wait adds to the in-flight bound P keeps: the listener's ticks (liveness, expiry),
+#: thread scheduling, a transport returning a moment after its timeout (``backend.overrun_tolerance_s``).
+STOP_MARGIN_S = 2.0
+
+
+def in_flight_s(cfg: DisaggConfig) -> float:
+    """How long one batch of P's, its retries included, may still be landing once it started:
+    ``(1 + WRITE_RETRIES) * batch_stall_s`` of the active backend's options."""
+    return batch_budget_s(cfg.backend_options.batch_stall_s)
 
 
 def stop_wait_s(cfg: DisaggConfig) -> float:
     """How long a failed or cancelled load keeps its blocks out of reuse while a P rank it asked has
-    not confirmed it stopped writing: P's slowest batch (``(1 + WRITE_RETRIES) * BATCH_STALL_S``, 20 s:
-    a batch that makes no progress for BATCH_STALL_S fails, and P starts no batch after D's cancel)
-    plus peer_timeout_s for the cancel to reach P and its answer to come back (25 s by default)."""
-    return max(CANCEL_GRACE_S, (1 + WRITE_RETRIES) * BATCH_STALL_S + cfg.peer_timeout_s)
+    not confirmed it stopped writing: P's slowest batch (``in_flight_s``) plus peer_timeout_s (for the
+    cancel, or P's liveness, to stop P) plus ``STOP_MARGIN_S``. Mooncake TCP by default:
+    2 * 30 + 5 + 2 = 67 s; HIXL with ASCEND_TRANSFER_TIMEOUT=120000: 2 * 120 + 5 + 2 = 247 s."""
+    return in_flight_s(cfg) + cfg.peer_timeout_s + STOP_MARGIN_S
+
+
+def lost_wait_s(cfg: DisaggConfig) -> float:
+    """How long after D declared a P rank lost (silent for peer_timeout_s) a batch of it may still be
+    landing: a P rank that is alive but cut off stops starting batches within peer_timeout_s of D's
+    last word (its own liveness) and ends the batch in flight within ``in_flight_s``."""
+    return in_flight_s(cfg) + STOP_MARGIN_S
 
 
 @dataclass

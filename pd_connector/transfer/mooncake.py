@@ -16,6 +16,16 @@ and, with ``protocol: tcp``, the data port (an asio acceptor on ``[::]``, dual-s
 that address (``MC_TCP_BIND_ADDRESS`` only names the address it *advertises* outside P2PHANDSHAKE mode);
 ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` (default 15000-17000) bound the ports of both. ``open`` logs the
 listeners it made, so a firewall can be checked against them (docs/security.md, "What listens where").
+
+How long one batch may take (``MooncakeOptions.batch_stall_s``, ``stall_for``): Mooncake's Python
+binding (``TransferEnginePy::batchTransferSync``) gives up on a ``batch_transfer_sync_write`` after
+``MC_TRANSFER_TIMEOUT`` s (default 30, at least 5) plus 1 ns per byte of the batch, whatever the
+transport, but the transport may still be moving that batch's bytes until its own timeout fails them:
+``tcp`` drops a connection that made no progress for ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (``open`` sets 10
+when unset; Mooncake's own default is 30), ``ascend`` (HIXL) fails a transfer after
+``ASCEND_TRANSFER_TIMEOUT`` ms (``ascend_settings`` derives it as vLLM-Ascend does when unset), ``rdma``
+fails a work request after the NIC's retransmits (QP timeout 14, 7 retries: about 0.5 s, inside the
+binding's bound). A batch's bound is the longer of the binding's and its transport's.
 """
 
 from __future__ import annotations
@@ -23,13 +33,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pd_connector import ascend_settings
 from pd_connector.ascend_env import setup_local_comm_res
 from pd_connector.platform_transport import on_npu
 from pd_connector.proc_sockets import TABLES, listen_table, socket_inodes
-from pd_connector.transfer.backend import BATCH_STALL_S, Ints, TransferError, Wanted, write_in_batches
+from pd_connector.transfer.backend import Ints, TransferError, Wanted, write_in_batches
 from pd_connector.transfer_backends import BackendSpec, OptionError
 
 if TYPE_CHECKING:
@@ -48,6 +59,51 @@ REGION_LIMITS: dict[str, int] = {"ascend": 256}
 
 _KEY = "kv_connector_extra_config"
 
+#: The binding's bound on one batch write (seconds): MC_TRANSFER_TIMEOUT, its default, its floor.
+CALL_TIMEOUT_ENV, CALL_TIMEOUT_DEFAULT_S, CALL_TIMEOUT_FLOOR_S = "MC_TRANSFER_TIMEOUT", 30, 5
+#: The TCP transport's no-progress bound (seconds): what ``open`` sets when unset, and what Mooncake
+#: uses for a value it ignores (not a positive integer).
+TCP_PROGRESS_ENV, TCP_PROGRESS_S, TCP_PROGRESS_MOONCAKE_S = "MC_TCP_PROGRESS_TIMEOUT_SEC", 10, 30
+
+
+def _env_seconds(env: Mapping[str, str], name: str, what: str) -> int | None:
+    """An integer environment variable (None when unset or blank); anything else is refused by name."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise OptionError(f"environment variable {name}={raw!r} must be a whole number ({what})") from None
+
+
+def stall_for(protocol: str, env: Mapping[str, str]) -> float:
+    """``batch_stall_s`` of the Mooncake ``protocol`` under ``env``: the longer of the binding's bound
+    on one batch (MC_TRANSFER_TIMEOUT) and the transport's own (module docstring)."""
+    call = _env_seconds(env, CALL_TIMEOUT_ENV, "seconds Mooncake waits for one batch write")
+    call_s = float(max(CALL_TIMEOUT_FLOOR_S, CALL_TIMEOUT_DEFAULT_S if call is None else call))
+    if protocol == "tcp":
+        progress = _env_seconds(env, TCP_PROGRESS_ENV, "seconds a Mooncake TCP write may make no progress")
+        progress_s = TCP_PROGRESS_S if progress is None else progress if progress > 0 else TCP_PROGRESS_MOONCAKE_S
+        return max(call_s, float(progress_s))
+    if protocol == "ascend":
+        return max(call_s, ascend_timeout_ms(env) / 1000)
+    return call_s  # rdma: a work request fails after the NIC's retransmits, well inside the binding's bound
+
+
+def ascend_timeout_ms(env: Mapping[str, str]) -> int:
+    """HIXL's transfer timeout: ASCEND_TRANSFER_TIMEOUT (ms) if set, else vLLM-Ascend's derivation."""
+    name = ascend_settings.TRANSFER_TIMEOUT_ENV
+    given = _env_seconds(env, name, "milliseconds HIXL waits for one transfer")
+    if given is not None:
+        if given < 1:
+            raise OptionError(f"environment variable {name}={env[name]!r} must be a whole number of ms >= 1")
+        return given
+    try:
+        return ascend_settings.transfer_timeout_ms(env)
+    except ascend_settings.SettingError as exc:
+        raise OptionError(str(exc)) from None
+
 
 def default_protocol() -> str:
     """The Mooncake transport of this platform: ``ascend`` on NPUs, ``tcp`` elsewhere."""
@@ -63,6 +119,12 @@ class MooncakeOptions:
     use_ascend_direct: bool = False
     ascend_local_comm_res_path: str = ""
     batch_limit: int = BATCH_LIMIT
+    #: Derived (``stall_for``) from the protocol and this process's environment when not given.
+    batch_stall_s: float = field(default=-1.0, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.batch_stall_s < 0:
+            object.__setattr__(self, "batch_stall_s", stall_for(self.protocol, os.environ))
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> MooncakeOptions:
@@ -109,21 +171,23 @@ class MooncakeOptions:
 class MooncakeBackend:
     """One Mooncake TransferEngine per worker rank; its session is what peers write to."""
 
-    def __init__(self, engine: Any, session: str, protocol: str = "tcp") -> None:
-        """Wrap an initialized ``mooncake.engine.TransferEngine`` (see :meth:`open`)."""
+    def __init__(self, engine: Any, session: str, protocol: str = "tcp", stall_s: float | None = None) -> None:
+        """Wrap an initialized ``mooncake.engine.TransferEngine`` (see :meth:`open`); ``stall_s``: the
+        options' ``batch_stall_s``, which bounds each batch and its retries (``write_in_batches``)."""
         self._engine = engine
         self.session = session
         self.protocol = protocol
+        self.stall_s = stall_s
         self._registered: list[int] = []
 
     @classmethod
-    def open(cls, local_ip: str, protocol: str, device_name: str = "") -> MooncakeBackend:
+    def open(cls, local_ip: str, protocol: str, device_name: str = "", stall_s: float | None = None) -> MooncakeBackend:
         """Initialize a TransferEngine advertising ``local_ip`` (it listens on every interface, see above)."""
         if protocol == "tcp":
             # Without this, a host with RDMA NICs silently uses RDMA despite "tcp".
             os.environ.setdefault("MC_FORCE_TCP", "1")
-        # A frozen peer would otherwise stall a TCP write for ~30 s (D's stop wait relies on this bound).
-        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(int(BATCH_STALL_S)))
+        # A frozen peer would otherwise stall a TCP write for Mooncake's 30 s; stall_for assumes this value.
+        os.environ.setdefault(TCP_PROGRESS_ENV, str(TCP_PROGRESS_S))
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
@@ -136,7 +200,7 @@ class MooncakeBackend:
         ret = engine.initialize(local_ip, "P2PHANDSHAKE", protocol, device_name)
         if ret != 0:
             raise TransferError(f"Mooncake initialize({local_ip!r}, {protocol!r}) failed with {ret}")
-        backend = cls(engine, f"{local_ip}:{engine.get_rpc_port()}", protocol)
+        backend = cls(engine, f"{local_ip}:{engine.get_rpc_port()}", protocol, stall_s)
         logger.info("Mooncake %s transfer engine up, session %s", protocol, backend.session)
         opened = sorted(own_listeners() - before, key=lambda a: a[1])
         if opened:
@@ -156,7 +220,7 @@ class MooncakeBackend:
         options = cfg.backend_options
         if not isinstance(options, MooncakeOptions):
             raise TransferError(f"the Mooncake backend needs MooncakeOptions, got {type(options).__name__}")
-        return cls.open(cfg.local_ip, options.protocol, options.device_name)
+        return cls.open(cfg.local_ip, options.protocol, options.device_name, options.batch_stall_s)
 
     @property
     def descriptor(self) -> bytes:
@@ -172,7 +236,8 @@ class MooncakeBackend:
     def write(
         self, peer_descriptor: bytes, src: Ints, dst: Ints, lengths: Ints, max_batch: int, still_wanted: Wanted = None
     ) -> None:
-        """Write src[i] -> peer:dst[i] in batches; a failed batch is written once more.
+        """Write src[i] -> peer:dst[i] in batches; a failed batch is written once more while that retry
+        fits in the batch's budget (``write_in_batches``, ``stall_s``).
 
         Mooncake's TCP transport drops a connection that made no progress for
         MC_TCP_PROGRESS_TIMEOUT_SEC and the next try opens a fresh one.
@@ -183,7 +248,15 @@ class MooncakeBackend:
             return int(self._engine.batch_transfer_sync_write(session, s, d, n))
 
         write_in_batches(
-            write_batch, src, dst, lengths, max_batch, still_wanted, what="Mooncake batch write", peer=session
+            write_batch,
+            src,
+            dst,
+            lengths,
+            max_batch,
+            still_wanted,
+            what="Mooncake batch write",
+            peer=session,
+            stall_s=self.stall_s,
         )
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ vLLM itself sleeps 1 ms between such steps. Waiting in the worker (`IDLE_WAIT_S`
 a finished transfer) keeps those steps few, but a request that reaches the engine meanwhile waits
 for the step to end: on P, under back-to-back traffic (the next request follows the previous
 first token within milliseconds, while P still holds the previous room for D), that wait sat in
-every request's TTFT (issue 26). So P does not wait while it has been busy within
+every request's TTFT. So P does not wait while it has been busy within
 `BUSY_WINDOW_S` (its engine loops at vLLM's own 1 ms pace then, and a finished push reaches the
 scheduler with the next step); an idle P, or D (whose new requests are not on the first-token
 path), waits as before.

@@ -39,7 +39,7 @@ PREFILL_ERROR = "prefill_error"
 #: D's request: P's KV covers only the prompt's first N tokens (the Router's first-token path
 #: sends D P's prompt plus P's first token; D computes that token itself). Absent: all of them.
 PREFILLED_TOKENS = "prefilled_tokens"
-#: D's request (issue 24): if this request is ABORTED on D, D holds its KV as this room for
+#: D's request: if this request is ABORTED on D, D holds its KV as this room for
 #: ``migrate_hold_s`` seconds, for another decoder to load it (a drain moving the stream with its KV).
 MIGRATE_ROOM = "migrate_room"
 

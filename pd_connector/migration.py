@@ -1,4 +1,4 @@
-"""D side of moving a decoder's requests with their KV (issue 24; the Router's drain, docs/design.md).
+"""D side of moving a decoder's requests with their KV (the Router's drain, docs/router.md and docs/design.md).
 
 A D request the Router may move carries ``migrate_room`` (kv_params.DecodeParams). With
 ``kv_connector_extra_config.migration`` on, when vLLM aborts such a request (the Router closed its

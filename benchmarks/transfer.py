@@ -31,6 +31,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,8 @@ import torch  # noqa: E402
 from pd_connector.bootstrap.client import register_rank  # noqa: E402
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState  # noqa: E402
 from pd_connector.config import parse_config  # noqa: E402
-from pd_connector.layout import memory_ranges, regions_of_kv_caches  # noqa: E402
+from pd_connector.device_sync import NO_DEVICE, DeviceSync, for_device  # noqa: E402
+from pd_connector.layout import Region, memory_ranges, regions_of_kv_caches  # noqa: E402
 from pd_connector.messages import RegisterRank  # noqa: E402
 from pd_connector.metadata import RecvJob, SendJob  # noqa: E402
 from pd_connector.transfer.backend import TransferBackend  # noqa: E402
@@ -60,12 +62,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_kv(layers: int, num_blocks: int, heads: int, block_size: int, head_dim: int) -> dict[str, torch.Tensor]:
-    """Per-layer KV tensors; every block carries its own (layer, block) marker values."""
+def make_kv(
+    layers: int, num_blocks: int, heads: int, block_size: int, head_dim: int, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Per-layer KV tensors on ``device``; every block carries its own (layer, block) marker values."""
     kv = {}
     for i in range(layers):
-        t = torch.zeros(num_blocks, heads, block_size, 2 * head_dim, dtype=torch.float16)
-        t[:, :, :, 0] = torch.arange(num_blocks, dtype=torch.float16).view(-1, 1, 1)
+        t = torch.zeros(num_blocks, heads, block_size, 2 * head_dim, dtype=torch.float16, device=device)
+        t[:, :, :, 0] = torch.arange(num_blocks, dtype=torch.float16, device=device).view(-1, 1, 1)
         t[:, :, :, -1] = float(i)
         kv[f"model.layers.{i}.self_attn.attn"] = t
     return kv
@@ -120,22 +124,34 @@ def pair_of_managers(
     kv_dtype: str,
     backend: str,
     p_extra: dict[str, Any] | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    device: DeviceSync = NO_DEVICE,
+    d_regions: Sequence[Region] | None = None,
+    d_num_blocks: int | None = None,
+    d_ranges: Sequence[tuple[int, int]] = (),
 ) -> ManagerPair:
     """A bootstrap server on a free loopback port, one backend per side with its KV registered,
-    a P and a D manager over them (one layer per KV tensor), and P's rank registered."""
+    a P and a D manager over them (one layer per KV tensor), and P's rank registered.
+
+    ``extra``: config keys of both sides; ``device``: the KV's device seam (both managers, as the worker
+    passes ``device_sync.for_kv_caches``); ``d_regions`` / ``d_num_blocks`` / ``d_ranges``: what D announces
+    and registers besides its KV when P writes elsewhere (D2RH: the host pool, ``host_kv.HostKV``)."""
     layers = len(p_kv)
     bport = free_port()
-    extra = {"bootstrap_port": bport, "local_ip": "127.0.0.1", "backend": backend}
+    extra = {"bootstrap_port": bport, "local_ip": "127.0.0.1", "backend": backend, **(extra or {})}
     p_cfg = parse_config("kv_producer", {**extra, **(p_extra or {})})
     d_cfg = parse_config("kv_consumer", extra)
     server = BootstrapServer(BootstrapState(attn_tp_size=1, attn_dp_size=1), "127.0.0.1", bport)
     server.start()
     spec = RankSpec(0, 1, 0, 1, block_size, kv_dtype, layers, num_blocks=num_blocks)
+    d_spec = RankSpec(0, 1, 0, 1, block_size, kv_dtype, layers, num_blocks=d_num_blocks or num_blocks)
     p_backend, d_backend = create_backend(p_cfg), create_backend(d_cfg)
     p_backend.register(memory_ranges(p_kv))
-    d_backend.register(memory_ranges(d_kv))
-    p_mgr = KVTransferManager(p_cfg, spec, regions_of_kv_caches(p_kv, num_blocks), p_backend)
-    d_mgr = KVTransferManager(d_cfg, spec, regions_of_kv_caches(d_kv, num_blocks), d_backend)
+    d_backend.register([*memory_ranges(d_kv), *d_ranges])
+    d_regs = list(d_regions) if d_regions is not None else regions_of_kv_caches(d_kv, num_blocks)
+    p_mgr = KVTransferManager(p_cfg, spec, regions_of_kv_caches(p_kv, num_blocks), p_backend, device=device)
+    d_mgr = KVTransferManager(d_cfg, d_spec, d_regs, d_backend, device=device)
     register_rank(
         f"127.0.0.1:{bport}",
         RegisterRank(1, 0, 1, 0, "127.0.0.1", p_mgr.rank_port, block_size, kv_dtype, num_layers=layers),
@@ -171,30 +187,56 @@ def main() -> None:
         print(json.dumps(run_exposed(args)))
         return
 
-    blocks_needed = -(-args.prompt_tokens // args.block_size)
-    num_blocks = 2 * blocks_needed + 8
-    p_kv = make_kv(args.layers, num_blocks, args.kv_heads, args.block_size, args.head_dim)
-    d_kv = {name: torch.full_like(t, -1.0) for name, t in p_kv.items()}
+    result = measure(
+        args.layers, args.kv_heads, args.head_dim, args.block_size, args.prompt_tokens,
+        run=args.run, rounds=args.rounds, backend=args.backend,
+    )  # fmt: skip
+    print(json.dumps(result))
 
-    pair = pair_of_managers(p_kv, d_kv, num_blocks, args.block_size, "float16", args.backend)
+
+def measure(
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    prompt_tokens: int,
+    *,
+    run: int = 4,
+    rounds: int = 5,
+    backend: str = "mooncake",
+    device: torch.device | str = "cpu",
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The connector's path vs one raw write of the same bytes, KV on ``device``: the JSON ``main`` prints
+    (``ratio`` = raw_s_median / connector_s_median). Raises AssertionError when a block landed wrong."""
+    device = torch.device(device)
+    blocks_needed = -(-prompt_tokens // block_size)
+    num_blocks = 2 * blocks_needed + 8
+    p_kv = make_kv(layers, num_blocks, kv_heads, block_size, head_dim, device)
+    d_kv = {name: torch.full_like(t, -1.0) for name, t in p_kv.items()}
+    sync = for_device(device)
+    if device.type != "cpu":
+        sync.synchronize(next(iter(p_kv.values())))
+
+    pair = pair_of_managers(p_kv, d_kv, num_blocks, block_size, "float16", backend, extra=extra, device=sync)
     p_backend, d_backend, p_mgr, d_mgr, bport = pair.p_backend, pair.d_backend, pair.p_mgr, pair.d_mgr, pair.bport
 
     src_blocks = scattered_blocks(num_blocks, blocks_needed, run=8, offset=0)
-    dst_blocks = scattered_blocks(num_blocks, blocks_needed, run=args.run, offset=3)
+    dst_blocks = scattered_blocks(num_blocks, blocks_needed, run=run, offset=3)
     block_bytes = p_mgr.regions[0].block_bytes
     total = block_bytes * blocks_needed * len(p_mgr.regions)
 
     # Raw reference: the same bytes as one write (contiguous source and destination).
-    raw_src = torch.empty(total, dtype=torch.uint8)
-    raw_dst = torch.empty(total, dtype=torch.uint8)
+    raw_src = torch.empty(total, dtype=torch.uint8, device=device)
+    raw_dst = torch.empty(total, dtype=torch.uint8, device=device)
     p_backend.register([(raw_src.data_ptr(), total)])
     d_backend.register([(raw_dst.data_ptr(), total)])
 
     def connector_round(i: int) -> float:
         rid = f"bench-{i}"
         t0 = time.perf_counter()
-        d_mgr.add_recvs([RecvJob(rid, i, "127.0.0.1", bport, 0, dst_blocks, 0, args.prompt_tokens)])
-        p_mgr.add_sends([SendJob(f"p-{rid}", i, src_blocks, args.prompt_tokens)])
+        d_mgr.add_recvs([RecvJob(rid, i, "127.0.0.1", bport, 0, dst_blocks, 0, prompt_tokens)])
+        p_mgr.add_sends([SendJob(f"p-{rid}", i, src_blocks, prompt_tokens)])
         wait_finished(d_mgr, rid)
         return time.perf_counter() - t0
 
@@ -206,13 +248,15 @@ def main() -> None:
     connector_round(10_000)  # warm-up: handshake, route cache, connections
     raw_round()
     conn_times, raw_times = [], []
-    for i in range(args.rounds):
+    for i in range(rounds):
         conn_times.append(connector_round(i))
         raw_times.append(raw_round())
 
     # Correctness: every requested block landed where D asked for it.
     for name in p_kv:
-        assert torch.equal(p_kv[name][src_blocks], d_kv[name][dst_blocks]), f"KV mismatch in {name}"
+        if not torch.equal(p_kv[name][src_blocks].view(torch.int16), d_kv[name][dst_blocks].view(torch.int16)):
+            pair.close()
+            raise AssertionError(f"KV mismatch in {name}")
 
     conn_s, raw_s = statistics.median(conn_times), statistics.median(raw_times)
     stats = p_mgr.stats.snapshot()
@@ -227,13 +271,13 @@ def main() -> None:
         "connector_gbps": round(total / conn_s / 1e9, 3),
         "raw_gbps": round(total / raw_s / 1e9, 3),
         "ratio": round(raw_s / conn_s, 3),
-        "rounds": args.rounds,
-        "backend": args.backend,
-        "transport": getattr(p_mgr.cfg.backend_options, "protocol", "") if args.backend == "mooncake" else args.backend,
+        "rounds": rounds,
+        "backend": backend,
+        "transport": getattr(p_mgr.cfg.backend_options, "protocol", "") if backend == "mooncake" else backend,
         "pid": os.getpid(),
     }
-    print(json.dumps(result))
     pair.close()
+    return result
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from pd_connector.bootstrap.dp_rooms import dp_rooms_for
 from pd_connector.config import dp_rank_of, parse_config
 from pd_connector.host_kv import d2rh_scheduler
 from pd_connector.kv_groups import check_group_block_sizes, group_block_sizes, sliding_windows
@@ -86,6 +87,7 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
                 _fail_loads_by_block_in_every_group()
             block_size = check_group_block_sizes(sizes)
             self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, sliding_windows(kv_cache_config))
+            self._scheduler.dp_rooms = dp_rooms_for(self.cfg, vllm_config.parallel_config, dp_rank)
             if self.cfg.d2rh and self.cfg.is_decode:  # host KV pool first (pd_connector.d2rh)
                 self._scheduler.d2rh = d2rh_scheduler(self.cfg, vllm_config, kv_cache_config, block_size, len(sizes))
         else:
@@ -215,6 +217,15 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
             self._worker.shutdown()
 
     # ============================================================= scheduler side
+
+    def on_new_request(self, request: Request) -> None:
+        """Called by vLLM's scheduler when it adds a request (``Scheduler.add_request``, vLLM 0.23 and 0.32).
+
+        On P with several DP ranks, the request's room is registered with this rank on the bootstrap
+        server (off this thread: bootstrap.dp_rooms), so a D told no prefill_dp_rank finds it at once.
+        """
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Called when the scheduler considers a waiting request (maybe several times).

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pd_connector.bootstrap.dp_rooms import DpRoomRegistrar
 from pd_connector.bypass import BypassCounter, BypassReason, reason_for
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host
 from pd_connector.d2rh import D2RHScheduler, D2RHState
@@ -103,6 +104,8 @@ class PDScheduler:
         self.d2rh: D2RHScheduler | None = None
         # D with migration: aborted requests' KV held as their migrate rooms (pd_connector.migration).
         self._migration = MigrationHolds(cfg, block_size) if cfg.is_decode and cfg.migration else None
+        # P with several DP ranks: each request's room registered with this rank on arrival (bootstrap.dp_rooms).
+        self.dp_rooms: DpRoomRegistrar | None = None
 
     def _params(self, request: Request) -> PrefillParams | DecodeParams | None:
         rid = request.request_id
@@ -110,6 +113,12 @@ class PDScheduler:
             first = self._d_first.params_of(request) if self._d_first is not None else None
             self._parsed[rid] = first or _params_of(request)
         return self._parsed[rid]
+
+    def on_new_request(self, request: Request) -> None:
+        """P with several DP ranks: the bootstrap server learns at once that this rank serves the room."""
+        if self.dp_rooms is not None and isinstance(params := self._params(request), PrefillParams):
+            if params.room is not None:
+                self.dp_rooms.seen(params.room, request.request_id)
 
     # -------------------------------------------------------------- decode side
 

@@ -115,24 +115,33 @@ def register_rank(
 
 
 def register_dp_rank(
-    addr: str, room: int, dp_rank: int, timeout_s: float, token: bytes | None = None, ca_certs: str = ""
-) -> None:
-    """Tell the bootstrap server which DP rank serves `room` (P side, DP > 1)."""
+    addr: str,
+    room: int,
+    dp_rank: int,
+    timeout_s: float,
+    token: bytes | None = None,
+    ca_certs: str = "",
+    client: httpx.Client | None = None,
+) -> bool:
+    """Tell the bootstrap server which DP rank serves `room` (P side, DP > 1); False (logged) if it failed.
+
+    ``client``: a client to send it with (its connection kept between calls); None: a call of its own."""
     path = "/bootstrap/register_dp_rank"
     body = msgspec.json.encode({"bootstrap_room": room, "dp_rank": dp_rank})
     headers = {"content-type": "application/json", **sign_call(bootstrap_key(token), "POST", path, body)}
+    url = f"{base_url(addr, ca_certs)}{path}"
     try:
-        resp = httpx.post(
-            f"{base_url(addr, ca_certs)}{path}",
-            content=body,
-            headers=headers,
-            timeout=timeout_s,
-            trust_env=False,
-            verify=verify_of(ca_certs),
-        )
+        if client is not None:
+            resp = client.post(url, content=body, headers=headers, timeout=timeout_s)
+        else:
+            resp = httpx.post(
+                url, content=body, headers=headers, timeout=timeout_s, trust_env=False, verify=verify_of(ca_certs)
+            )
         resp.raise_for_status()
     except httpx.HTTPError as exc:
         logger.error("room=%d: could not register dp rank %d with bootstrap %s: %r", room, dp_rank, addr, exc)
+        return False
+    return True
 
 
 #: How long a route read from a bootstrap server is used before it is read again. A restarted
@@ -227,9 +236,14 @@ class RouteCache:
             self._routes.pop(addr, None)
 
     def query_dp_rank(self, addr: str, room: int) -> int | None:
+        """The DP rank the prefill deployment at ``addr`` registered for ``room``; None when none did yet."""
+        return self.query_dp_ranks(addr, [room]).get(room)
+
+    def query_dp_ranks(self, addr: str, rooms: list[int]) -> dict[int, int]:
+        """The DP ranks registered for those of ``rooms`` that have one (one call for all of them)."""
         self.check_trusted(addr)
         path = "/bootstrap/query_dp_ranks"
-        body = msgspec.json.encode({"bootstrap_rooms": [room]})
+        body = msgspec.json.encode({"bootstrap_rooms": rooms})
         headers = {"content-type": "application/json", **sign_call(self._key, "POST", path, body)}
         try:
             resp = httpx.post(
@@ -246,10 +260,11 @@ class RouteCache:
             _log_reply(addr, f"POST {path}", resp)
             raise BootstrapError(f"bootstrap server {addr} refused query_dp_ranks (HTTP {resp.status_code})")
         try:
-            value = msgspec.json.decode(resp.content, type=_DpRanks).dp_ranks.get(str(room))
+            found = msgspec.json.decode(resp.content, type=_DpRanks).dp_ranks
         except (msgspec.DecodeError, msgspec.ValidationError):
             raise BootstrapError(f"bootstrap server {addr} sent a query_dp_ranks answer that does not decode") from None
-        return value
+        asked = set(rooms)
+        return {int(room): dp for room, dp in found.items() if room.isdigit() and int(room) in asked}
 
 
 class _DpRanks(msgspec.Struct):

@@ -3,8 +3,10 @@
 Each `RecvJob` resolves P's topology (bootstrap route, cached), sends `PeerHello` once per P
 rank and a `TransferRequest` per request, then waits for `TransferDone` from every P rank it
 asked. Errors and kv_wait_timeout_s end the load as failed; vLLM then recomputes or fails the
-request. Load states (``states.LoadState``): RESOLVING (handshake on the task pool) ->
-AWAITING_KV -> RECEIVED or FAILED (the load then leaves the table).
+request. Load states (``states.LoadState``): RESOLVING (handshake on the task pool; a room whose
+prefill DP rank is not registered yet waits in ``dp_wait``, holding no thread) -> AWAITING_KV ->
+RECEIVED or FAILED (the load then leaves the table). A load that ends before P was asked, and a
+request that ends before its load, tell P to free the room (``room_release``).
 
 Device ordering (``device_sync``): a P rank sends ``TransferDone`` only after its backend write
 returned, i.e. the bytes are in D's device memory; a load that needs the NHD permutation
@@ -19,7 +21,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from pd_connector import messages as proto
@@ -36,11 +37,13 @@ from pd_connector.tp_mapping import decode_contacts
 from pd_connector.transfer.channel import zmq_host
 from pd_connector.transfer.checksum import landed_problem
 from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.dp_wait import DpRankPending, DpRankWait
+from pd_connector.transfer.hello import hello_of
 from pd_connector.transfer.loads import Load, stop_wait_s
 from pd_connector.transfer.nhd_reshuffle import plan_slices
+from pd_connector.transfer.room_release import RoomRelease
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason, reason_of_status
-from pd_connector.transfer.tasks import TaskPool
 from pd_connector.transfer.wire_checks import BadEndpoint, check_endpoint
 from pd_connector.transfer.write_guard import check_own_blocks
 
@@ -48,10 +51,6 @@ logger = logging.getLogger(__name__)
 
 #: Loads that wait on P ranks (liveness watches those ranks).
 _WAITING = (LoadState.AWAITING_KV, LoadState.CANCELLING)
-#: An abandoned room is not told to a prefill whose rank was lost this recently (its bootstrap
-#: server would only hold the telling thread), nor again for a room a load of this rank already had.
-LOST_ADDR_QUIET_S = 30.0
-ROOMS_REMEMBERED = 10_000
 
 
 class DecodeSide:
@@ -67,10 +66,8 @@ class DecodeSide:
         self._hello_sent: set[str] = set()
         self._hello_lock = threading.Lock()
         self._routes = RouteCache.for_config(self._cfg)  # its token, CA bundle, trusted hosts
-        # Abandoned rooms are told on their own thread: a slow bootstrap server never holds the handshakes.
-        self._abandon_pool = TaskPool(1)
-        self._lost_addrs: dict[str, float] = {}  # bootstrap address -> when one of its ranks was lost
-        self._loaded_rooms: OrderedDict[int, None] = OrderedDict()  # rooms a load of this rank had
+        self._dp_wait = DpRankWait(self._routes, self._dp_rank_found)
+        self._release_rooms = RoomRelease(ctx, self._routes, peer_id, self._contacts)
 
     def add_recvs(self, jobs: Sequence[RecvJob]) -> None:
         """Start fetching these requests' KV (the handshake runs off the step loop)."""
@@ -78,9 +75,7 @@ class DecodeSide:
         for job in jobs:
             with self._lock:
                 self._loads[job.req_id] = Load(job, now + self._cfg.kv_wait_timeout_s)
-                self._loaded_rooms[job.room] = None
-                while len(self._loaded_rooms) > ROOMS_REMEMBERED:
-                    self._loaded_rooms.popitem(last=False)
+            self._release_rooms.loaded(job.room)
             trace = self._ctx.traces.get(job.req_id, job.room, job.req_id)
             if job.arrival_time is not None:
                 trace.mark("received", job.arrival_time)
@@ -105,6 +100,9 @@ class DecodeSide:
         try:
             check_own_blocks(real_blocks(recv_groups(job)), self._spec.num_blocks)  # transfer.write_guard
             endpoints, p_tp = self._resolve(job)
+        except DpRankPending:
+            self._park(job)
+            return
         except (BootstrapError, LayoutError, BadEndpoint) as exc:  # BadEndpoint: a rank registered a bad address
             self._routes.invalidate(job.bootstrap_addr)
             self._fail(job.req_id, str(exc), "mismatch" if isinstance(exc, LayoutError) else "peer_lost")
@@ -125,13 +123,13 @@ class DecodeSide:
         )
         with self._lock:
             load = self._loads.get(job.req_id)
-            if load is None:  # already failed (timeout) while resolving
-                return
-            if load.cancelled:  # aborted while resolving: P never gets the request, only the cancel
+            if load is not None and load.cancelled:  # aborted while resolving: P gets only the cancel
                 del self._loads[job.req_id]
+        if load is None:  # failed (timeout) while resolving: P is told to free the room
+            self._cancel_at(endpoints, job.room, job.req_id)
+            return
         if load.cancelled:
-            for endpoint in endpoints:
-                self._ctx.send(endpoint, proto.TransferCancel(room=job.room, request_id=job.req_id, peer_id=self._peer_id))
+            self._cancel_at(endpoints, job.room, job.req_id)
             self._release(load, "request aborted before prefill was asked", "aborted")
             return
         with self._lock:
@@ -148,7 +146,9 @@ class DecodeSide:
                     self._hello_sent.add(endpoint)
             self._ctx.send(endpoint, request)
         self._ctx.traces.get(job.req_id, job.room).mark("asked_p")
-        logger.debug("room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, list(endpoints), len(job.dst_block_ids))
+        logger.debug(
+            "room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, list(endpoints), len(job.dst_block_ids)
+        )
 
     def _resolve(self, job: RecvJob) -> tuple[dict[str, int], int]:
         """ZMQ endpoints of the P ranks holding this rank's part of the room (in every pipeline stage
@@ -165,8 +165,12 @@ class DecodeSide:
         problem = problem or partition_mismatch(PREFILL, partition, what, firsts)
         if problem is not None:
             raise LayoutError(problem)
+        return self._contacts(job, route, self._prefill_dp_rank(job, route)), route.attn_tp_size
+
+    def _contacts(self, job: RecvJob, route: proto.Route, dp_rank: int) -> dict[str, int]:
+        """The P ranks of DP rank ``dp_rank`` holding this rank's part of the room (endpoint -> rank number)."""
+        spec = self._spec
         stages = stages_for(route, spec.region_layers or range(spec.num_layers), job.bootstrap_addr)
-        dp_rank = self._prefill_dp_rank(job, route)
         tp_ranks = decode_contacts(
             spec.heads,
             route.attn_tp_size,
@@ -182,8 +186,10 @@ class DecodeSide:
                 if info is None:
                     name = f"dp={dp_rank} tp={tp}" + (f" pp={pp}" if route.pp_size > 1 else "")
                     raise BootstrapError(f"prefill rank {name} is not registered at {job.bootstrap_addr}")
-                endpoints[check_endpoint(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")] = pp * route.attn_tp_size + tp
-        return endpoints, route.attn_tp_size
+                endpoints[check_endpoint(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")] = (
+                    pp * route.attn_tp_size + tp
+                )
+        return endpoints
 
     def _route_with_retries(self, job: RecvJob) -> proto.Route:
         """P's topology; a busy or still-starting prefill gets a few more tries within the KV wait."""
@@ -204,36 +210,41 @@ class DecodeSide:
             return job.prefill_dp_rank
         if route.dp_size == 1:
             return 0
-        deadline = time.monotonic() + min(self._cfg.kv_wait_timeout_s, 30.0)
-        while time.monotonic() < deadline:
-            dp = self._routes.query_dp_rank(job.bootstrap_addr, job.room)
-            if dp is not None:
-                return dp
-            time.sleep(0.05)
-        raise BootstrapError(f"prefill never registered a dp rank for room {job.room}")
+        dp = self._routes.query_dp_rank(job.bootstrap_addr, job.room)  # one look; then dp_wait looks
+        if dp is None:
+            raise DpRankPending(job.room)
+        return dp
+
+    def _park(self, job: RecvJob) -> None:
+        """No DP rank registered for the room yet: the load waits in dp_wait, this thread goes back."""
+        with self._lock:  # parked under the lock: a load that ends meanwhile is never left there
+            load = self._loads.get(job.req_id)
+            if load is not None and not load.cancelled:
+                self._dp_wait.park(job)
+                return
+            if load is not None:
+                del self._loads[job.req_id]
+        self._release_rooms.release(job, "request ended before prefill's DP rank for the room was known")
+        if load is not None:
+            self._release(load, "request aborted before prefill was asked", "aborted")
+
+    def _dp_rank_found(self, job: RecvJob, dp_rank: int) -> None:
+        """dp_wait's thread: the room's DP rank is known; the handshake goes on, on the task pool."""
+        job = dataclasses.replace(job, prefill_dp_rank=dp_rank)
+        with self._lock:
+            load = self._loads.get(job.req_id)
+            if load is not None:
+                load.job = job
+        self._ctx.submit(self._start, job)
 
     def _hello(self) -> proto.PeerHello:
-        spec = self._spec
-        return proto.PeerHello(
-            peer_id=self._peer_id,
-            transfer_descriptor=self._descriptor,
-            endpoint=self._endpoint,
-            tp_rank=spec.tp_rank,
-            tp_size=spec.tp_size,
-            block_size=spec.block_size,
-            kv_dtype=spec.kv_dtype,
-            num_layers=spec.num_layers,
-            regions=[r.as_tuple() for r in self._ctx.regions],
-            total_kv_heads=spec.total_kv_heads,
-            local_kv_heads=spec.local_kv_heads,
-            use_mla=spec.use_mla,
-            heads_outermost=spec.heads_outermost,
-            token_major=spec.token_major,
-            region_groups=list(spec.region_groups),
-            num_blocks=spec.num_blocks,
-            region_layers=list(spec.region_layers),
-            wire_version=proto.WIRE_VERSION,
-        )
+        return hello_of(self._spec, self._ctx.regions, self._peer_id, self._descriptor, self._endpoint)
+
+    def _cancel_at(self, endpoints: Iterable[str], room: int, req_id: str) -> None:
+        """Tell these P ranks to stop serving (or never serve) ``req_id``'s part of ``room``."""
+        cancel = proto.TransferCancel(room=room, request_id=req_id, peer_id=self._peer_id)
+        for endpoint in endpoints:
+            self._ctx.send(endpoint, cancel)
 
     # ------------------------------------------------------------- outcomes
 
@@ -250,14 +261,21 @@ class DecodeSide:
                 if load is None or load.cancelled:
                     continue
                 load.cancelled = True
-                if load.state is not LoadState.AWAITING_KV:
+                parked = self._dp_wait.drop(req_id) if load.state is LoadState.RESOLVING else None
+                if parked is not None:  # waiting for the room's DP rank: ends now
+                    del self._loads[req_id]
+                elif load.state is not LoadState.AWAITING_KV:
                     continue  # RESOLVING: _start sends the cancel once P's ranks are known
-                load.state = LoadState.CANCELLING
-                load.deadline = now + stop_wait_s(self._cfg)  # not sooner: P may still be writing
+                else:
+                    load.state = LoadState.CANCELLING
+                    load.deadline = now + stop_wait_s(self._cfg)  # not sooner: P may still be writing
                 endpoints = list(load.endpoints)
+            if parked is not None:
+                self._release_rooms.release(parked, "request aborted while prefill's DP rank for the room was unknown")
+                self._release(load, "request aborted before prefill was asked", "aborted")
+                continue
             logger.warning("room=%d req=%s: request aborted while its KV loads; cancelling it", load.job.room, req_id)
-            for endpoint in endpoints:
-                self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id, peer_id=self._peer_id))
+            self._cancel_at(endpoints, load.job.room, req_id)
 
     def _settle(self, load: Load, ranks: Iterable[int]) -> bool:
         """P ranks of a stopping load that answered or were lost; True once every P rank asked did
@@ -347,6 +365,7 @@ class DecodeSide:
         """End a load as failed (``answer``: the failing P rank's; ``lost``: a P rank gone silent). P ranks
         asked that have not answered are told to stop, and the load keeps its blocks (CANCELLING) until
         each answered or ``loads.stop_wait_s`` passed: only then can vLLM reuse them."""
+        parked: RecvJob | None = None  # the job, if it waited for the room's DP rank (P may hold the room)
         with self._lock:
             load = self._loads.get(req_id)
             if load is None or load.state is LoadState.CANCELLING:
@@ -359,9 +378,11 @@ class DecodeSide:
                 released = self._settle(load, stopped)
             else:  # RESOLVING: no P rank was asked
                 released = self._loads.pop(req_id, None) is not None
+                parked = self._dp_wait.drop(req_id)
             writing = [ep for ep, rank in load.rank_at.items() if rank not in load.answered | load.done]
-        for endpoint in writing:  # they must stop writing into blocks vLLM will reuse
-            self._ctx.send(endpoint, proto.TransferCancel(room=load.job.room, request_id=req_id, peer_id=self._peer_id))
+        if parked is not None:
+            self._release_rooms.release(parked, reason)
+        self._cancel_at(writing, load.job.room, req_id)  # they must stop writing into blocks vLLM will reuse
         if released:
             self._release(load, reason, why)
         else:
@@ -395,7 +416,7 @@ class DecodeSide:
         why = f"prefill rank {endpoint} silent for {silent_s:.1f} s (peer_timeout_s {self._cfg.peer_timeout_s:g})"
         for load in hit:
             self._routes.invalidate(load.job.bootstrap_addr)
-            self._lost_addrs[load.job.bootstrap_addr] = time.monotonic()
+            self._release_rooms.lost(load.job.bootstrap_addr)
             if load.state is not LoadState.CANCELLING:
                 self._fail(load.job.req_id, why, "peer_lost", lost=endpoint)
                 continue
@@ -406,35 +427,8 @@ class DecodeSide:
 
     def abandon(self, jobs: Sequence[RecvJob]) -> None:
         """vLLM finished these requests before their KV was asked for (the client went away while they
-        queued): tell P, which may hold the room for them, to free it (off the step loop)."""
-        now = time.monotonic()
-        for job in jobs:
-            with self._lock:
-                loaded = job.room in self._loaded_rooms  # that load's end already told P
-            lost = now - self._lost_addrs.get(job.bootstrap_addr, -LOST_ADDR_QUIET_S) < LOST_ADDR_QUIET_S
-            if loaded or lost:
-                why = "a load of it already told prefill" if loaded else "prefill was lost"
-                logger.info("room=%d req=%s: request ended before its KV was asked for; %s", job.room, job.req_id, why)
-                continue
-            self._abandon_pool.submit(self._cancel_room, job)
-
-    def _cancel_room(self, job: RecvJob) -> None:
-        try:
-            if job.prefill_dp_rank is None and self._routes.get(job.bootstrap_addr).dp_size > 1:
-                dp = self._routes.query_dp_rank(job.bootstrap_addr, job.room)  # one look: no waiting
-                if dp is None:
-                    raise BootstrapError("prefill registered no dp rank for the room")
-                job = dataclasses.replace(job, prefill_dp_rank=dp)
-            endpoints, _ = self._resolve(job)
-        except Exception as exc:  # noqa: BLE001 - P's room_timeout_s frees it then
-            logger.warning(
-                "room=%d req=%s: request ended before its KV was asked for; prefill not told (%s)",
-                job.room, job.req_id, exc,
-            )  # fmt: skip
-            return
-        for endpoint in endpoints:
-            self._ctx.send(endpoint, proto.TransferCancel(room=job.room, request_id=job.req_id, peer_id=self._peer_id))
-        logger.info("room=%d req=%s: request ended before its KV was asked for; prefill told", job.room, job.req_id)
+        queued): tell P, which may hold the room for them, to free it (off the step loop: room_release)."""
+        self._release_rooms.abandon(jobs)
 
     def expire(self, now: float) -> None:
         with self._lock:
@@ -446,5 +440,9 @@ class DecodeSide:
                 if gone is not None:
                     self._end_stopped(load, f"prefill did not answer within {stop_wait_s(self._cfg):g} s")
                 continue
-            self._routes.invalidate(load.job.bootstrap_addr)
-            self._fail(load.job.req_id, f"no KV from prefill within {self._cfg.kv_wait_timeout_s:g} s", "timeout")
+            if self._dp_wait.parked(load.job.req_id):
+                why = f"prefill registered no DP rank for room {load.job.room} within {self._cfg.kv_wait_timeout_s:g} s"
+            else:
+                why = f"no KV from prefill within {self._cfg.kv_wait_timeout_s:g} s"
+                self._routes.invalidate(load.job.bootstrap_addr)
+            self._fail(load.job.req_id, why, "timeout")

@@ -29,6 +29,7 @@ chaos_attacks.py.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -39,7 +40,9 @@ import httpx
 
 from launch.processes import signal_group
 from pd_connector import messages as proto
-from pd_connector.transfer.backend import BATCH_STALL_S, WRITE_RETRIES
+from pd_connector.transfer.backend import WRITE_RETRIES
+from pd_connector.transfer.loads import STOP_MARGIN_S
+from pd_connector.transfer.mooncake import stall_for
 from tests.e2e import chaos_tools as ct
 from tests.e2e.chaos_attacks import Flood, FramePeer, LogWatch, metric_total, slowloris
 from tests.e2e.chaos_stack import FREEZE_S, HEADER_TIMEOUT_S, PEER_TIMEOUT_S, Chaos
@@ -65,7 +68,7 @@ SLOWLORIS_SLACK_S = 3.0
 #: How long P stays frozen while clients leave: under peer_timeout_s, so D waits for P's answer.
 CANCEL_FREEZE_S = 1.8
 #: D's bound on holding a stopped load's blocks (pd_connector.transfer.loads.stop_wait_s).
-STOP_WAIT_S = (1 + WRITE_RETRIES) * BATCH_STALL_S + PEER_TIMEOUT_S
+STOP_WAIT_S = (1 + WRITE_RETRIES) * stall_for("tcp", os.environ) + PEER_TIMEOUT_S + STOP_MARGIN_S  # Mooncake TCP
 D_CANCEL_LINE = r"room=(\d+) req=\S+: request aborted while its KV loads; cancelling it"
 D_RELEASE_LINE = r"room=(\d+) req=\S+: KV load failed: request aborted; (.*)"
 P_CANCEL_LINE = r"room=(\d+) req=\S+: decode cancelled the transfer"

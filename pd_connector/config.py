@@ -29,6 +29,8 @@ TRANSFER_MODES = ("request", "layer")
 #: vLLM-Ascend's D2RH port bases (accepted for its configs; PDConnector opens no socket on them).
 D2RH_ZMQ_PORT = 38100
 D2RH_SCHEDULER_READY_PORT = 38200
+#: P's default hold of a finished prefill's KV: vLLM-Ascend's (its VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT default).
+ROOM_TIMEOUT_S = 480.0
 
 
 class ConfigError(ValueError):
@@ -49,8 +51,8 @@ class DisaggConfig:
     # protocol, device_name, use_ascend_direct, ascend_local_comm_res_path; transfer.mooncake).
     backend: str = transfer_backends.DEFAULT_BACKEND
     backend_options: transfer_backends.BackendOptions = field(default_factory=transfer_backends.default_options)
-    # P: how long a finished prefill holds its KV blocks waiting for D.
-    room_timeout_s: float = 120.0
+    # P: how long a finished prefill holds its KV blocks waiting for D (vLLM-Ascend's hold by default).
+    room_timeout_s: float = ROOM_TIMEOUT_S
     # D: how long a request waits for its KV before the load counts as failed.
     kv_wait_timeout_s: float = 120.0
     # Both: a peer rank this rank has pending work with (rooms, loads) that answers no heartbeat for this

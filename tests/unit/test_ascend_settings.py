@@ -267,7 +267,7 @@ def test_abort_timeout_is_p_hold_unless_room_timeout_is_given(pd_logs: pytest.Lo
         pd_logs.text
     )
     del os.environ["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"]
-    assert parse_config("kv_producer", {}).room_timeout_s == 120.0  # PDConnector's own default
+    assert parse_config("kv_producer", {}).room_timeout_s == 480.0  # vLLM-Ascend's default hold
 
 
 @pytest.mark.parametrize("raw", ["soon", "0", "-5", "inf", "nan"])

@@ -22,7 +22,7 @@ def test_defaults_prefill() -> None:
     assert cfg.local_ip == "127.0.0.1"
     assert cfg.backend == "mooncake"
     assert cfg.backend_options == MooncakeOptions(protocol="tcp")
-    assert cfg.room_timeout_s == 120.0
+    assert cfg.room_timeout_s == 480.0  # vLLM-Ascend's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT default
     assert cfg.kv_wait_timeout_s == 120.0
     assert cfg.register_retries == 60
     assert cfg.register_interval_s == 1.0

@@ -57,6 +57,15 @@ def _vllm() -> str:
     return f"vLLM {getattr(vllm, '__version__', '?')} (imported by pd_connector.vllm_bases; not needed)"
 
 
+def _ordering_run(device: torch.device, mode: str, ordered: bool, args: argparse.Namespace, backend: str) -> dict:
+    """One ordering case; one that raised carries the error (and counts as no layer exact)."""
+    try:
+        return run_case(device, mode, ordered, args.layers, args.blocks, args.work, backend)
+    except Exception as exc:  # noqa: BLE001 - the report names the failure instead of dying
+        return {"mode": mode, "backend": backend, "ordering": "on" if ordered else "off", "layers": args.layers,
+                "layers_exact": 0, "layers_stale": args.layers, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+
+
 def _claims_hold(report: dict[str, Any]) -> bool:
     """Every byte check exact, no case failed, every ratio positive (and, on a GPU, corruption shown)."""
     cases = list(report["cases"].values())
@@ -68,6 +77,7 @@ def _claims_hold(report: dict[str, Any]) -> bool:
     )
     return bool(
         report["ordered_byte_exact"]
+        and not any("error" in r for r in report["runs"])
         and (report["corruption_without_ordering"] or not report["gpu"])
         and all(c["status"] != "failed" for c in cases)
         and exact
@@ -96,15 +106,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"--ordering-backends: unknown {unknown}; choose from {ORDERING_BACKENDS}")
     no_mooncake = mooncake_missing()
     t0 = time.perf_counter()
-    cases: dict[str, dict[str, Any]] = {}
-    if "mooncake" in backends:
-        if no_mooncake is None:
-            cases["ordering_mooncake"] = {"name": "ordering_mooncake", "status": "ok"}
-        else:
-            backends.remove("mooncake")
-            cases["ordering_mooncake"] = {"name": "ordering_mooncake", "status": "skipped", "reason": no_mooncake}
+    skip = no_mooncake if "mooncake" in backends else f"--ordering-backends {args.ordering_backends}"
+    if skip is not None and "mooncake" in backends:
+        backends.remove("mooncake")
+    ordering = {"status": "ok"} if skip is None else {"status": "skipped", "reason": skip}
+    cases: dict[str, dict[str, Any]] = {"ordering_mooncake": {"name": "ordering_mooncake", **ordering}}
     runs = [
-        run_case(device, mode, ordered, args.layers, args.blocks, args.work, backend)
+        _ordering_run(device, mode, ordered, args, backend)
         for backend in backends
         for mode in ("layer", "request")
         for ordered in (True, False)
@@ -122,7 +130,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "vllm": _vllm(),
         "mooncake": no_mooncake or "importable",
         "ordered_byte_exact": all(r["layers_stale"] == 0 for r in runs if r["ordering"] == "on"),
-        "corruption_without_ordering": any(r["layers_stale"] > 0 for r in runs if r["ordering"] == "off"),
+        "corruption_without_ordering": any(
+            r["layers_stale"] > 0 for r in runs if r["ordering"] == "off" and "error" not in r
+        ),
         "runs": runs,
         "cases": cases,
         "sweep": swept,

@@ -29,6 +29,9 @@ from pd_connector.transfer.backend import Ints, TransferBackend, TransferError, 
 HEADS, BLOCK_SIZE, HEAD_DIM = 8, 16, 128
 _TABLE: dict[bytes, TorchCopyBackend] = {}
 _IDS = itertools.count(1)
+#: Mooncake backends of finished cases, their memory unregistered: the next cases reuse them (a
+#: TransferEngine takes about a second to tear down).
+_IDLE_MOONCAKE: list[TransferBackend] = []
 
 
 class TorchCopyBackend:
@@ -90,7 +93,7 @@ def open_backend(name: str, device: torch.device, tensors: Sequence[torch.Tensor
     if name == "mooncake":
         from pd_connector.transfer.mooncake import MooncakeBackend
 
-        mooncake = MooncakeBackend.open("127.0.0.1", "tcp")
+        mooncake = _IDLE_MOONCAKE.pop() if _IDLE_MOONCAKE else MooncakeBackend.open("127.0.0.1", "tcp")
         mooncake.register(ranges)
         return mooncake
     if name != "torch":
@@ -261,6 +264,8 @@ def run_case(device: torch.device, mode: str, ordered: bool, layers: int, blocks
     stale = [n for n in p_kv if not torch.equal(d_kv[n][dst].view(torch.int16), fresh[n].view(torch.int16))]
     p_be.close()
     d_be.close()
+    if backend == "mooncake":
+        _IDLE_MOONCAKE.extend((p_be, d_be))
     return {
         "mode": mode,
         "backend": backend,

@@ -1,11 +1,12 @@
 """Device check: P's KV push and the connector's transfer path on an accelerator (CPU without one). torch only.
 
-    python scripts/device_check.py [--layers 24] [--blocks 64] [--work 16] [--sweep small|big]   # one JSON object
+    python scripts/device_check.py [--layers 24] [--blocks 64] [--work 16] [--sweep small|big|off]   # one JSON
 
 It needs torch, and Mooncake for the cases that use it (they are reported skipped, with the reason,
 when ``mooncake.engine`` does not import); never vLLM (``pd_connector.vllm_bases`` stands in for its
-two metadata base classes). On the GPU machine: ``bash KIT/run_kit.sh python3 scripts/device_check.py
---sweep big`` (/work/shared/device/README.md). The JSON:
+two metadata base classes). On a GPU machine (torch, Mooncake's CUDA build
+``mooncake-transfer-engine-cuda13``, msgspec, pyzmq, fastapi, uvicorn): ``python scripts/device_check.py
+--sweep big``. The JSON:
 
 - ``runs`` (scripts/device_check_ordering.py): does P's push wait for an asynchronous device? Layer and
   request mode, the ordering on (``device_sync.TorchDeviceSync``) and off (``NO_DEVICE``), the bytes

@@ -122,7 +122,8 @@ def test_device_check_runs_where_vllm_cannot_be_imported(tmp_path: Path) -> None
     blocker = tmp_path / "vllm"
     blocker.mkdir()
     (blocker / "__init__.py").write_text('raise ImportError("vllm is not installed on this machine (test)")\n')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(tmp_path), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     argv = [sys.executable, str(SCRIPT), *SMALL, "--ordering-backends", "torch", "--sweep", "off"]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -118,3 +118,16 @@ def setup_local_comm_res(
     env[ENV_VAR] = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     logger.info("%s set from %s (local rank %d)", ENV_VAR, file, local_rank)
     return True
+
+
+def engine_device_name(given: str, uses_hixl: bool, pp_size: int, current_device: Callable[[], int]) -> str:
+    """The ``device_name`` this rank's Mooncake engine starts with.
+
+    vLLM-Ascend 0.23's Mooncake connectors start the ``ascend`` transport with the rank's NPU index
+    (``torch.npu.current_device()``) as device name when pipeline parallel is on (PP > 1), and
+    with none otherwise. PDConnector does the same on the ``ascend`` transport when
+    ``device_name`` is not given; a given one (the RDMA NIC of the ``rdma`` transport) is kept.
+    """
+    if given or not uses_hixl or pp_size <= 1:
+        return given
+    return str(int(current_device()))

@@ -23,6 +23,7 @@ from pd_connector.host_kv import d2rh_scheduler
 from pd_connector.kv_groups import check_group_block_sizes, group_block_sizes, sliding_windows
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.metrics import PDKVConnectorStats, PDPromMetrics
+from pd_connector.refusals import note_kv_transfer_fields, refuse_unsupported
 from pd_connector.scheduler import PDScheduler
 from pd_connector.worker import PDWorker
 
@@ -78,6 +79,8 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         self.cfg = parse_config(kv.kv_role, kv.kv_connector_extra_config)
+        # Recurrent-state (Mamba / GDN) models, context parallel, micro-batching with layer mode: refused.
+        refuse_unsupported(self.cfg, vllm_config, kv_cache_config)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -90,6 +93,7 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
             self._scheduler.dp_rooms = dp_rooms_for(self.cfg, vllm_config.parallel_config, dp_rank)
             if self.cfg.d2rh and self.cfg.is_decode:  # host KV pool first (pd_connector.d2rh)
                 self._scheduler.d2rh = d2rh_scheduler(self.cfg, vllm_config, kv_cache_config, block_size, len(sizes))
+            note_kv_transfer_fields(self.cfg, kv)  # vLLM-Ascend's configs carry kv_port and engine_id
         else:
             self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)
         logger.info("PDConnector %s side up as %s", role.name.lower(), self.cfg.mode)

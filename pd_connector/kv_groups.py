@@ -38,6 +38,8 @@ __all__ = [
     "group_entries",
     "group_pairs",
     "layer_groups",
+    "layer_kinds",
+    "recurrent_groups",
     "real_blocks",
     "recv_groups",
     "send_groups",
@@ -145,6 +147,50 @@ def replay_needs_freed_block(num_tokens: int, windows: Sequence[int], block_size
         if first_kept > 0 and first_kept % block_size == 0:
             return w
     return None
+
+
+def _spec_kinds(spec: Any) -> list[Any]:
+    """The per-layer specs of a group's spec (vLLM's UniformTypeKVCacheSpecs holds several)."""
+    inner = getattr(spec, "kv_cache_specs", None)
+    return list(inner.values()) if isinstance(inner, Mapping) else [spec]
+
+
+def _kind_name(spec: Any) -> str:
+    """A spec's class, with the recurrent mixer it serves (MambaSpec.mamba_type: MAMBA2, GDN_ATTN, ...)."""
+    mixer = getattr(spec, "mamba_type", None)
+    name = getattr(mixer, "name", None) or (str(mixer) if mixer is not None else "")
+    return f"{type(spec).__name__} ({name})" if name else type(spec).__name__
+
+
+def layer_kinds(kv_cache_config: Any) -> str:
+    """The model's layer kinds, one per KV cache group: spec class, layer count and the first layer names."""
+    parts = []
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        names = list(group.layer_names)
+        shown = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
+        kinds = sorted({_kind_name(s) for s in _spec_kinds(group.kv_cache_spec)})
+        parts.append(f"{' + '.join(kinds)}: {len(names)} layers ({shown})")
+    return "; ".join(parts)
+
+
+def recurrent_groups(kv_cache_config: Any) -> list[int]:
+    """KV cache groups whose layers keep something other than attention KV (vLLM's MambaSpec and the like).
+
+    Such a layer (Mamba, Mamba2, gated delta net, short conv, ...) keeps one recurrent state per
+    request, not per-token KV in blocks: moving its "blocks" as attention KV gives D a wrong state.
+    A spec counts when it is a vLLM ``KVCacheSpec`` that is no ``AttentionSpec`` (inside a
+    ``UniformTypeKVCacheSpecs`` too); other objects (tests' stand-ins) are taken for attention.
+    """
+    try:
+        from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec
+    except ImportError:  # no vLLM: nothing to tell them apart by
+        return []
+    out = []
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        specs = _spec_kinds(group.kv_cache_spec)
+        if any(isinstance(s, KVCacheSpec) and not isinstance(s, AttentionSpec) for s in specs):
+            out.append(index)
+    return out
 
 
 # ------------------------------------------------------------ block tables

@@ -3,19 +3,26 @@
 - vLLM-Ascend's ``prefill`` / ``decode`` sizes against what this rank runs as;
 - the KV's memory against what the backend reaches and how many regions it takes (KV plus P's NHD
   staging buffer), as its options tell (``BackendOptions.memory_problem``: Mooncake's ``tcp`` cannot
-  read NPU memory, its ``ascend`` transport takes 256 regions).
+  read NPU memory, its ``ascend`` transport takes 256 regions);
+- the device name the backend opens with (``backend_config``: the NPU index with PP > 1 on the
+  ``ascend`` transport, as vLLM-Ascend's connectors).
 
 Each failure is a ``RankSetupError`` whose message names both values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pd_connector.ascend_env import engine_device_name
 from pd_connector.config import DisaggConfig
 from pd_connector.layout import memory_ranges
 from pd_connector.peer_sizes import sizes_mismatch
+
+logger = logging.getLogger(__name__)
 
 
 class RankSetupError(ValueError):
@@ -83,3 +90,28 @@ def prepare_rank(
     check_kv_memory(cfg, kv_caches, ranges, staging)
     cfg.backend_options.prepare_rank(local_rank())  # Mooncake: ascend_local_comm_res_path's endpoint file
     return ranges + list(staging)
+
+
+def current_device_index() -> int:
+    """This worker's device index (vLLM-Ascend: ``torch.npu.current_device()``)."""
+    import torch
+
+    npu = getattr(torch, "npu", None)
+    if npu is not None:
+        return int(npu.current_device())
+    return int(torch.accelerator.current_device_index())
+
+
+def backend_config(
+    cfg: DisaggConfig, pp_size: int, current_device: Callable[[], int] = current_device_index
+) -> DisaggConfig:
+    """``cfg`` with the device name this rank's transfer engine opens with (``ascend_env.engine_device_name``)."""
+    options = cfg.backend_options
+    given = getattr(options, "device_name", None)
+    if not isinstance(given, str):
+        return cfg
+    name = engine_device_name(given, bool(getattr(options, "uses_hixl", False)), pp_size, current_device)
+    if name == given:
+        return cfg
+    logger.info("Mooncake ascend transport opens with device_name %s (this rank's NPU; PP size %d)", name, pp_size)
+    return dataclasses.replace(cfg, backend_options=dataclasses.replace(options, device_name=name))  # type: ignore[type-var]

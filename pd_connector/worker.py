@@ -28,7 +28,7 @@ from pd_connector.layout import regions_of_kv_caches
 from pd_connector.messages import RegisterRank
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.pp_stages import PipelineError, own_stage_problem, region_layers_of, stage_range
-from pd_connector.rank_checks import prepare_rank
+from pd_connector.rank_checks import backend_config, prepare_rank
 from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.layerwise import LayerStreams, enable_layer_push
@@ -182,7 +182,7 @@ class PDWorker:
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         ranges = prepare_rank(self.cfg, kv_caches, tp_size, dp_size, staging)  # KV's ranges + staging's
         apply_transport_env(self.cfg)  # ascend: vLLM-Ascend's QoS and transfer timeout, before the engine starts
-        self.backend = create_backend(self.cfg)
+        self.backend = create_backend(backend_config(self.cfg, pp_size))  # ascend, PP > 1: the NPU as device_name
         self.backend.register(ranges)
         spec = RankSpec(
             tp_rank=tp_rank,

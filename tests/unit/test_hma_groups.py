@@ -19,8 +19,10 @@ from pd_connector.kv_groups import (
     group_entries,
     group_pairs,
     layer_groups,
+    layer_kinds,
     real_blocks,
     received_bytes,
+    recurrent_groups,
     recv_groups,
     region_groups,
     replay_needs_freed_block,
@@ -143,3 +145,16 @@ def test_the_boundary_prompt_lengths_of_a_window_are_found() -> None:
     # L - 48 + 1 a multiple of 32: the last token's oldest key (L - 48) opens a block that was freed.
     assert [n for n in range(1, 200) if replay_needs_freed_block(n, [48], 32)] == [79, 111, 143, 175]
     assert replay_needs_freed_block(100, [48], 32) is None and replay_needs_freed_block(79, [], 32) is None
+
+
+def test_recurrent_groups_are_vllm_specs_that_are_no_attention() -> None:
+    """A MambaSpec group is recurrent state; attention specs and tests' stand-in specs are not."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    state = MambaSpec(block_size=16, shapes=((3, 64), (4, 8, 8)), dtypes=(torch.float32, torch.float32))
+    groups = [KVCacheGroupSpec(["m.0", "m.2", "m.4"], state), KVCacheGroupSpec(["a.1"], full)]
+    real = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    assert recurrent_groups(real) == [0]
+    assert layer_kinds(real) == "MambaSpec (MAMBA2): 3 layers (m.0, m.2, ...); FullAttentionSpec: 1 layers (a.1)"
+    assert recurrent_groups(config(["l0"], ["l1"])) == [] and recurrent_groups(None) == []

@@ -52,7 +52,7 @@ ORDERING_BACKENDS = ("torch", "mooncake")
 
 def _vllm() -> str:
     if not VLLM_BASES:
-        return "not importable: pd_connector.vllm_bases stands in for its metadata base classes"
+        return "not importable (vLLM's KV-connector metadata classes): pd_connector.vllm_bases stands in for them"
     import vllm
 
     return f"vLLM {getattr(vllm, '__version__', '?')} (imported by pd_connector.vllm_bases; not needed)"

@@ -47,10 +47,8 @@ def layerwise_proxy() -> tuple[Path | None, str]:
     return (script, "") if script.is_file() else (None, f"{example.parent} holds no {LAYERWISE_PROXY}")
 
 
-def check_layerwise_proxy(reference: dict, stack: PDStack, log_dir: Path, what: str) -> int:
-    """The proxy in front of ``stack``'s P and D: greedy completions and chat, streamed and not, equal to
-    ``reference``; every request D first with a successful post, pushed by P and received by D, no
-    load failed, no KV held after. Skips (fails under CI=true) without the proxy. Returns the requests made."""
+def required_proxy() -> Path:
+    """The layer-wise proxy's script; skips the test without it (fails under CI=true)."""
     script, missing = layerwise_proxy()
     if script is None:
         if ascend_peers.required():
@@ -58,54 +56,80 @@ def check_layerwise_proxy(reference: dict, stack: PDStack, log_dir: Path, what: 
         pytest.skip(f"vLLM-Ascend's layer-wise proxy: {missing}")
     absent = [m for m in ("fastapi", "httpx", "uvicorn") if importlib.util.find_spec(m) is None]
     assert not absent, f"the layer-wise proxy needs {absent} (pd-connector's base dependencies)"
-    assert [PROMPT_LENGTHS[i] for i in PROMPTS] == [1, 32, 65, 257]
-    p_log, d_log = stack.prefill.log_path, stack.decode.log_path
-    patterns = {
-        "pushed": (p_log, r"pushed \d+ blocks"),
-        "received": (d_log, r"KV received"),
-        "failed": (d_log, r"KV load failed"),
-        "d_first": (d_log, D_FIRST),
-        "answered": (d_log, ANSWERED),
-        "p_picked": (p_log, r"named no bootstrap_room"),
-    }
-    before = {key: count_in_log(path, pattern) for key, (path, pattern) in patterns.items()}
+    return script
 
-    def grown(key: str) -> int:
-        path, pattern = patterns[key]
-        return count_in_log(path, pattern) - before[key]
 
+def start_layerwise_proxy(group: ProcessGroup, script: Path, stack: PDStack) -> str:
+    """The proxy, unmodified, in front of ``stack``'s P (one API server, whatever its DP size) and D; its URL
+    once healthy. It belongs to ``group``, which stops it."""
     (proxy_port,) = free_ports(1)
-    with ProcessGroup(log_dir) as group:
-        proxy_cmd = [
-            sys.executable,
-            str(script),
-            "--host", HOST,
-            "--port", str(proxy_port),
-            "--prefiller-hosts", HOST,
-            "--prefiller-ports", str(stack.prefill_port),
-            "--decoder-hosts", HOST,
-            "--decoder-ports", str(stack.decode_port),
-        ]  # fmt: skip
-        proxy = group.start("layerwise-proxy", proxy_cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), cpus="")
-        proxy_url = f"http://{HOST}:{proxy_port}"
-        wait_all_healthy([(f"{proxy_url}/healthcheck", proxy)], 60)
+    proxy_cmd = [
+        sys.executable,
+        str(script),
+        "--host", HOST,
+        "--port", str(proxy_port),
+        "--prefiller-hosts", HOST,
+        "--prefiller-ports", str(stack.prefill_port),
+        "--decoder-hosts", HOST,
+        "--decoder-ports", str(stack.decode_port),
+    ]  # fmt: skip
+    proxy = group.start("layerwise-proxy", proxy_cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), cpus="")
+    proxy_url = f"http://{HOST}:{proxy_port}"
+    wait_all_healthy([(f"{proxy_url}/healthcheck", proxy)], 60)
+    return proxy_url
 
+
+class FlowLog:
+    """The D-first flow's lines in P's and D's logs, counted from its creation on."""
+
+    def __init__(self, stack: PDStack) -> None:
+        self.stack = stack
+        p_log, d_log = stack.prefill.log_path, stack.decode.log_path
+        self.patterns = {
+            "pushed": (p_log, r"pushed \d+ blocks"),
+            "received": (d_log, r"KV received"),
+            "failed": (d_log, r"KV load failed"),
+            "d_first": (d_log, D_FIRST),
+            "answered": (d_log, ANSWERED),
+            "p_picked": (p_log, r"named no bootstrap_room"),
+        }
+        self.before = {key: count_in_log(path, pattern) for key, (path, pattern) in self.patterns.items()}
+
+    def grown(self, key: str) -> int:
+        path, pattern = self.patterns[key]
+        return count_in_log(path, pattern) - self.before[key]
+
+    def check(self, made: int, what: str) -> None:
+        """Every one of ``made`` requests D first with a successful post, pushed by P and received by D, no
+        load failed, no KV held after on either side."""
+        assert self.grown("d_first") == made, f"{what}: D did not take every request as D first"
+        deadline = time.monotonic() + 10  # the last post's answer (P's) may be logged after D's answer
+        while self.grown("answered") < made and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert self.grown("answered") == made, f"{what}: D's metaserver posts did not all succeed"
+        assert self.grown("p_picked") == 0, f"{what}: P got a request without D's room"
+        pushed, received = self.grown("pushed"), self.grown("received")
+        assert pushed >= made and received >= made, f"{what}: {made} requests, {pushed} pushes, {received} receipts"
+        assert self.grown("failed") == 0, f"{what}: a KV load failed"
+        stack = self.stack
+        assert wait_kv_free(stack.prefill_url) == 0.0, f"P still holds KV: {kv_usage(stack.prefill_url)}"
+        assert wait_kv_free(stack.decode_url) == 0.0, f"D still holds KV: {kv_usage(stack.decode_url)}"
+
+
+def check_layerwise_proxy(reference: dict, stack: PDStack, log_dir: Path, what: str) -> int:
+    """The proxy in front of ``stack``'s P and D: greedy completions and chat, streamed and not, equal to
+    ``reference``; then :meth:`FlowLog.check`. Skips (fails under CI=true) without the proxy. Returns the
+    requests made."""
+    script = required_proxy()
+    assert [PROMPT_LENGTHS[i] for i in PROMPTS] == [1, 32, 65, 257]
+    flow = FlowLog(stack)
+    with ProcessGroup(log_dir) as group:
+        proxy_url = start_layerwise_proxy(group, script, stack)
         made = assert_matches_reference(proxy_url, stack.model, reference, PROMPTS, what)
         for stream in (False, True):
             for i, content in enumerate(CHAT_PROMPTS):
                 got = chat(proxy_url, stack.model, content, stream=stream)
                 assert got == reference["chat"][stream][i], f"{what}: chat {i}, stream={stream}"
                 made += 1
-
-    assert grown("d_first") == made, f"{what}: D did not take every request as D first"
-    deadline = time.monotonic() + 10  # the last post's answer (P's) may be logged after D's answer
-    while grown("answered") < made and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert grown("answered") == made, f"{what}: D's metaserver posts did not all succeed"
-    assert grown("p_picked") == 0, f"{what}: P got a request without D's room"
-    pushed, received = grown("pushed"), grown("received")
-    assert pushed >= made and received >= made, f"{what}: {made} requests, {pushed} pushes, {received} receipts"
-    assert grown("failed") == 0, f"{what}: a KV load failed"
-    assert wait_kv_free(stack.prefill_url) == 0.0, f"P still holds KV: {kv_usage(stack.prefill_url)}"
-    assert wait_kv_free(stack.decode_url) == 0.0, f"D still holds KV: {kv_usage(stack.decode_url)}"
+    flow.check(made, what)
     return made

@@ -96,7 +96,7 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
             note_kv_transfer_fields(self.cfg, kv)  # vLLM-Ascend's configs carry kv_port and engine_id
         else:
             self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)
-        logger.info("PDConnector %s side up as %s", role.name.lower(), self.cfg.mode)
+        logger.info("PDConnector %s side up as %s (engine_id %s)", role.name.lower(), self.cfg.mode, kv.engine_id)
 
     # ================================================================ worker side
 

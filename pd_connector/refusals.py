@@ -117,7 +117,7 @@ def note_kv_transfer_fields(cfg: DisaggConfig, kv_transfer_config: Any) -> list[
     engine_id = getattr(kv_transfer_config, "engine_id", None)
     if engine_id:
         lines.append(
-            f"kv_transfer_config.engine_id {engine_id} names this {cfg.mode} instance in PDConnector's logs only: "
+            f"kv_transfer_config.engine_id {engine_id} only names this {cfg.mode} instance in PDConnector's start-up log: "
             "P and D find each other through P's bootstrap server and match requests by bootstrap_room"
         )
     for line in lines:

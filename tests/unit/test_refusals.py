@@ -149,7 +149,7 @@ def test_kv_port_and_engine_id_are_explained(pd_logs: pytest.LogCaptureFixture) 
     port_line, id_line = note_kv_transfer_fields(cfg, kv)
     assert "kv_transfer_config.kv_port 36000 is not used by PDConnector" in port_line
     assert "bootstrap_host:bootstrap_port (127.0.0.1:18800)" in port_line
-    assert "engine_id p-node-0 names this prefill instance in PDConnector's logs only" in id_line
+    assert "engine_id p-node-0 only names this prefill instance in PDConnector's start-up log" in id_line
     assert port_line in pd_logs.text and id_line in pd_logs.text
     default = KVTransferConfig(kv_connector="PDConnector", kv_role="kv_producer")  # vLLM's kv_port, a random id
     assert [line for line in note_kv_transfer_fields(cfg, default) if "kv_port" in line] == []

@@ -143,6 +143,9 @@ def decode(frame: bytes) -> Message:
 class RankInfo(msgspec.Struct, frozen=True):
     rank_ip: str
     rank_port: int
+    #: What bounds this rank's writes (``RegisterRank``'s, passed on): D's wait for a stopped load.
+    batch_stall_s: float = 0.0
+    peer_timeout_s: float = 0.0
 
 
 class RegisterRank(msgspec.Struct, frozen=True):
@@ -166,6 +169,11 @@ class RegisterRank(msgspec.Struct, frozen=True):
     pp_rank: int = 0
     first_layer: int = 0
     end_layer: int = 0  # 0: not told (PP 1)
+    #: What bounds this rank's writes to D (transfer.loads.PeerTiming): its transport's longest batch
+    #: write (``BackendOptions.batch_stall_s``) and its ``peer_timeout_s``. D holds a stopped load's
+    #: blocks by these, not by its own settings. 0: not told (a rank from an older release: D uses its own).
+    batch_stall_s: float = 0.0
+    peer_timeout_s: float = 0.0
 
 
 class Route(msgspec.Struct, frozen=True):

@@ -255,6 +255,8 @@ class PDWorker:
                 pp_rank=spec.pp_rank,
                 first_layer=self.stage_layers[0],
                 end_layer=self.stage_layers[1],
+                batch_stall_s=self.cfg.backend_options.batch_stall_s,  # what bounds this rank's writes:
+                peer_timeout_s=self.cfg.peer_timeout_s,  # D holds a stopped load's blocks by them (transfer.loads)
             ),
             retries=self.cfg.register_retries,
             interval_s=self.cfg.register_interval_s,

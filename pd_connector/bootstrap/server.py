@@ -132,7 +132,12 @@ class BootstrapState:
             if self.model and req.model and req.model != self.model:
                 raise ValueError(f"rank serves model {req.model!r}, others registered {self.model!r}")
             self.model = req.model or self.model
-            self.rank_table[key] = RankInfo(rank_ip=req.rank_ip, rank_port=req.rank_port)
+            self.rank_table[key] = RankInfo(
+                rank_ip=req.rank_ip,
+                rank_port=req.rank_port,
+                batch_stall_s=req.batch_stall_s,  # D's wait for a stopped load (transfer.loads.timing_of)
+                peer_timeout_s=req.peer_timeout_s,
+            )
             self.stages[req.pp_rank] = layers
             # the model's KV layers: every stage's (with PP 1 the one stage's)
             self.num_layers = sum(n for _, _, n in self.stages.values()) or self.num_layers

@@ -1,9 +1,11 @@
 """DecodeSide: a D rank's KV loads.
 
-Each `RecvJob` resolves P's topology (bootstrap route, cached), sends `PeerHello` once per P
-rank and a `TransferRequest` per request, then waits for `TransferDone` from every P rank it
-asked. Errors and kv_wait_timeout_s end the load as failed; vLLM then recomputes or fails the
-request. Load states (``states.LoadState``): RESOLVING (handshake on the task pool; a room whose
+Each `RecvJob` resolves the P ranks to ask (``prefill_ranks``: bootstrap route, cached, with what
+bounds each rank's writes), sends `PeerHello` once per P rank and a `TransferRequest` per request,
+then waits for `TransferDone` from every P rank it asked. Errors, a lost P rank and kv_wait_timeout_s
+end the load as failed; vLLM then recomputes or fails the request, but only once no P rank asked can
+still write into its blocks (``loads``: every P rank that has not answered, a lost one included, is
+told to stop, and the load holds its blocks until each answered or its wait ran out). Load states (``states.LoadState``): RESOLVING (handshake on the task pool; a room whose
 prefill DP rank is not registered yet waits in ``dp_wait``, holding no thread) -> AWAITING_KV ->
 RECEIVED or FAILED (the load then leaves the table). A load that ends before P was asked, and a
 request that ends before its load, tell P to free the room (``room_release``).
@@ -24,27 +26,22 @@ import time
 from collections.abc import Iterable, Sequence
 
 from pd_connector import messages as proto
-from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache
-from pd_connector.compat import route_mismatch
-from pd_connector.config import PREFILL
+from pd_connector.bootstrap.client import BootstrapError, RouteCache
 from pd_connector.kv_groups import real_blocks, received_bytes, recv_groups
 from pd_connector.layout import LayoutError
 from pd_connector.messages import DoneStatus
 from pd_connector.metadata import RecvJob
-from pd_connector.peer_sizes import sizes_mismatch
-from pd_connector.pp_stages import partition_mismatch, stages_for
-from pd_connector.tp_mapping import decode_contacts
-from pd_connector.transfer.channel import zmq_host
 from pd_connector.transfer.checksum import landed_problem
 from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.dp_wait import DpRankPending, DpRankWait
 from pd_connector.transfer.hello import hello_of
-from pd_connector.transfer.loads import Load, stop_wait_s
+from pd_connector.transfer.loads import Load, lost_wait_s, stop_wait_s
 from pd_connector.transfer.nhd_reshuffle import plan_slices
+from pd_connector.transfer.prefill_ranks import PrefillRanks
 from pd_connector.transfer.room_release import RoomRelease
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason, reason_of_status
-from pd_connector.transfer.wire_checks import BadEndpoint, check_endpoint
+from pd_connector.transfer.wire_checks import BadEndpoint
 from pd_connector.transfer.write_guard import check_own_blocks
 
 logger = logging.getLogger(__name__)
@@ -67,7 +64,8 @@ class DecodeSide:
         self._hello_lock = threading.Lock()
         self._routes = RouteCache.for_config(self._cfg)  # its token, CA bundle, trusted hosts
         self._dp_wait = DpRankWait(self._routes, self._dp_rank_found)
-        self._release_rooms = RoomRelease(ctx, self._routes, peer_id, self._contacts)
+        self._ranks = PrefillRanks(self._cfg, self._spec, self._routes)  # which P ranks to ask
+        self._release_rooms = RoomRelease(ctx, self._routes, peer_id, self._ranks.contacts)
 
     def add_recvs(self, jobs: Sequence[RecvJob]) -> None:
         """Start fetching these requests' KV (the handshake runs off the step loop)."""
@@ -99,7 +97,7 @@ class DecodeSide:
     def _start(self, job: RecvJob) -> None:
         try:
             check_own_blocks(real_blocks(recv_groups(job)), self._spec.num_blocks)  # transfer.write_guard
-            endpoints, p_tp = self._resolve(job)
+            asked = self._ranks.resolve(job)
         except DpRankPending:
             self._park(job)
             return
@@ -125,6 +123,7 @@ class DecodeSide:
             load = self._loads.get(job.req_id)
             if load is not None and load.cancelled:  # aborted while resolving: P gets only the cancel
                 del self._loads[job.req_id]
+        endpoints = asked.endpoints
         if load is None:  # failed (timeout) while resolving: P is told to free the room
             self._cancel_at(endpoints, job.room, job.req_id)
             return
@@ -134,9 +133,9 @@ class DecodeSide:
             return
         with self._lock:
             load.endpoints, load.rank_at = list(endpoints), endpoints
-            load.p_tp = p_tp
+            load.p_tp, load.timing = asked.p_tp, asked.timing
             if self._ctx.reshuffle is not None:  # the parts of D's blocks P's ranks write (nhd_reshuffle)
-                load.slices = plan_slices(self._spec, p_tp, self._spec.tp_size, self._spec.tp_rank, job.room)
+                load.slices = plan_slices(self._spec, asked.p_tp, self._spec.tp_size, self._spec.tp_rank, job.room)
             load.state = LoadState.AWAITING_KV
             load.handshake_s = time.monotonic() - load.started
         for endpoint in endpoints:
@@ -149,71 +148,6 @@ class DecodeSide:
         logger.debug(
             "room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, list(endpoints), len(job.dst_block_ids)
         )
-
-    def _resolve(self, job: RecvJob) -> tuple[dict[str, int], int]:
-        """ZMQ endpoints of the P ranks holding this rank's part of the room (in every pipeline stage
-        holding one of its layers, pp_stages), each with its rank number (pp * P's TP size + tp), and P's TP size."""
-        route = self._route_with_retries(job)
-        spec = self._spec
-        problem = route_mismatch(route, job.bootstrap_addr, spec.block_size, spec.kv_dtype, spec.num_layers, spec.model)
-        what = f"the prefill deployment at {job.bootstrap_addr}"
-        problem = problem or sizes_mismatch(
-            PREFILL, self._cfg.prefill, what, route.dp_size, route.attn_tp_size, route.pp_size
-        )
-        partition = self._cfg.prefill.pp_layer_partition if self._cfg.prefill is not None else None
-        firsts = [first for first, _ in route.stage_layers] if route.pp_size > 1 else [0]
-        problem = problem or partition_mismatch(PREFILL, partition, what, firsts)
-        if problem is not None:
-            raise LayoutError(problem)
-        return self._contacts(job, route, self._prefill_dp_rank(job, route)), route.attn_tp_size
-
-    def _contacts(self, job: RecvJob, route: proto.Route, dp_rank: int) -> dict[str, int]:
-        """The P ranks of DP rank ``dp_rank`` holding this rank's part of the room (endpoint -> rank number)."""
-        spec = self._spec
-        stages = stages_for(route, spec.region_layers or range(spec.num_layers), job.bootstrap_addr)
-        tp_ranks = decode_contacts(
-            spec.heads,
-            route.attn_tp_size,
-            spec.tp_size,
-            spec.tp_rank,
-            is_mla=spec.use_mla,
-            spread=job.room % route.attn_tp_size,
-        )
-        endpoints: dict[str, int] = {}
-        for pp in stages:
-            for tp in tp_ranks:
-                info = route.rank(dp_rank, 0, tp, pp)
-                if info is None:
-                    name = f"dp={dp_rank} tp={tp}" + (f" pp={pp}" if route.pp_size > 1 else "")
-                    raise BootstrapError(f"prefill rank {name} is not registered at {job.bootstrap_addr}")
-                endpoints[check_endpoint(f"tcp://{zmq_host(info.rank_ip)}:{info.rank_port}")] = (
-                    pp * route.attn_tp_size + tp
-                )
-        return endpoints
-
-    def _route_with_retries(self, job: RecvJob) -> proto.Route:
-        """P's topology; a busy or still-starting prefill gets a few more tries within the KV wait."""
-        deadline = time.monotonic() + min(self._cfg.kv_wait_timeout_s / 2, 30.0)
-        while True:
-            try:
-                return self._routes.get(job.bootstrap_addr)
-            except BootstrapBusy as exc:
-                if time.monotonic() + 0.5 >= deadline:
-                    raise
-                logger.warning("room=%d req=%s: %s; retrying", job.room, job.req_id, exc)
-                time.sleep(0.5)
-
-    def _prefill_dp_rank(self, job: RecvJob, route: proto.Route) -> int:
-        if job.prefill_dp_rank is not None:
-            if job.prefill_dp_rank >= route.dp_size:
-                raise BootstrapError(f"prefill_dp_rank {job.prefill_dp_rank} but prefill has dp_size {route.dp_size}")
-            return job.prefill_dp_rank
-        if route.dp_size == 1:
-            return 0
-        dp = self._routes.query_dp_rank(job.bootstrap_addr, job.room)  # one look; then dp_wait looks
-        if dp is None:
-            raise DpRankPending(job.room)
-        return dp
 
     def _park(self, job: RecvJob) -> None:
         """No DP rank registered for the room yet: the load waits in dp_wait, this thread goes back."""
@@ -252,7 +186,8 @@ class DecodeSide:
         """vLLM finished these requests (aborted, e.g. the client went away): stop their loads.
 
         P is told at once (TransferCancel) and frees the room; the load ends when every P rank asked
-        has answered (no write is in flight into blocks vLLM will reuse), or after ``loads.stop_wait_s``.
+        has answered (no write is in flight into blocks vLLM will reuse), or after ``loads.stop_wait_s``
+        (by the bounds the P ranks asked advertised, ``Load.timing``).
         """
         now = time.monotonic()
         for req_id in req_ids:
@@ -267,8 +202,8 @@ class DecodeSide:
                 elif load.state is not LoadState.AWAITING_KV:
                     continue  # RESOLVING: _start sends the cancel once P's ranks are known
                 else:
-                    load.state = LoadState.CANCELLING
-                    load.deadline = now + stop_wait_s(self._cfg)  # not sooner: P may still be writing
+                    load.state, load.wait_s = LoadState.CANCELLING, stop_wait_s(self._cfg, load.timing)
+                    load.deadline = now + load.wait_s  # not sooner: P may still be writing
                 endpoints = list(load.endpoints)
             if parked is not None:
                 self._release_rooms.release(parked, "request aborted while prefill's DP rank for the room was unknown")
@@ -278,8 +213,8 @@ class DecodeSide:
             self._cancel_at(endpoints, load.job.room, req_id)
 
     def _settle(self, load: Load, ranks: Iterable[int]) -> bool:
-        """P ranks of a stopping load that answered or were lost; True once every P rank asked did
-        (the load then left the table). Caller holds the lock."""
+        """P ranks of a stopping load that answered; True once every P rank asked did (the load then
+        left the table). Caller holds the lock."""
         load.answered.update(ranks)
         if load.stopped and self._loads.get(load.job.req_id) is load:
             del self._loads[load.job.req_id]
@@ -363,18 +298,22 @@ class DecodeSide:
         self, req_id: str, reason: str, why: FailureReason, answer: proto.TransferDone | None = None, lost: str = ""
     ) -> None:
         """End a load as failed (``answer``: the failing P rank's; ``lost``: a P rank gone silent). P ranks
-        asked that have not answered are told to stop, and the load keeps its blocks (CANCELLING) until
-        each answered or ``loads.stop_wait_s`` passed: only then can vLLM reuse them."""
+        asked that have not answered are told to stop, the lost one too (it may only be cut off from
+        answering), and the load keeps its blocks (CANCELLING) until each answered or ``loads.stop_wait_s``
+        (``lost_wait_s`` after a loss) passed: only then can vLLM reuse them."""
         parked: RecvJob | None = None  # the job, if it waited for the room's DP rank (P may hold the room)
         with self._lock:
             load = self._loads.get(req_id)
             if load is None or load.state is LoadState.CANCELLING:
                 return
             stopped = {load.p_rank(answer)} if answer is not None and answer.room == load.job.room else set()
-            stopped |= {load.rank_at[lost]} if lost in load.rank_at else set()
+            if lost in load.rank_at:
+                load.lost.add(load.rank_at[lost])  # not stopped: it may still be writing (lost_wait_s)
             if load.state is LoadState.AWAITING_KV:
                 load.state, load.failure = LoadState.CANCELLING, (reason, why)
-                load.deadline = time.monotonic() + stop_wait_s(self._cfg)
+                wait = lost_wait_s if load.lost else stop_wait_s
+                load.wait_s = wait(self._cfg, load.timing)
+                load.deadline = time.monotonic() + load.wait_s
                 released = self._settle(load, stopped)
             else:  # RESOLVING: no P rank was asked
                 released = self._loads.pop(req_id, None) is not None
@@ -386,7 +325,10 @@ class DecodeSide:
         if released:
             self._release(load, reason, why)
         else:
-            logger.info("room=%d req=%s: %s; blocks held until prefill stops", load.job.room, req_id, reason)
+            logger.info(
+                "room=%d req=%s: %s; blocks held until prefill stops (at most %.1f s)", load.job.room, req_id, reason,
+                load.wait_s,
+            )  # fmt: skip
 
     def _release(self, load: Load, reason: str, why: FailureReason) -> None:
         """Hand a load that left the table to vLLM as failed (its blocks in failed_recving)."""
@@ -402,13 +344,24 @@ class DecodeSide:
     # ------------------------------------------------------------- liveness, abandoned rooms
 
     def peers_waited_on(self) -> set[str]:
-        """Endpoints of the P ranks this rank's loads wait on (liveness pings them)."""
+        """Endpoints of the P ranks this rank's loads wait on (liveness pings them); a rank a load already
+        declared lost is not watched again for it (only its answer or the load's wait ends it)."""
         with self._lock:
-            return {ep for load in self._loads.values() if load.state in _WAITING for ep in load.endpoints}
+            return {
+                ep
+                for load in self._loads.values()
+                if load.state in _WAITING
+                for ep in load.endpoints
+                if load.rank_at.get(ep) not in load.lost
+            }
 
     def peer_lost(self, endpoint: str, silent_s: float) -> None:
-        """The P rank at ``endpoint`` answered no heartbeat for ``silent_s``: the loads on it fail (it counts
-        as stopped; each waits for its other P ranks, ``_fail``)."""
+        """The P rank at ``endpoint`` sent nothing for ``silent_s`` (no Pong, no Ping): the loads waiting on
+        it fail. Silence says only that its frames do not reach D: it may be alive, its answers cut, and
+        still write. So it does not count as stopped: it gets a ``TransferCancel`` like any P rank that has
+        not answered (best effort), and the load keeps its blocks until it answers or for
+        ``loads.lost_wait_s`` (``_fail``). A load already stopping told it to stop then, and its wait
+        already covers it: the rank is only no longer watched for it."""
         with self._lock:
             hit = [load for load in self._loads.values() if load.state in _WAITING and endpoint in load.endpoints]
         with self._hello_lock:
@@ -421,9 +374,12 @@ class DecodeSide:
                 self._fail(load.job.req_id, why, "peer_lost", lost=endpoint)
                 continue
             with self._lock:
-                released = self._settle(load, [load.rank_at[endpoint]] if endpoint in load.rank_at else [])
-            if released:
-                self._end_stopped(load, why)
+                if endpoint in load.rank_at:
+                    load.lost.add(load.rank_at[endpoint])
+            logger.warning(
+                "room=%d req=%s: %s while its load stops; blocks held until it answers or for %.1f s in all",
+                load.job.room, load.job.req_id, why, load.wait_s,
+            )  # fmt: skip
 
     def abandon(self, jobs: Sequence[RecvJob]) -> None:
         """vLLM finished these requests before their KV was asked for (the client went away while they
@@ -438,7 +394,7 @@ class DecodeSide:
                 with self._lock:
                     gone = self._loads.pop(load.job.req_id, None)
                 if gone is not None:
-                    self._end_stopped(load, f"prefill did not answer within {stop_wait_s(self._cfg):g} s")
+                    self._end_stopped(load, f"prefill did not answer within {load.wait_s:g} s")
                 continue
             if self._dp_wait.parked(load.job.req_id):
                 why = f"prefill registered no DP rank for room {load.job.room} within {self._cfg.kv_wait_timeout_s:g} s"

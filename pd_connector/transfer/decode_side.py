@@ -344,15 +344,15 @@ class DecodeSide:
     # ------------------------------------------------------------- liveness, abandoned rooms
 
     def peers_waited_on(self) -> set[str]:
-        """Endpoints of the P ranks this rank's loads wait on (liveness pings them); a rank a load already
-        declared lost is not watched again for it (only its answer or the load's wait ends it)."""
+        """Endpoints of the P ranks this rank's loads wait on (liveness pings them): not those that already
+        answered, nor one a load already declared lost (only its answer or the load's wait ends that)."""
         with self._lock:
             return {
                 ep
                 for load in self._loads.values()
                 if load.state in _WAITING
                 for ep in load.endpoints
-                if load.rank_at.get(ep) not in load.lost
+                if load.rank_at.get(ep) not in load.lost | load.answered | load.done
             }
 
     def peer_lost(self, endpoint: str, silent_s: float) -> None:

@@ -13,12 +13,14 @@ import time
 import pytest
 
 from pd_connector.metadata import SendJob
+from pd_connector.transfer import decode_side as decode_side_module
 from pd_connector.transfer.liveness import PeerState
 from pd_connector.transfer.states import RoomState
 from tests.support.loopback import wait_for
 from tests.support.transfer_rig import BLOCK_SIZE, Rig, recv_job
 
 PEER_TIMEOUT_S = 1.0
+LOST_WAIT_S = 0.3
 TOKEN = "liveness-test-token-0123456789"
 
 
@@ -50,7 +52,12 @@ def test_live_peers_with_pending_work_are_never_lost(rig: Rig, token: bool, monk
     wait_for(lambda: d.mgr.channel.heartbeats.watch.state(p.mgr.endpoint) is PeerState.IDLE, 2, what="D idle")
 
 
-def test_a_silent_prefill_fails_decode_loads_within_peer_timeout(rig: Rig, pd_logs: pytest.LogCaptureFixture) -> None:
+def test_a_silent_prefill_fails_decode_loads_within_peer_timeout(
+    rig: Rig, pd_logs: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loads fail once P is silent for peer_timeout_s; their blocks go back to vLLM after the lost wait
+    (loads.lost_wait_s, short here: a silent P may still be writing, tests/unit/test_lost_peer_wait.py)."""
+    monkeypatch.setattr(decode_side_module, "lost_wait_s", lambda cfg, timing=None: LOST_WAIT_S)
     p = rig.make("prefill", peer_timeout_s=PEER_TIMEOUT_S)
     d = rig.make("decode", peer_timeout_s=PEER_TIMEOUT_S)  # kv_wait_timeout_s 30
     d.mgr.add_recvs([recv_job(rig, "d-1", 502, [3]), recv_job(rig, "d-2", 503, [5, 6])])
@@ -59,7 +66,7 @@ def test_a_silent_prefill_fails_decode_loads_within_peer_timeout(rig: Rig, pd_lo
     t0 = time.monotonic()
     wait_for(lambda: d.poll() or {"d-1", "d-2"} <= set(d.failed), 10 * PEER_TIMEOUT_S, what="loads failed")
     elapsed = time.monotonic() - t0
-    assert PEER_TIMEOUT_S * 0.5 <= elapsed <= PEER_TIMEOUT_S + 1.5, elapsed
+    assert PEER_TIMEOUT_S * 0.5 <= elapsed <= PEER_TIMEOUT_S + LOST_WAIT_S + 1.5, elapsed
     assert d.failed == {"d-1": [3], "d-2": [5, 6]}
     assert d.stats().recvs_failed == 2
     assert d.mgr.stats.take_interval()["failures"]["peer_lost"] == 2  # type: ignore[index]

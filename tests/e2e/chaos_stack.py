@@ -19,7 +19,10 @@ import httpx
 
 from launch.processes import ManagedProcess, PDStack, ProcessGroup, signal_group, vllm_env
 from pd_connector.bootstrap.signing import signed_headers
+from pd_connector.config import DECODE, DisaggConfig
+from pd_connector.transfer.loads import PeerTiming, lost_wait_s, stop_wait_s
 from tests.e2e import chaos_tools as ct
+from tests.support.serving import FAST_BATCH_STALL_S, FAST_TRANSFER_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,14 @@ SEED = 20261201
 ROOM_TIMEOUT_S = 10.0
 KV_WAIT_TIMEOUT_S = 10.0
 PEER_TIMEOUT_S = 3.0
+#: P and D run with Mooncake's shortest write timeouts (FAST_TRANSFER_ENV): what bounds P's writes, as P
+#: advertises it to D (pd_connector.transfer.loads.PeerTiming).
+P_TIMING = PeerTiming(FAST_BATCH_STALL_S, PEER_TIMEOUT_S)
+#: D keeps a stopped load's blocks (P told to stop, no answer) at most this long (loads.stop_wait_s) ...
+STOP_WAIT_S = stop_wait_s(DisaggConfig(mode=DECODE), P_TIMING)
+#: ... and a lost P's loads this long after it declared P lost (loads.lost_wait_s): a killed P's clients
+#: get their answer (and D's KV is free) up to PEER_TIMEOUT_S + LOST_WAIT_S after the kill.
+LOST_WAIT_S = lost_wait_s(DisaggConfig(mode=DECODE), P_TIMING)
 #: KV must be free within the configured timeout plus this (polling, the engine's step cadence).
 KV_FREE_SLACK_S = 5.0
 KV_FREE_LIMIT_S = max(ROOM_TIMEOUT_S, KV_WAIT_TIMEOUT_S) + KV_FREE_SLACK_S
@@ -101,7 +112,7 @@ class Chaos:
             "seed": SEED,
             "timeouts_s": {
                 "room": ROOM_TIMEOUT_S, "kv_wait": KV_WAIT_TIMEOUT_S, "peer": self.peer_timeout,
-                "router_header": HEADER_TIMEOUT_S,
+                "stop_wait": STOP_WAIT_S, "lost_wait": LOST_WAIT_S, "router_header": HEADER_TIMEOUT_S,
             },
             "elapsed_s": round(time.monotonic() - self.t_start, 1),
             "phases": [f.as_dict() for f in self.figures],
@@ -143,8 +154,8 @@ class Chaos:
         self.group.stop(proc, grace_s=5)  # takes it off the group's list; kills any straggler
 
     def restart(self, proc: ManagedProcess, name: str, cpus: str) -> ManagedProcess:
-        """The same command line again (same HTTP and bootstrap ports), in this group."""
-        return self.group.start(name, proc.cmd, env=vllm_env(cpus))
+        """The same command line again (same HTTP and bootstrap ports), in this group, with FAST_TRANSFER_ENV."""
+        return self.group.start(name, proc.cmd, env={**vllm_env(cpus), **FAST_TRANSFER_ENV})
 
 
 def phase(name: str) -> tuple[ct.PhaseFigures, float]:

@@ -9,7 +9,9 @@ P is frozen mid-request (D keeps the blocks until P answered); P killed (SIGKILL
 restarted on the same ports; D killed mid-stream and restarted (chaos_hardening.py holds the
 security phases, chaos_attacks.py their tools, chaos_stack.py the stack and its settings). After each: every client call ended (none hung) with a complete answer or
 a clear error, P and D hold no KV within the configured timeouts, the instances not killed answer
-/health. At the end a few prompts through the Router equal a colocated vLLM token for token.
+/health. P and D run with Mooncake's shortest write timeouts (tests.support.serving.FAST_TRANSFER_ENV):
+D keeps a lost P's loads for ``pd_connector.transfer.loads.lost_wait_s`` of what P advertises, and
+the bounds on a killed P's failover come from it (chaos_stack.LOST_WAIT_S). At the end a few prompts through the Router equal a colocated vLLM token for token.
 
 Bounded and repeatable: every request plan comes from one seeded RNG (``SEED``), every client call
 has a deadline (chaos_tools.CLIENT_DEADLINE_S). The figures (per phase: requests, ok, clear errors,
@@ -47,6 +49,7 @@ from tests.e2e.chaos_stack import (
     FREEZE_S,
     KV_FREE_SLACK_S,
     KV_WAIT_TIMEOUT_S,
+    LOST_WAIT_S,
     PEER_TIMEOUT_S,
     ROOM_TIMEOUT_S,
     ROUTER_ARGS,
@@ -58,7 +61,7 @@ from tests.e2e.chaos_stack import (
     has_config_key,
     phase,
 )
-from tests.support.serving import START_TIMEOUT_S, complete, count_in_log, prompt_of_length
+from tests.support.serving import FAST_TRANSFER_ENV, START_TIMEOUT_S, complete, count_in_log, prompt_of_length
 
 pytestmark = pytest.mark.e2e
 
@@ -72,7 +75,9 @@ def chaos(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     common: dict[str, object] = {"auth_token_file": str(token_file)}
     if has_config_key("peer_timeout_s"):
         common["peer_timeout_s"] = PEER_TIMEOUT_S
-    with ProcessGroup(log_dir) as group:
+    with ProcessGroup(log_dir) as group, pytest.MonkeyPatch.context() as env:
+        for name, value in FAST_TRANSFER_ENV.items():  # P and D inherit it (start_pd_stack's vllm_env)
+            env.setenv(name, value)
         stack = start_pd_stack(
             group,
             tiny_model,
@@ -83,6 +88,7 @@ def chaos(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             d_args=VLLM_ARGS,
             router_args=ROUTER_ARGS,
         )
+        env.undo()  # only the stack's instances (and Chaos.restart's) run with it
         state = Chaos(stack, group, token, random.Random(SEED), log_dir / "chaos-figures.json", tiny_model)
         yield state
         total = round(time.monotonic() - state.t_start, 1)
@@ -292,6 +298,10 @@ def test_5c_cancel_while_the_push_is_stuck(chaos: Chaos, record_property) -> Non
 def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
     fig, t0 = phase("prefill_sigkill")
     stack = chaos.stack
+    # D declares the killed P lost after PEER_TIMEOUT_S and keeps its loads' blocks LOST_WAIT_S more (P
+    # might only be cut off, its batch still landing): the clients' calls must outlast that.
+    failover_s = PEER_TIMEOUT_S + LOST_WAIT_S
+    assert ct.CLIENT_DEADLINE_S >= failover_s + KV_FREE_SLACK_S, f"client deadline under the {failover_s:g} s failover"
     running = ct.start_load(stack.router_url, stack.model, ct.plans(chaos.rng, 32, 0.0))
     time.sleep(1.5)
     chaos.kill(stack.prefill)
@@ -300,7 +310,8 @@ def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
     fig.add(results)
     fig.extra["clients_done_after_kill_s"] = round(time.monotonic() - t_kill, 1)
     ct.assert_all_answered(fig.name, results)
-    chaos.kv_free(fig, "D", limit=KV_WAIT_TIMEOUT_S + KV_FREE_SLACK_S)
+    # A client answered at once (P's connection refused) leaves D's load waiting out the lost wait.
+    chaos.kv_free(fig, "D", limit=max(KV_WAIT_TIMEOUT_S, failover_s) + KV_FREE_SLACK_S)
     chaos.assert_healthy("D")
     t_restart = time.monotonic()
     stack.prefill = chaos.restart(stack.prefill, "prefill-restarted", "0")

@@ -9,12 +9,15 @@ server) and a decoder D2 that runs one sequence at a time (``--max-num-seqs 1``)
   KV within 1 s, where it used to hold it until room_timeout_s.
 - ``two_p``: P1 + P2 in front of the session's D (client rooms: odd rooms go to P2, no background
   health checks, so only the requests' own failures steer the Router). P2 is frozen (SIGSTOP):
-  D's loads waiting on it fail once P2 answered no heartbeat for peer_timeout_s, D answers the
-  error before any byte, the Router retries on P1, and every client gets the full answer, equal to
-  colocated vLLM's. Streamed requests take the Router's first-token path (P alone first): there the
-  Router's own watch finds P2's /health silent, marks P2 unhealthy and retries on P1. Then P2 is
-  killed (SIGKILL) while more requests are sent: they too are answered in full (through P1, which
-  the Router now prefers), and D holds no KV afterwards.
+  D's loads waiting on it fail once P2 answered no heartbeat for peer_timeout_s; D tells P2 to stop
+  and keeps their blocks for the lost wait (``pd_connector.transfer.loads.lost_wait_s``, by the bounds
+  P2 advertised: a frozen P2 may resume and land its batch in flight), then answers the error before
+  any byte, the Router retries on P1, and every client gets the full answer, equal to colocated
+  vLLM's. P2 runs with Mooncake's shortest write timeouts (``FAST_TRANSFER_ENV``), so that wait is
+  short. Streamed requests take the Router's first-token path (P alone first): there the Router's
+  own watch finds P2's /health silent, marks P2 unhealthy and retries on P1. Then P2 is killed
+  (SIGKILL) while more requests are sent: they too are answered in full (through P1, which the
+  Router now prefers), and D holds no KV afterwards.
 """
 
 from __future__ import annotations
@@ -33,8 +36,12 @@ import httpx
 import pytest
 
 from launch.processes import ManagedProcess, ProcessGroup, free_ports, signal_group, vllm_env, vllm_serve_cmd
+from pd_connector.config import DECODE, DisaggConfig
+from pd_connector.transfer.loads import PeerTiming, lost_wait_s
 from tests.support.serving import (
     D_KV_WAIT_TIMEOUT_S,
+    FAST_BATCH_STALL_S,
+    FAST_TRANSFER_ENV,
     P_ROOM_TIMEOUT_S,
     PROMPT_LENGTHS,
     complete,
@@ -48,7 +55,14 @@ from tests.support.serving import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm023]
 
-PEER_TIMEOUT_S = 5.0  # the connector's default (the session stack does not set it)
+#: The connector's default peer_timeout_s (neither the session stack nor P2 sets it): D declares P2 lost
+#: after it, and P2 advertises it.
+PEER_TIMEOUT_S = DisaggConfig(mode=DECODE).peer_timeout_s
+#: How long D keeps a lost P2's loads (told to stop, unanswered) before vLLM may reuse their blocks: by
+#: the bounds P2 advertises (its batch_stall_s under FAST_TRANSFER_ENV, its peer_timeout_s).
+P2_LOST_WAIT_S = lost_wait_s(DisaggConfig(mode=DECODE), PeerTiming(FAST_BATCH_STALL_S, PEER_TIMEOUT_S))
+#: From D asking the frozen P2 until it ends the load as failed: the silence that makes P2 lost, then the wait.
+FAILOVER_S = PEER_TIMEOUT_S + P2_LOST_WAIT_S
 #: P frees a room D abandoned within this (the acceptance bound).
 FREE_BOUND_S = 1.0
 LONG_GENERATION = 1900  # tokens: D2 stays busy for many seconds
@@ -79,7 +93,7 @@ def liveness(pd_stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Liv
                 model, p2_port, kv_role="kv_producer", bootstrap_port=p2_boot,
                 extra_config={"room_timeout_s": P_ROOM_TIMEOUT_S},
             ),
-            env=vllm_env("0"),
+            env={**vllm_env("0"), **FAST_TRANSFER_ENV},  # the P2 two_p freezes and kills: a short lost wait
         )  # fmt: skip
         d2 = group.start(
             "decode-one-seq",
@@ -200,8 +214,9 @@ def test_prefiller_frozen_then_killed_clients_get_full_answers_via_the_other(
         # Router's own watch saw P2's /health silent and retried on P1 (D never heard of P2's rooms).
         two_instance = [t for t, (_, st, _) in zip(took, frozen, strict=True) if not st]
         first_token = [t for t, (_, st, _) in zip(took, frozen, strict=True) if st]
-        assert max(took) < PEER_TIMEOUT_S + 6 < D_KV_WAIT_TIMEOUT_S, took
-        assert min(two_instance) >= PEER_TIMEOUT_S - 1, f"answered before D could have seen P2 silent: {took}"
+        assert PEER_TIMEOUT_S + 1 < D_KV_WAIT_TIMEOUT_S, "liveness must end the loads before kv_wait_timeout_s"
+        assert max(took) < FAILOVER_S + 6, f"lost wait {P2_LOST_WAIT_S:g} s: {took}"
+        assert min(two_instance) >= FAILOVER_S - 1, f"answered before D's lost wait for P2 ran out: {took}"
         assert max(first_token) < 1.0 + 2.0 + 4, f"the Router's watch (1 s + a 2 s probe) took longer: {took}"
         lost = count_in_log(s.decode_log, r"silent for") - lost_before
         assert lost >= len(two_instance), f"D logged {lost} liveness failures for {len(two_instance)} requests"
@@ -209,6 +224,8 @@ def test_prefiller_frozen_then_killed_clients_get_full_answers_via_the_other(
             assert count_in_log(s.decode_log, rf"room={room} .*no KV from prefill within") == 0
             if not stream:
                 assert count_in_log(s.decode_log, rf"room={room} .*KV load failed: prefill rank .* silent for") >= 1
+                held = rf"room={room} .*silent for.*blocks held until prefill stops \(at most {P2_LOST_WAIT_S:.1f} s\)"
+                assert count_in_log(s.decode_log, held) >= 1, f"room {room}: D's wait is not P2's lost wait"
 
         # More requests wait on the frozen P2, then it is killed.
         killed = [(i, bool(st), 9_000_001 + 2 * (2 * n + st)) for n, i in enumerate(indices) for st in (0, 1)]
@@ -222,7 +239,7 @@ def test_prefiller_frozen_then_killed_clients_get_full_answers_via_the_other(
     finally:
         signal_group(s.p2.pid, signal.SIGCONT)  # no effect once killed
     print(f"[liveness] P2 killed: {len(took)} requests answered in full, {after_kill:.1f} s after the kill")
-    assert after_kill < PEER_TIMEOUT_S + 8, took
+    assert after_kill < FAILOVER_S + 8, took
     _wait(lambda: not s.p2.is_running(), 30, "P2 gone")
     freed = _wait(lambda: kv_usage(s.decode_url) == 0, PEER_TIMEOUT_S + 10, "D's KV freed", interval=0.2)
     print(f"[liveness] D's KV back to 0 {freed:.1f} s after the last answer")

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from launch.processes import LOOPBACK, ManagedProcess, ProcessGroup, router_cmd, wait_all_healthy
+from pd_connector.transfer.mooncake import CALL_TIMEOUT_ENV, CALL_TIMEOUT_FLOOR_S, TCP_PROGRESS_ENV, stall_for
 
 #: Seconds a vLLM instance may take to answer /health (each start-up costs about a minute here).
 START_TIMEOUT_S = 300.0
@@ -19,6 +20,13 @@ START_TIMEOUT_S = 300.0
 P_ROOM_TIMEOUT_S = 20.0
 #: D: how long a request waits for its KV from P before the load counts as failed.
 D_KV_WAIT_TIMEOUT_S = 15.0
+#: Environment of the P instances a test freezes or kills (and of their D): Mooncake's shortest bound on
+#: one batch write (MC_TRANSFER_TIMEOUT at its floor; the TCP progress timeout no longer). A P rank
+#: advertises the bound when it registers, and D holds a lost P rank's loads for
+#: ``pd_connector.transfer.loads.lost_wait_s`` of it (67 s with the defaults), so failover gets shorter.
+FAST_TRANSFER_ENV = {CALL_TIMEOUT_ENV: str(CALL_TIMEOUT_FLOOR_S), TCP_PROGRESS_ENV: str(CALL_TIMEOUT_FLOOR_S)}
+#: ``batch_stall_s`` of a Mooncake TCP rank started with FAST_TRANSFER_ENV.
+FAST_BATCH_STALL_S = stall_for("tcp", FAST_TRANSFER_ENV)
 
 BLOCK_SIZE = 32  # launch.processes serves with --block-size 32
 # Prompt lengths in tokens (the tiny model's tokenizer is byte-level: one ASCII char = one token),

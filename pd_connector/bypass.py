@@ -33,6 +33,7 @@ class BypassReason(enum.Enum):
     WRONG_ROLE = "wrong_role"  # P got D's params (asked to decode), or D got P's
     PREFIX_CACHED = "prefix_cached"  # D: its own prefix cache held every prefilled token (expected)
     WINDOW_RECOMPUTE = "window_recompute"  # D: the prompt is prefilled locally (sliding window edge)
+    STATE_RECOMPUTE = "state_recompute"  # D: recurrent-state model, one-token prompt or P's first token appended
 
 
 BYPASS_REASONS: tuple[str, ...] = tuple(r.value for r in BypassReason)
@@ -45,6 +46,7 @@ _WHY = {
     BypassReason.NOT_ASKED: "its kv_transfer_params ask for no transfer",
     BypassReason.PREFIX_CACHED: "every prefilled token was in the local prefix cache",
     BypassReason.WINDOW_RECOMPUTE: "its prompt ends where a sliding window opens a block",
+    BypassReason.STATE_RECOMPUTE: "a recurrent-state model's prompt of one token, or with prefill's first token appended",
 }
 
 

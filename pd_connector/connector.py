@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from pd_connector.bootstrap.dp_rooms import dp_rooms_for
 from pd_connector.config import dp_rank_of, parse_config
 from pd_connector.host_kv import d2rh_scheduler
-from pd_connector.kv_groups import check_group_block_sizes, group_block_sizes, sliding_windows
+from pd_connector.kv_groups import check_group_block_sizes, group_block_sizes, recurrent_groups, sliding_windows
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.metrics import PDKVConnectorStats, PDPromMetrics
 from pd_connector.refusals import note_kv_transfer_fields, refuse_unsupported
@@ -66,7 +66,8 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
     """Prefill/decode disaggregation: P pushes the prompt KV into D's blocks over Mooncake.
 
     ``SupportsHMA`` (see HMA_BASES): vLLM keeps its hybrid KV cache manager on
-    (sliding-window + full-attention models); every KV cache group's blocks move (pd_connector.kv_groups).
+    (sliding-window + full-attention models); every KV cache group's blocks move (pd_connector.kv_groups),
+    a recurrent-state group's one state block included (pd_connector.state_groups).
     """
 
     def __init__(
@@ -79,7 +80,8 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         self.cfg = parse_config(kv.kv_role, kv.kv_connector_extra_config)
-        # Recurrent-state (Mamba / GDN) models, context parallel, micro-batching with layer mode: refused.
+        # Recurrent-state (Mamba / GDN) models beyond the supported hybrid case (pd_connector.state_groups),
+        # context parallel, micro-batching with layer mode: refused.
         refuse_unsupported(self.cfg, vllm_config, kv_cache_config)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
@@ -88,8 +90,10 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
             sizes = group_block_sizes(kv_cache_config, vllm_config.cache_config.block_size)
             if len(sizes) > 1 and KVConnectorTransferResults is None:
                 _fail_loads_by_block_in_every_group()
-            block_size = check_group_block_sizes(sizes)
-            self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, sliding_windows(kv_cache_config))
+            # A recurrent-state group has a block size of its own (pd_connector.state_groups).
+            states = {g: sizes[g] for g in recurrent_groups(kv_cache_config)}
+            block_size = check_group_block_sizes([s for g, s in enumerate(sizes) if g not in states])
+            self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, sliding_windows(kv_cache_config), states)
             self._scheduler.dp_rooms = dp_rooms_for(self.cfg, vllm_config.parallel_config, dp_rank)
             if self.cfg.d2rh and self.cfg.is_decode:  # host KV pool first (pd_connector.d2rh)
                 self._scheduler.d2rh = d2rh_scheduler(self.cfg, vllm_config, kv_cache_config, block_size, len(sizes))
@@ -223,10 +227,13 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
     # ============================================================= scheduler side
 
     def on_new_request(self, request: Request) -> None:
-        """Called by vLLM's scheduler when it adds a request (``Scheduler.add_request``, vLLM 0.23 and 0.32).
+        """Called by vLLM's scheduler when it adds a request (``Scheduler.add_request``, vLLM 0.23 and 0.32),
+        before it is ever scheduled.
 
         On P with several DP ranks, the request's room is registered with this rank on the bootstrap
         server (off this thread: bootstrap.dp_rooms), so a D told no prefill_dp_rank finds it at once.
+        On P of a recurrent-state hybrid, the request loses its last prompt token (pd_connector.state_groups):
+        D computes that token from P's state.
         """
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)

@@ -2,11 +2,14 @@
 
 Run by ``PDConnector.__init__`` on both sides (scheduler and every worker), before anything opens:
 
-- models whose layers keep a recurrent state instead of (or beside) attention KV: Mamba / Mamba2
-  hybrids, gated delta net (Qwen3-Next style), attention-free models. vLLM gives such layers a
-  KV cache group whose spec is a ``MambaSpec`` (``vllm/v1/kv_cache_interface.py``); its "blocks"
-  hold one state per request, which PDConnector would move as if it were per-token attention KV.
-  vLLM-Ascend has a separate connector for them (``MooncakeHybridConnector``);
+- models whose layers keep a recurrent state instead of (or beside) attention KV (Mamba / Mamba2
+  hybrids, gated delta net as in Qwen3-Next; vLLM gives such layers a KV cache group whose spec is a
+  ``MambaSpec``, ``vllm/v1/kv_cache_interface.py``), except the one case PDConnector moves (see
+  ``pd_connector.state_groups``): an attention + recurrent-state hybrid on vLLM >= 0.32 with prefix
+  caching on (vLLM then keeps the state in "align" mode, one block per ``block_size`` tokens), no
+  speculative decoding, tensor and pipeline parallel size 1, ``transfer_mode`` ``request``, neither
+  ``d2rh`` nor ``migration``. Attention-free models (plain Mamba) stay refused. vLLM-Ascend has a
+  separate connector for them (``MooncakeHybridConnector``);
 - context parallel (vLLM's ``prefill_context_parallel_size`` / ``decode_context_parallel_size``,
   vLLM-Ascend's pcp / dcp): a request's tokens are spread over ranks, a block's KV is on several;
 - dual-batch overlap (``enable_dbo``, or ``ubatch_size`` > 1) with ``transfer_mode`` ``layer``: vLLM
@@ -22,6 +25,7 @@ from typing import Any
 
 from pd_connector.config import ConfigError, DisaggConfig
 from pd_connector.kv_groups import layer_kinds, recurrent_groups
+from pd_connector.state_groups import state_transfer_problem
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +48,21 @@ def _architecture(vllm_config: Any) -> str:
     return ",".join(getattr(model, "architectures", None) or []) or "this model"
 
 
-def recurrent_state_problem(vllm_config: Any, kv_cache_config: Any) -> str | None:
-    """Why this model's KV cache cannot move (recurrent-state layers), naming its layer kinds; else None."""
+def recurrent_state_problem(cfg: DisaggConfig, vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """Why this model's recurrent state cannot move with this setup, naming its layer kinds; else None."""
     arch = _architecture(vllm_config)
     fix = (
         "PDConnector moves attention KV only and does not support prefill/decode disaggregation of recurrent "
         "state; serve this model colocated (one vllm serve without --kv-transfer-config)"
     )
     if recurrent_groups(kv_cache_config):
+        why = state_transfer_problem(cfg, vllm_config, kv_cache_config)
+        if why is None:  # the supported hybrid case: the state moves as its own group (state_groups)
+            return None
         return (
-            f"{arch} has layers that keep a recurrent state (Mamba / linear attention), not attention KV: "
-            f"KV cache groups {layer_kinds(kv_cache_config)}. {fix}"
+            f"{arch} has layers that keep a recurrent state (Mamba / linear attention) beside or instead of "
+            f"attention KV: KV cache groups {layer_kinds(kv_cache_config)}. PDConnector moves that state only "
+            f"for {why}; otherwise serve this model colocated (one vllm serve without --kv-transfer-config)"
         )
     model = getattr(vllm_config, "model_config", None)
     flags = [f for f in ("is_hybrid", "is_attention_free") if getattr(model, f, False) is True]
@@ -95,7 +103,7 @@ def refuse_unsupported(cfg: DisaggConfig, vllm_config: Any, kv_cache_config: Any
     """UnsupportedSetupError for the first of the problems above that this instance has."""
     par = getattr(vllm_config, "parallel_config", None)
     for problem in (
-        recurrent_state_problem(vllm_config, kv_cache_config),
+        recurrent_state_problem(cfg, vllm_config, kv_cache_config),
         context_parallel_problem(par),
         dual_batch_problem(cfg, par),
     ):

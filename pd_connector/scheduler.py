@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.bootstrap.dp_rooms import DpRoomRegistrar
@@ -31,6 +31,12 @@ from pd_connector.layer_chunks import ChunkPlanner
 from pd_connector.metadata import HostLoad, PDConnectorMetadata, RecvJob, SendJob
 from pd_connector.metaserver import DecodeFirst
 from pd_connector.migration import MigrationHolds
+from pd_connector.state_groups import (
+    PREFILL_WITHOUT_LAST_TOKEN,
+    prefilled_for_state,
+    state_slice,
+    truncate_for_prefill,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -69,10 +75,19 @@ def _prefilled_tokens(request: Request, params: DecodeParams) -> int:
 
 class PDScheduler:
     def __init__(
-        self, cfg: DisaggConfig, block_size: int, dp_rank: int = 0, sliding_windows: Sequence[int] = ()
+        self,
+        cfg: DisaggConfig,
+        block_size: int,
+        dp_rank: int = 0,
+        sliding_windows: Sequence[int] = (),
+        state_groups: Mapping[int, int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.block_size = block_size
+        # Hybrid models: the KV cache groups that hold a recurrent state -> their tokens per block
+        # (pd_connector.state_groups); ``block_size`` is then the attention groups'.
+        self.state_groups = dict(state_groups or {})
+        self._truncated: set[str] = set()  # P: requests prefilled without their last prompt token
         # D, hybrid KV cache manager: the groups' sliding windows (kv_groups.replay_needs_freed_block).
         self.sliding_windows = list(sliding_windows)
         # P: what its answer tells D (P-then-D proxies pass it on): bootstrap server and DP rank.
@@ -115,10 +130,36 @@ class PDScheduler:
         return self._parsed[rid]
 
     def on_new_request(self, request: Request) -> None:
-        """P with several DP ranks: the bootstrap server learns at once that this rank serves the room."""
-        if self.dp_rooms is not None and isinstance(params := self._params(request), PrefillParams):
+        """P with several DP ranks: the bootstrap server learns at once that this rank serves the room.
+        P of a recurrent-state model: the request is prefilled without its last prompt token (state_groups)."""
+        if self.dp_rooms is None and not (self.state_groups and self.cfg.is_prefill):
+            return
+        params = self._params(request)
+        if self.dp_rooms is not None and isinstance(params, PrefillParams):
             if params.room is not None:
                 self.dp_rooms.seen(params.room, request.request_id)
+        rid = request.request_id
+        if (
+            self.state_groups
+            and self.cfg.is_prefill
+            and isinstance(params, PrefillParams)
+            and rid not in self._truncated
+        ):
+            if truncate_for_prefill(request):
+                self._truncated.add(rid)
+                logger.info(
+                    "room=%s req=%s: recurrent-state model: prefilling %d of %d prompt tokens, decode computes the last",
+                    params.room,
+                    rid,
+                    request.num_prompt_tokens,
+                    request.num_prompt_tokens + 1,
+                )
+
+    def _covered(self, request: Request, params: DecodeParams) -> int | None:
+        """D: prompt tokens whose KV (and state) P holds; None when this prompt is prefilled here."""
+        if self.state_groups:
+            return prefilled_for_state(request.num_prompt_tokens, params.prefilled_tokens)
+        return _prefilled_tokens(request, params)
 
     # -------------------------------------------------------------- decode side
 
@@ -131,7 +172,18 @@ class PDScheduler:
         if not isinstance(params, DecodeParams):
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
-        covered = _prefilled_tokens(request, params)
+        covered = self._covered(request, params)
+        if covered is None:  # recurrent state: a one-token prompt, or P's first token appended
+            logger.info(
+                "room=%d req=%s: recurrent-state model, %d prompt tokens%s: prefilled here; prefill told to free "
+                "the room",
+                params.room,
+                request.request_id,
+                request.num_prompt_tokens,
+                " with prefill's first token appended" if params.prefilled_tokens is not None else "",
+            )
+            self.bypassed.record(request.request_id, BypassReason.STATE_RECOMPUTE)
+            return self._free_without_load(request.request_id, params)
         missing = covered - num_computed_tokens
         if missing <= 0:
             # D's own prefix cache holds all P prefilled (a continuation of the first-token path can
@@ -196,11 +248,26 @@ class PDScheduler:
         self._recv_planned.add(rid)
         local = self._local_hits.pop(rid, 0)
         start_block = local // self.block_size
-        covered = _prefilled_tokens(request, params)
+        covered = self._covered(request, params) or 0
         num_blocks = -(-covered // self.block_size)
         groups: list[list[int]] = []
         if num_external_tokens > 0:  # one block table per KV cache group (hybrid KV cache manager)
-            groups = decode_group_blocks(blocks.get_block_ids(), start_block, num_blocks)
+            tables = blocks.get_block_ids()
+            groups = decode_group_blocks(tables, start_block, num_blocks)
+            for g, size in self.state_groups.items():  # a state group: its one state block (state_groups)
+                state = state_slice(tables[g], covered, size, start_block)
+                if state is None:
+                    logger.error(
+                        "room=%d req=%s: KV cache group %d (recurrent state, %d tokens per block) has no block "
+                        "for the state after %d tokens: %s",
+                        params.room,
+                        rid,
+                        g,
+                        size,
+                        covered,
+                        list(tables[g]),
+                    )
+                groups[g] = state or []
         # else the whole prompt was a local hit: P only has to free the room
         dst = groups[0] if groups else []
         self._recvs.append(
@@ -270,6 +337,8 @@ class PDScheduler:
         groups = [list(g) for g in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
         rid = request.request_id
         params = self._parsed.pop(rid) if rid in self._parsed else _params_of(request)
+        truncated = rid in self._truncated  # P: prefilled without its last prompt token (state_groups)
+        self._truncated.discard(rid)
         if self._chunks is not None:
             self._chunks.forget(rid)
         if self.d2rh is not None:
@@ -320,7 +389,10 @@ class PDScheduler:
             )
             self._sends.append(job)
             self._holding.add(rid)
-            return True, decode_handoff(params.room, self._bootstrap_host, self.cfg.bootstrap_port, self.dp_rank)
+            answer = decode_handoff(params.room, self._bootstrap_host, self.cfg.bootstrap_port, self.dp_rank)
+            if truncated:  # its sampled token is not the answer's first (state_groups)
+                answer[PREFILL_WITHOUT_LAST_TOKEN] = True
+            return True, answer
         logger.warning("room=%d req=%s: prefill ended as %s; no KV to hand over", params.room, rid, request.status.name)
         self._dropped.append(params.room)
         return False, None

@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 
 from pd_connector.kv_params import KV_PARAMS_KEY as KV_KEY
+from pd_connector.kv_params import PREFILL_WITHOUT_LAST_TOKEN, PrefillParams
 from pd_connector.kv_params import ROOM as ROOM_KEY
-from pd_connector.kv_params import PrefillParams
 from proxy.payloads import COMPLETIONS
 
 #: Request fields whose presence (non-null, non-empty) keeps a request on the two-instance path.
@@ -138,10 +138,14 @@ class FirstToken:
 
 
 def parse_first_token(content: bytes) -> FirstToken | None:
-    """P's JSON answer as a :class:`FirstToken`; None when it lacks the token ids (then D decodes
-    from the prompt, as on the two-instance path)."""
+    """P's JSON answer as a :class:`FirstToken`; None when it lacks the token ids, or when P prefilled all
+    prompt tokens but the last (a recurrent-state model: its token is not the answer's first); then D
+    decodes from the prompt, as on the two-instance path."""
     try:
         answer = _DECODER.decode(content)
+        params = answer.get(KV_KEY)
+        if isinstance(params, dict) and params.get(PREFILL_WITHOUT_LAST_TOKEN) is True:
+            return None
         choice = answer["choices"][0]
         token_ids = choice.get("token_ids")
         prompt_ids = choice.get("prompt_token_ids")

@@ -16,6 +16,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Mamba2 + attention hybrid (GraniteMoeHybrid, 4 layers, ~3 MB), built once per session."""
+    from launch.tiny_hybrid import make_tiny_hybrid_model
+
+    return make_tiny_hybrid_model(tmp_path_factory.mktemp("models") / "tiny-hybrid")
+
+
+@pytest.fixture(scope="session")
 def tiny_mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight DeepSeek-V3-shaped MLA model (2 dense layers, ~10 MB), built once per session."""
     from launch.tiny_mla import make_tiny_mla_model

@@ -1,6 +1,7 @@
 """Start-up refusals (pd_connector.refusals) against vLLM's real config and KV cache spec classes, on both
-vLLM lines: recurrent-state models, context parallel, micro-batching with layer mode; what kv_port and
-engine_id do; and the ascend transport's device name with PP > 1 (rank_checks.backend_config)."""
+vLLM lines: recurrent-state models outside the hybrid case PDConnector moves (pd_connector.state_groups),
+context parallel, micro-batching with layer mode; what kv_port and engine_id do; and the ascend
+transport's device name with PP > 1 (rank_checks.backend_config)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from pd_connector.refusals import (
     note_kv_transfer_fields,
     refuse_unsupported,
 )
+from pd_connector.state_groups import MIN_VLLM, vllm_version
 from pd_connector.transfer.mooncake import MooncakeOptions
 from tests.support.real_scheduler import make_scheduler
 
@@ -40,22 +42,28 @@ def attention(block: int = BLOCK) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32)
 
 
-def gdn_state(block: int = BLOCK) -> MambaSpec:
+def gdn_state(block: int = BLOCK, **kwargs: object) -> MambaSpec:
     """A gated-delta-net layer's state as vLLM 0.32 gives a tiny Qwen3-Next (conv state, recurrent state)."""
     return MambaSpec(
         block_size=block,
         shapes=((3, 512), (2, 128, 128)),
         dtypes=(torch.bfloat16, torch.float32),
         mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        **kwargs,  # type: ignore[arg-type]
     )
 
 
-def qwen3_next_groups() -> list[KVCacheGroupSpec]:
-    """The two groups vLLM gives a 4-layer Qwen3-Next (layers 0, 2 linear attention; 1, 3 full)."""
+def qwen3_next_groups(**state: object) -> list[KVCacheGroupSpec]:
+    """The two groups vLLM gives a 4-layer Qwen3-Next (layers 0, 2 linear attention; 1, 3 full).
+
+    ``state``: MambaSpec fields (the default ``mamba_cache_mode`` is 'none', prefix caching off)."""
     return [
-        KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.2.linear_attn"], gdn_state()),
+        KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.2.linear_attn"], gdn_state(**state)),
         KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"], attention()),
     ]
+
+
+SUPPORTED_LINE = vllm_version() >= MIN_VLLM
 
 
 def kv_config(groups: list[KVCacheGroupSpec]) -> KVCacheConfig:
@@ -70,16 +78,46 @@ def stand_in(parallel: ParallelConfig | None = None, **model: object) -> SimpleN
 # ------------------------------------------------------------ recurrent state (Mamba / GDN)
 
 
-def test_real_scheduler_refuses_a_gated_delta_net_hybrid(tiny_model: Path) -> None:
-    """vLLM's Scheduler builds PDConnector with a MambaSpec group: it stops naming the layer kinds."""
+@pytest.mark.skipif(not SUPPORTED_LINE, reason="PDConnector moves recurrent state on vLLM >= 0.32 only")
+def test_real_scheduler_takes_a_gated_delta_net_hybrid_without_prefix_caching(tiny_model: Path) -> None:
+    """vLLM >= 0.32, state in one block per request (mamba_cache_mode 'none'), TP 1, request mode: served."""
+    sched = make_scheduler(tiny_model, "kv_producer", groups=qwen3_next_groups())
+    assert isinstance(sched.connector, PDConnector)
+
+
+def test_real_scheduler_refuses_a_hybrid_whose_state_follows_prefix_caching(tiny_model: Path) -> None:
+    """mamba_cache_mode 'align' (prefix caching on): refused naming the layer kinds, the mode and the fix."""
     with pytest.raises(UnsupportedSetupError) as err:
-        make_scheduler(tiny_model, "kv_producer", groups=qwen3_next_groups())
+        make_scheduler(tiny_model, "kv_producer", groups=qwen3_next_groups(mamba_cache_mode="align"))
     text = str(err.value)
     assert "MambaSpec (GDN_ATTN): 2 layers (model.layers.0.linear_attn, model.layers.2.linear_attn)" in text
     assert "FullAttentionSpec: 2 layers" in text
-    assert "does not support prefill/decode disaggregation of recurrent state" in text
+    assert "mamba_cache_mode ['align']" in text and "--no-enable-prefix-caching" in text
     assert "serve this model colocated" in text
     assert isinstance(err.value, ConfigError)
+
+
+@pytest.mark.parametrize(
+    ("extra", "parallel", "state", "named"),
+    [
+        ({"transfer_mode": "layer"}, {}, {}, "transfer_mode 'layer'"),
+        ({"d2rh": True}, {}, {}, "d2rh"),
+        ({"migration": True, "bootstrap_port": 18900}, {}, {}, "migration"),
+        ({}, {"tensor_parallel_size": 2}, {}, "--tensor-parallel-size 2"),
+        ({}, {"pipeline_parallel_size": 2}, {}, "--pipeline-parallel-size 2"),
+        ({}, {}, {"num_speculative_blocks": 2}, "speculative decoding (2 speculative state blocks)"),
+    ],
+)
+def test_hybrid_outside_the_supported_case_is_refused_naming_what_differs(
+    extra: dict[str, object], parallel: dict[str, int], state: dict[str, object], named: str
+) -> None:
+    cfg = parse_config("kv_consumer", extra)
+    config = stand_in(ParallelConfig(**parallel), architectures=["Qwen3NextForCausalLM"])
+    with pytest.raises(UnsupportedSetupError) as err:
+        refuse_unsupported(cfg, config, kv_config(qwen3_next_groups(**state)))
+    text = str(err.value)
+    assert f"this instance: {named}" in text or f", {named}" in text, text
+    assert text.startswith("PDConnector cannot serve this decode instance: Qwen3NextForCausalLM has layers")
 
 
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
@@ -89,8 +127,9 @@ def test_every_side_refuses_a_mamba2_model(role: KVConnectorRole) -> None:
     groups = [KVCacheGroupSpec(["backbone.layers.0.mixer", "backbone.layers.1.mixer"], mamba2)]
     config = stand_in(architectures=["Mamba2ForCausalLM"])
     config.kv_transfer_config = KVTransferConfig(kv_connector="PDConnector", kv_role="kv_consumer")
-    with pytest.raises(UnsupportedSetupError, match=r"decode instance: Mamba2ForCausalLM has layers .*MAMBA2"):
+    with pytest.raises(UnsupportedSetupError, match=r"decode instance: Mamba2ForCausalLM has layers .*MAMBA2") as err:
         PDConnector(config, role, kv_config(groups))  # type: ignore[arg-type]
+    assert "the model has no attention layers (attention-free)" in str(err.value)
 
 
 def test_attention_groups_pass() -> None:

@@ -33,8 +33,8 @@ from pd_connector.metaserver import DecodeFirst
 from pd_connector.migration import MigrationHolds
 from pd_connector.state_groups import (
     PREFILL_WITHOUT_LAST_TOKEN,
+    fill_state_groups,
     prefilled_for_state,
-    state_slice,
     truncate_for_prefill,
 )
 
@@ -254,20 +254,17 @@ class PDScheduler:
         if num_external_tokens > 0:  # one block table per KV cache group (hybrid KV cache manager)
             tables = blocks.get_block_ids()
             groups = decode_group_blocks(tables, start_block, num_blocks)
-            for g, size in self.state_groups.items():  # a state group: its one state block (state_groups)
-                state = state_slice(tables[g], covered, size, start_block)
-                if state is None:
-                    logger.error(
-                        "room=%d req=%s: KV cache group %d (recurrent state, %d tokens per block) has no block "
-                        "for the state after %d tokens: %s",
-                        params.room,
-                        rid,
-                        g,
-                        size,
-                        covered,
-                        list(tables[g]),
-                    )
-                groups[g] = state or []
+            missing_state = fill_state_groups(groups, tables, self.state_groups, covered, start_block)
+            if missing_state:  # vLLM gave no block where the state goes: nothing of it can be loaded
+                logger.error(
+                    "room=%d req=%s: recurrent-state KV cache groups %s hold no block for the state after %d "
+                    "tokens: %s",
+                    params.room,
+                    rid,
+                    missing_state,
+                    covered,
+                    [list(tables[g]) for g in missing_state],
+                )
         # else the whole prompt was a local hit: P only has to free the room
         dst = groups[0] if groups else []
         self._recvs.append(

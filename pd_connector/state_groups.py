@@ -32,7 +32,7 @@ Pure: no I/O, no tensors touched.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pd_connector.kv_params import PREFILL_WITHOUT_LAST_TOKEN
@@ -50,6 +50,7 @@ __all__ = [
     "PREFILL_WITHOUT_LAST_TOKEN",
     "SUPPORTED_MODES",
     "prefilled_for_state",
+    "fill_state_groups",
     "state_slice",
     "state_transfer_problem",
     "truncate_for_prefill",
@@ -161,3 +162,21 @@ def state_slice(table: Sequence[int], covered: int, block_size: int, start_block
     if index < start_block or index >= len(table) or table[index] == NULL_BLOCK:
         return None
     return [NULL_BLOCK] * (index - start_block) + [table[index]]
+
+
+def fill_state_groups(
+    groups: list[list[int]],
+    tables: Sequence[Sequence[int]],
+    block_sizes: Mapping[int, int],
+    covered: int,
+    start_block: int,
+) -> list[int]:
+    """D: put each state group's ``state_slice`` of its full table in ``groups`` (the slices P fills, one per
+    group); the state groups whose table holds no block for the state (their slice is left empty)."""
+    missing = []
+    for g, size in block_sizes.items():
+        state = state_slice(tables[g], covered, size, start_block)
+        if state is None:
+            missing.append(g)
+        groups[g] = state or []
+    return missing

@@ -110,7 +110,7 @@ def test_hybrid_pd_is_token_identical_and_moves_one_state_per_mamba_layer(
             r"recurrent-state model, (1 prompt tokens|2 prompt tokens with prefill's first token appended): prefilled"
         )
         assert count_in_log(stack.decode.log_path, local) == 2, "D prefills the one-token prompt itself"
-        assert count_in_log(stack.decode.log_path, r"has no block at index") == 0
+        assert count_in_log(stack.decode.log_path, r"hold no block for the state") == 0
         assert wait_kv_free(stack.prefill_url) == 0.0
         assert wait_kv_free(stack.decode_url) == 0.0
     print(f"hybrid P/D stack run: {time.monotonic() - t0:.1f} s")

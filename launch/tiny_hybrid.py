@@ -16,11 +16,10 @@ type names). The tokenizer is `launch.tiny_model`'s byte-level one (one ASCII ch
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
-from launch.tiny_model import _build_tokenizer
+from launch.tiny_model import build_tokenizer, save_random_model
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +51,13 @@ def num_layers(kind: str) -> int:
 def make_tiny_hybrid_model(out_dir: str | Path, seed: int = 0) -> Path:
     """Write a tiny random GraniteMoeHybrid (Mamba2 + attention, hidden 128) to out_dir; an existing model
     there is reused."""
-    import torch
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = _build_tokenizer(out)
+    vocab_size = build_tokenizer(out)
     hidden_size = MAMBA_HEADS * MAMBA_HEAD_DIM // 2  # the mixer's inner size is expand (2) * hidden
     config = GraniteMoeHybridConfig(
         vocab_size=vocab_size,
@@ -88,13 +86,7 @@ def make_tiny_hybrid_model(out_dir: str | Path, seed: int = 0) -> Path:
         initializer_range=0.1,  # peaked logits: greedy answers that depend on the whole prompt
         torch_dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = GraniteMoeHybridForCausalLM(config).to(torch.float32)
-    model.save_pretrained(str(out), safe_serialization=True)
-    gen = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
-    (out / "generation_config.json").write_text(json.dumps(gen))
-    logger.info("tiny hybrid (Mamba2 + attention) model written to %s", out)
-    return out
+    return save_random_model(GraniteMoeHybridForCausalLM, config, out, seed, "tiny hybrid (Mamba2 + attention) model")
 
 
 def main() -> None:

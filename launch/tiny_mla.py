@@ -13,11 +13,10 @@ The tokenizer is `launch.tiny_model`'s byte-level one (one ASCII character = one
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
-from launch.tiny_model import _build_tokenizer
+from launch.tiny_model import build_tokenizer, save_random_model
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +52,13 @@ def make_tiny_mla_model(
         raise ValueError(f"num_layers {num_layers}, num_heads {num_heads}, hidden_size {hidden_size}: all must be >= 1")
     if q_lora_rank is not None and q_lora_rank < 1:
         raise ValueError(f"q_lora_rank must be None or >= 1, got {q_lora_rank}")
-    import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = _build_tokenizer(out)
+    vocab_size = build_tokenizer(out)
     config = DeepseekV3Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -90,13 +88,7 @@ def make_tiny_mla_model(
         num_mtp_layers=0,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).to(torch.float32)
-    model.save_pretrained(str(out), safe_serialization=True)
-    gen = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
-    (out / "generation_config.json").write_text(json.dumps(gen))
-    logger.info("tiny MLA model written to %s", out)
-    return out
+    return save_random_model(DeepseekV3ForCausalLM, config, out, seed, "tiny MLA model")
 
 
 def main() -> None:

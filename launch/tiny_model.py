@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _build_tokenizer(out: Path) -> int:
+def build_tokenizer(out: Path) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,14 +72,13 @@ def make_tiny_model(
     if sliding_window is not None:
         kinds = ("sliding_attention", "full_attention")
         hybrid = {"sliding_window": sliding_window, "layer_types": [kinds[i % 2] for i in range(num_layers)]}
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = _build_tokenizer(out)
+    vocab_size = build_tokenizer(out)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -96,12 +96,20 @@ def make_tiny_model(
         torch_dtype="float32",
         **hybrid,
     )
+    return save_random_model(LlamaForCausalLM, config, out, seed, "tiny model")
+
+
+def save_random_model(model_cls: Any, config: Any, out: Path, seed: int, what: str) -> Path:
+    """Build ``model_cls(config)`` with random float32 weights from ``seed`` and write it, with the
+    tokenizer's special ids as its generation config, to ``out`` (the builders of launch.tiny_*)."""
+    import torch
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
     gen = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
     (out / "generation_config.json").write_text(json.dumps(gen))
-    logger.info("tiny model written to %s", out)
+    logger.info("%s written to %s", what, out)
     return out
 
 

@@ -5,13 +5,17 @@ disconnects; malformed input to the Router, D and the bootstrap server; garbage 
 rank ports and on the bootstrap port; replayed frames and bootstrap calls; a spoofed registration
 without the token; slowloris on the Router; P frozen (SIGSTOP) under load and resumed; a flood of
 refused frames while liveness must keep live peers alive and find a frozen P; clients leaving while
-P is frozen mid-request (D keeps the blocks until P answered); P killed (SIGKILL) under load and
-restarted on the same ports; D killed mid-stream and restarted (chaos_hardening.py holds the
-security phases, chaos_attacks.py their tools, chaos_stack.py the stack and its settings). After each: every client call ended (none hung) with a complete answer or
-a clear error, P and D hold no KV within the configured timeouts, the instances not killed answer
-/health. P and D run with Mooncake's shortest write timeouts (tests.support.serving.FAST_TRANSFER_ENV):
-D keeps a lost P's loads for ``pd_connector.transfer.loads.lost_wait_s`` of what P advertises, and
-the bounds on a killed P's failover come from it (chaos_stack.LOST_WAIT_S). At the end a few prompts through the Router equal a colocated vLLM token for token.
+P is frozen mid-request (D keeps the blocks until P answered); P killed (SIGKILL) under load, frozen
+first so that D's loads wait on it when it dies, and restarted on the same ports; D killed
+mid-stream and restarted (chaos_hardening.py holds the security phases, chaos_attacks.py their
+tools, chaos_stack.py the stack and its settings). After each: every client call ended (none hung)
+with a complete answer or a clear error, P and D hold no KV within the configured timeouts, the
+instances not killed answer /health. At the end a few prompts through the Router equal a colocated
+vLLM token for token.
+
+P and D run with Mooncake's shortest write timeouts (tests.support.serving.FAST_TRANSFER_ENV): D
+keeps a lost P's loads for ``pd_connector.transfer.loads.lost_wait_s`` of what P advertises, and
+the bounds on a killed P's failover derive from it (chaos_stack.LOST_WAIT_S).
 
 Bounded and repeatable: every request plan comes from one seeded RNG (``SEED``), every client call
 has a deadline (chaos_tools.CLIENT_DEADLINE_S). The figures (per phase: requests, ok, clear errors,
@@ -54,6 +58,7 @@ from tests.e2e.chaos_stack import (
     ROOM_TIMEOUT_S,
     ROUTER_ARGS,
     SEED,
+    STOP_WAIT_S,
     VLLM_ARGS,
     ZMQ_REFUSED,
     Chaos,
@@ -295,6 +300,11 @@ def test_5c_cancel_while_the_push_is_stuck(chaos: Chaos, record_property) -> Non
     done(chaos, fig, t0, record_property)
 
 
+#: D releases a load the dead P never answered once its wait ran out (lost_wait_s after the loss,
+#: stop_wait_s after a cancel: both by what P advertised).
+HELD_RELEASE = rf"KV load failed: .*; prefill did not answer within (?:{LOST_WAIT_S:g}|{STOP_WAIT_S:g}) s"
+
+
 def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
     fig, t0 = phase("prefill_sigkill")
     stack = chaos.stack
@@ -302,16 +312,32 @@ def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
     # might only be cut off, its batch still landing): the clients' calls must outlast that.
     failover_s = PEER_TIMEOUT_S + LOST_WAIT_S
     assert ct.CLIENT_DEADLINE_S >= failover_s + KV_FREE_SLACK_S, f"client deadline under the {failover_s:g} s failover"
+    released_before = count_in_log(stack.decode.log_path, HELD_RELEASE)
     running = ct.start_load(stack.router_url, stack.model, ct.plans(chaos.rng, 32, 0.0))
     time.sleep(1.5)
+    # The tiny model answers that load within the sleep; so that the kill also catches loads D waits on,
+    # P is frozen first and a few more requests come (the Router asks P and D at once; D asks the frozen
+    # P, its route still fresh), then the frozen P is killed.
+    signal_group(stack.prefill.pid, signal.SIGSTOP)
+    todo = [ct.Plan(p.prompt_len, p.salt, False, p.max_tokens) for p in ct.plans(chaos.rng, 8, 0.0)]
+    waiting = ct.start_load(stack.router_url, stack.model, todo, concurrency=8)  # not streamed: P and D at once
+    time.sleep(1.0)
     chaos.kill(stack.prefill)
     t_kill = time.monotonic()
-    results = running.result(timeout=ct.CLIENT_DEADLINE_S + 30)
+    results = [*running.result(timeout=ct.CLIENT_DEADLINE_S + 30), *waiting.result(timeout=ct.CLIENT_DEADLINE_S + 30)]
     fig.add(results)
     fig.extra["clients_done_after_kill_s"] = round(time.monotonic() - t_kill, 1)
     ct.assert_all_answered(fig.name, results)
-    # A client answered at once (P's connection refused) leaves D's load waiting out the lost wait.
+    # A client answered at once (P's connection reset) leaves D's load waiting out the stop wait.
     chaos.kv_free(fig, "D", limit=max(KV_WAIT_TIMEOUT_S, failover_s) + KV_FREE_SLACK_S)
+
+    def held() -> int:
+        return count_in_log(stack.decode.log_path, HELD_RELEASE) - released_before
+
+    ct.wait_until(
+        "D logs a load released after waiting on the killed P (else the phase proved nothing)", lambda: held() >= 1, 5
+    )
+    fig.extra["loads_released_after_the_wait"] = held()
     chaos.assert_healthy("D")
     t_restart = time.monotonic()
     stack.prefill = chaos.restart(stack.prefill, "prefill-restarted", "0")

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -192,6 +193,8 @@ def strided_kv(layers: int) -> dict[str, torch.Tensor]:
 def test_staging_buffer_counts_against_the_region_limit(monkeypatch: pytest.MonkeyPatch, spy: type[SpyBackend]) -> None:
     kv = strided_kv(256)  # the ascend transport's limit (REGION_LIMITS) is 256
     assert len(memory_ranges(kv)) == 256
+    # A worker on the ascend transport writes vLLM-Ascend's variables into the environment: a copy here.
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     w = prefill_worker(monkeypatch, protocol="ascend")
     with pytest.raises(RankSetupError) as err:
         w.register_kv_caches(kv)

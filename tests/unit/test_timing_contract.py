@@ -31,6 +31,23 @@ from pd_connector.transfer.registry import register_backend
 from pd_connector.transfer_backends import NoOptions, OptionError
 from tests.support.transfer_rig import BLOCK_SIZE, NUM_BLOCKS, Rig, Side, recv_job
 
+#: Every variable the contract reads: unset for each test here (another test's worker may have set them in
+#: this process, e.g. a prefill on the ascend transport writes ASCEND_TRANSFER_TIMEOUT), set where a test says.
+TIMEOUT_ENV = (
+    "MC_TRANSFER_TIMEOUT",
+    "MC_TCP_PROGRESS_TIMEOUT_SEC",
+    "ASCEND_TRANSFER_TIMEOUT",
+    "HCCL_RDMA_TIMEOUT",
+    "HCCL_RDMA_RETRY_CNT",
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_transport_timeouts_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TIMEOUT_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
 # ------------------------------------------------------------ derivation per transport
 
 

@@ -322,14 +322,16 @@ def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
     todo = [ct.Plan(p.prompt_len, p.salt, False, p.max_tokens) for p in ct.plans(chaos.rng, 8, 0.0)]
     waiting = ct.start_load(stack.router_url, stack.model, todo, concurrency=8)  # not streamed: P and D at once
     time.sleep(1.0)
-    chaos.kill(stack.prefill)
     t_kill = time.monotonic()
+    chaos.kill(stack.prefill)
+    fig.extra["kill_s"] = round(time.monotonic() - t_kill, 1)  # SIGKILL until the group was reaped
     results = [*running.result(timeout=ct.CLIENT_DEADLINE_S + 30), *waiting.result(timeout=ct.CLIENT_DEADLINE_S + 30)]
     fig.add(results)
     fig.extra["clients_done_after_kill_s"] = round(time.monotonic() - t_kill, 1)
     ct.assert_all_answered(fig.name, results)
     # A client answered at once (P's connection reset) leaves D's load waiting out the stop wait.
     chaos.kv_free(fig, "D", limit=max(KV_WAIT_TIMEOUT_S, failover_s) + KV_FREE_SLACK_S)
+    fig.extra["d_kv_free_after_clients_s"] = fig.kv_free_s["D"]  # the phase's last kv_free overwrites it
 
     def held() -> int:
         return count_in_log(stack.decode.log_path, HELD_RELEASE) - released_before

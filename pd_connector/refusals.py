@@ -111,16 +111,36 @@ def refuse_unsupported(cfg: DisaggConfig, vllm_config: Any, kv_cache_config: Any
             raise UnsupportedSetupError(f"PDConnector cannot serve this {cfg.mode} instance: {problem}")
 
 
-def note_kv_transfer_fields(cfg: DisaggConfig, kv_transfer_config: Any) -> list[str]:
-    """Log what vLLM's ``kv_port`` and ``engine_id`` mean here (vLLM-Ascend's configs carry both); the lines."""
+def note_kv_transfer_fields(cfg: DisaggConfig, kv_transfer_config: Any, parallel_config: Any = None) -> list[str]:
+    """Log what vLLM's ``kv_port`` and ``engine_id`` mean here (vLLM-Ascend's configs carry both); the lines.
+
+    ``parallel_config`` (vLLM's, optional): with it the ``kv_port`` line names this engine's port range."""
     lines = []
     port = getattr(kv_transfer_config, "kv_port", VLLM_DEFAULT_KV_PORT)
-    if port is not None and str(port) != str(VLLM_DEFAULT_KV_PORT):
+    registered = (
+        f"registers it with P's bootstrap server at bootstrap_host:bootstrap_port "
+        f"({cfg.bootstrap_host}:{cfg.bootstrap_port}); docs/security.md lists the ports P and D hosts must reach"
+    )
+    if port is None or str(port) == str(VLLM_DEFAULT_KV_PORT):
         lines.append(
-            f"kv_transfer_config.kv_port {port} is not used by PDConnector (vLLM-Ascend's connectors bind their "
-            "ZMQ side channels from it): each rank binds a free ZMQ port on kv_connector_extra_config.local_ip "
-            f"({cfg.local_ip}) and registers it with P's bootstrap server at bootstrap_host:bootstrap_port "
-            f"({cfg.bootstrap_host}:{cfg.bootstrap_port}); docs/security.md lists the ports P and D hosts must reach"
+            f"kv_transfer_config.kv_port is vLLM's default ({VLLM_DEFAULT_KV_PORT}): each rank binds a random free "
+            f"ZMQ port on kv_connector_extra_config.local_ip ({cfg.local_ip}) and {registered}"
+        )
+    else:
+        span = ""
+        tp = getattr(parallel_config, "tensor_parallel_size", None)
+        pp = getattr(parallel_config, "pipeline_parallel_size", None)
+        dp = cfg.dp_rank if cfg.dp_rank >= 0 else getattr(parallel_config, "data_parallel_index", None)
+        if dp is None:
+            dp = getattr(parallel_config, "data_parallel_rank", None)
+        if isinstance(tp, int) and isinstance(pp, int) and isinstance(dp, int):
+            first = int(port) + dp * tp * pp
+            span = f"; data-parallel rank {dp} binds ports {first}-{first + tp * pp - 1}"
+        lines.append(
+            f"kv_transfer_config.kv_port {port}: each rank binds its ZMQ side channel on kv_connector_extra_config."
+            f"local_ip ({cfg.local_ip}) at kv_port + dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank, "
+            f"as vLLM-Ascend's Mooncake connectors do{span} (each worker logs its port; a port in use stops "
+            f"start-up), and {registered}"
         )
     engine_id = getattr(kv_transfer_config, "engine_id", None)
     if engine_id:

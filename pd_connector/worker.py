@@ -31,6 +31,7 @@ from pd_connector.pp_stages import PipelineError, own_stage_problem, region_laye
 from pd_connector.rank_checks import backend_config, prepare_rank
 from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend
+from pd_connector.transfer.context import user_kv_port
 from pd_connector.transfer.layerwise import LayerStreams, enable_layer_push
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import create_backend
@@ -204,6 +205,7 @@ class PDWorker:
             pp_rank=pp_rank,
             pp_size=pp_size,
             region_layers=region_layers_of(kv_caches, num_blocks),  # a P stage's regions pair with D's by layer
+            kv_port=user_kv_port(self.vllm_config.kv_transfer_config),  # ZMQ port kv_port + rank offset, or random
         )
         otlp = getattr(self.vllm_config.observability_config, "otlp_traces_endpoint", None)
         device = for_kv_caches(kv_caches)  # transfer threads bind it; pushes wait for its events

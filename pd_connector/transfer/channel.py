@@ -28,6 +28,7 @@ import zmq
 
 from pd_connector import auth
 from pd_connector import messages as proto
+from pd_connector.config import ConfigError
 from pd_connector.keys import frame_key
 from pd_connector.log_limit import LogLimiter
 from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer, canonical_endpoint, printable
@@ -50,7 +51,12 @@ class Channel:
         on_tick: Callable[[float], None],
         token: bytes | None = None,
         watch: PeerWatch | None = None,
+        port: int | None = None,
+        port_origin: str = "",
     ) -> None:
+        """``port``: the port the PULL socket binds (a rank's port from ``kv_port``, ``RankSpec.zmq_port``);
+        None binds a random free one. ``port_origin`` says where ``port`` came from in the ConfigError raised
+        when it cannot be bound (in use, or not a port)."""
         self._stats = stats
         key = frame_key(token)  # frames are signed with a key derived from the token, never the token
         self._on_message = on_message
@@ -63,7 +69,7 @@ class Channel:
         self._pull.setsockopt(zmq.IPV6, 1)
         self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + auth.MAC_BYTES)  # a bigger frame drops its peer
         # Only the address peers are told about: never every interface.
-        self.port = self._pull.bind_to_random_port(f"tcp://{zmq_host(local_ip)}")
+        self.port = self._bind(local_ip, port, port_origin)
         self.endpoint = f"tcp://{zmq_host(local_ip)}:{self.port}"
         self._sealer = FrameSealer(key, self.endpoint)  # this channel's session (transfer.frames)
         self._opener = FrameOpener(key, self.endpoint)
@@ -72,6 +78,22 @@ class Channel:
         self._stop = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="pd-listener", daemon=True)
         self.heartbeats = Heartbeats(watch or PeerWatch(5.0), self.endpoint, self.send)
+
+    def _bind(self, local_ip: str, port: int | None, port_origin: str) -> int:
+        if port is None:
+            return int(self._pull.bind_to_random_port(f"tcp://{zmq_host(local_ip)}"))
+        try:
+            if not 0 < port < 65536:
+                raise ValueError("not a TCP port (1-65535)")
+            self._pull.bind(f"tcp://{zmq_host(local_ip)}:{port}")
+        except (zmq.ZMQError, ValueError) as exc:
+            self._pull.close(linger=0)
+            self._ctx.term()
+            raise ConfigError(
+                f"PDConnector cannot bind its ZMQ side channel on {local_ip} port {port} ({port_origin or 'set'}): "
+                f"{exc}; free that port or choose another kv_transfer_config.kv_port"
+            ) from exc
+        return port
 
     def start(self) -> None:
         self._listener.start()
@@ -146,7 +168,11 @@ class Channel:
         except FrameRefused as exc:
             self._stats.inc("auth_refused")
             self._refusals.warning(  # never decoded: who it claims to be from is not worth a parse
-                ("auth", exc.reason), "refusing ZMQ frame on %s (%d bytes, not decoded): %s", self.endpoint, len(frame), exc
+                ("auth", exc.reason),
+                "refusing ZMQ frame on %s (%d bytes, not decoded): %s",
+                self.endpoint,
+                len(frame),
+                exc,
             )
             return
         frame = opened.payload

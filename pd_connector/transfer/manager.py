@@ -60,9 +60,13 @@ class KVTransferManager:
         self.traces = TraceBook(cfg.mode, make_tracer(otlp_traces_endpoint) if lead else None, enabled=lead)
         self.outbox = Outbox()
         self.device = device
-        self.pool = TaskPool(cfg.transfer_threads, initializer=device.bind_thread)  # threads on the rank's device
         watch = PeerWatch(cfg.peer_timeout_s)  # heartbeats with the peers of pending work (transfer.liveness)
-        self.channel = Channel(cfg.local_ip, self.stats, self._on_message, self._on_tick, token_of(cfg), watch)
+        # A port from kv_port (RankSpec.zmq_port) or a random one; bound before any thread starts.
+        origin = f"{spec.zmq_port_origin}, rank dp{spec.dp_rank}/tp{spec.tp_rank}/pp{spec.pp_rank}"
+        self.channel = Channel(
+            cfg.local_ip, self.stats, self._on_message, self._on_tick, token_of(cfg), watch, spec.zmq_port, origin
+        )
+        self.pool = TaskPool(cfg.transfer_threads, initializer=device.bind_thread)  # threads on the rank's device
         self.endpoint = self.channel.endpoint
         self.rank_port = self.channel.port
         self.peer_id = f"{cfg.local_ip}:{self.rank_port}/dp{spec.dp_rank}/tp{spec.tp_rank}"
@@ -75,7 +79,10 @@ class KVTransferManager:
         self.prefill = PrefillSide(ctx, backend) if cfg.pushes_kv else None
         self.decode = DecodeSide(ctx, backend.descriptor, self.peer_id, self.endpoint) if cfg.is_decode else None
         self.channel.start()
-        logger.info("KV transfer manager (%s) listening on %s, peer %s", cfg.mode, self.endpoint, self.peer_id)
+        from_kv_port = f" (from {origin})" if spec.kv_port is not None else ""
+        logger.info(
+            "KV transfer manager (%s) listening on %s%s, peer %s", cfg.mode, self.endpoint, from_kv_port, self.peer_id
+        )
         if spec.tp_rank == 0:
             logger.log(logging.WARNING if exposure.open else logging.INFO, "%s", exposure.line)
 

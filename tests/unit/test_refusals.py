@@ -186,12 +186,17 @@ def test_kv_port_and_engine_id_are_explained(pd_logs: pytest.LogCaptureFixture) 
     cfg = parse_config("kv_producer", {"bootstrap_port": 18800})
     kv = KVTransferConfig(kv_connector="PDConnector", kv_role="kv_producer", kv_port=36000, engine_id="p-node-0")
     port_line, id_line = note_kv_transfer_fields(cfg, kv)
-    assert "kv_transfer_config.kv_port 36000 is not used by PDConnector" in port_line
+    assert "kv_transfer_config.kv_port 36000: each rank binds its ZMQ side channel" in port_line
+    assert "kv_port + dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank" in port_line
     assert "bootstrap_host:bootstrap_port (127.0.0.1:18800)" in port_line
     assert "engine_id p-node-0 only names this prefill instance in PDConnector's start-up log" in id_line
     assert port_line in pd_logs.text and id_line in pd_logs.text
     default = KVTransferConfig(kv_connector="PDConnector", kv_role="kv_producer")  # vLLM's kv_port, a random id
-    assert [line for line in note_kv_transfer_fields(cfg, default) if "kv_port" in line] == []
+    default_lines = [line for line in note_kv_transfer_fields(cfg, default) if "kv_port" in line]
+    assert len(default_lines) == 1 and "vLLM's default (14579): each rank binds a random free" in default_lines[0]
+    parallel = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_rank=1)
+    (ranged, _) = note_kv_transfer_fields(cfg, kv, parallel)
+    assert "data-parallel rank 1 binds ports 36002-36003" in ranged
 
 
 # ------------------------------------------------------------ ascend transport's device name

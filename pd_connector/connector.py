@@ -97,7 +97,7 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
             self._scheduler.dp_rooms = dp_rooms_for(self.cfg, vllm_config.parallel_config, dp_rank)
             if self.cfg.d2rh and self.cfg.is_decode:  # host KV pool first (pd_connector.d2rh)
                 self._scheduler.d2rh = d2rh_scheduler(self.cfg, vllm_config, kv_cache_config, block_size, len(sizes))
-            note_kv_transfer_fields(self.cfg, kv)  # vLLM-Ascend's configs carry kv_port and engine_id
+            note_kv_transfer_fields(self.cfg, kv, vllm_config.parallel_config)  # vLLM-Ascend's carry kv_port, engine_id
         else:
             self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)
         logger.info("PDConnector %s side up as %s (engine_id %s)", role.name.lower(), self.cfg.mode, kv.engine_id)

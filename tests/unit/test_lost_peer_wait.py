@@ -11,8 +11,6 @@ advertised bounds (``RegisterRank.batch_stall_s`` / ``peer_timeout_s``, passed o
 
 from __future__ import annotations
 
-import ctypes
-import threading
 import time
 
 import msgspec
@@ -28,15 +26,13 @@ from pd_connector.transfer import decode_side as decode_side_module
 from pd_connector.transfer import loads
 from pd_connector.transfer.context import RankContext, RankSpec
 from pd_connector.transfer.decode_side import DecodeSide
-from pd_connector.transfer.device_copy import DeviceCopyBackend
 from pd_connector.transfer.loads import Load, PeerTiming, lost_wait_s, own_timing, stop_wait_s, timing_of
 from pd_connector.transfer.mooncake import stall_for
 from pd_connector.transfer.outbox import Outbox
-from pd_connector.transfer.registry import register_backend
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import TransferStats
-from pd_connector.transfer_backends import NoOptions
 from tests.support.loopback import HOST, wait_for
+from tests.support.slow_transport import Landings, register_slow_backend
 from tests.support.transfer_rig import BLOCK_SIZE, DTYPE, LAYERS, NUM_BLOCKS, Rig, Side, recv_job
 
 # ------------------------------------------------------------ P advertises what bounds its writes
@@ -195,30 +191,8 @@ NAME = "slow-lost"
 P_BLOCKS, D_BLOCKS = [2, 4, 6, 8], [1, 3, 5, 7]  # 8 one-entry batches: 3.2 s of writing
 
 
-class Landings:
-    """Every entry the slow transport copied: (when it landed, D address); ``gate`` holds each batch."""
-
-    def __init__(self) -> None:
-        self.at: list[tuple[float, int]] = []
-        self.started = threading.Event()
-        self.gate = threading.Event()
-
-    def copy(self, dst: int, src: int, length: int) -> None:
-        self.started.set()
-        self.gate.wait(30)
-        time.sleep(BATCH_S)
-        ctypes.memmove(dst, src, length)
-        self.at.append((time.monotonic(), dst))
-
-
-LANDINGS = Landings()
-
-
-def _open(cfg: DisaggConfig) -> DeviceCopyBackend:
-    return DeviceCopyBackend(copy=LANDINGS.copy, stall_s=cfg.backend_options.batch_stall_s)
-
-
-register_backend(NAME, _open, parse=lambda raw: NoOptions(batch_stall_s=STALL_S))
+LANDINGS = Landings(BATCH_S)
+register_slow_backend(NAME, STALL_S, LANDINGS)
 
 
 @pytest.fixture
@@ -228,10 +202,7 @@ def backend_name() -> str:
 
 @pytest.fixture
 def landings() -> Landings:
-    LANDINGS.at.clear()
-    LANDINGS.started.clear()
-    LANDINGS.gate.set()
-    return LANDINGS
+    return LANDINGS.reset()
 
 
 def _cut_pair(rig: Rig, monkeypatch: pytest.MonkeyPatch, room: int) -> tuple[Side, Side, dict[str, float]]:
@@ -263,7 +234,7 @@ def _late(landings: Landings, d: Side, handed_back: float) -> list[tuple[float, 
     out = []
     for t in d.kv.values():
         base, size = t.data_ptr(), t[0].numel() * t.element_size()
-        for at, addr in landings.at:
+        for at, addr, _ in landings.at:
             if base <= addr < base + NUM_BLOCKS * size and at > handed_back:
                 out.append((round(at - handed_back, 3), (addr - base) // size))
     return out

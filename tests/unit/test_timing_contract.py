@@ -11,24 +11,21 @@ and the request ends as a named failure (vLLM gets its blocks as failed: recompu
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
 import time
 from dataclasses import replace
 
 import pytest
 
-from pd_connector.config import ConfigError, DisaggConfig, parse_config
+from pd_connector.config import ConfigError, parse_config
 from pd_connector.metadata import SendJob
 from pd_connector.transfer import decode_side as decode_side_module
 from pd_connector.transfer import loads
 from pd_connector.transfer.backend import WRITE_RETRIES, TransferError, write_in_batches
-from pd_connector.transfer.device_copy import DeviceCopyBackend
 from pd_connector.transfer.loads import in_flight_s, lost_wait_s, stop_wait_s
 from pd_connector.transfer.mooncake import MooncakeOptions, stall_for
-from pd_connector.transfer.registry import register_backend
 from pd_connector.transfer_backends import NoOptions, OptionError
+from tests.support.slow_transport import Landings, register_slow_backend
 from tests.support.transfer_rig import BLOCK_SIZE, NUM_BLOCKS, Rig, Side, recv_job
 
 #: Every variable the contract reads: unset for each test here (another test's worker may have set them in
@@ -185,28 +182,8 @@ NAME = "slow-batches"
 P_BLOCKS, D_BLOCKS = [2, 4, 6, 8], [1, 3, 5, 7]
 
 
-class Landings:
-    """Every entry the slow transport copied: (when it landed, D address, length)."""
-
-    def __init__(self) -> None:
-        self.at: list[tuple[float, int, int]] = []
-        self.started = threading.Event()
-
-    def copy(self, dst: int, src: int, length: int) -> None:
-        self.started.set()
-        time.sleep(BATCH_S)  # one entry per batch (max_batch_entries 1): the batch takes this long
-        ctypes.memmove(dst, src, length)
-        self.at.append((time.monotonic(), dst, length))
-
-
-LANDINGS = Landings()
-
-
-def _open(cfg: DisaggConfig) -> DeviceCopyBackend:
-    return DeviceCopyBackend(copy=lambda d, s, n: LANDINGS.copy(d, s, n), stall_s=cfg.backend_options.batch_stall_s)
-
-
-register_backend(NAME, _open, parse=lambda raw: NoOptions(batch_stall_s=STALL_S))
+LANDINGS = Landings(BATCH_S)
+register_slow_backend(NAME, STALL_S, LANDINGS)
 
 
 @pytest.fixture
@@ -216,9 +193,7 @@ def backend_name() -> str:
 
 @pytest.fixture
 def landings() -> Landings:
-    LANDINGS.at.clear()
-    LANDINGS.started.clear()
-    return LANDINGS
+    return LANDINGS.reset()
 
 
 def _timed_out_load(rig: Rig, monkeypatch: pytest.MonkeyPatch, room: int) -> tuple[Side, Side, dict[str, float]]:

@@ -174,6 +174,7 @@ def _vllm_config() -> SimpleNamespace:
         cache_config=SimpleNamespace(block_size=16, cache_dtype="auto", num_gpu_blocks=12),
         parallel_config=SimpleNamespace(data_parallel_index=0, data_parallel_rank=0, data_parallel_size=1),
         observability_config=SimpleNamespace(otlp_traces_endpoint=None),
+        kv_transfer_config=SimpleNamespace(kv_port=14579),  # vLLM's default: a random ZMQ port
     )
 
 

@@ -333,6 +333,7 @@ def test_migration_decoder_worker_hosts_its_bootstrap_server_and_takes_sends(mon
         cache_config=SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto", num_gpu_blocks=NUM_BLOCKS),
         parallel_config=SimpleNamespace(data_parallel_index=0, data_parallel_rank=0, data_parallel_size=1),
         observability_config=SimpleNamespace(otlp_traces_endpoint=None),
+        kv_transfer_config=SimpleNamespace(kv_port=14579),  # vLLM's default: a random ZMQ port
     )
     worker = PDWorker(cfg, vllm_config, None)  # type: ignore[arg-type]
     try:

@@ -82,6 +82,7 @@ def vllm_config(heads: int = HEADS, layers: int = LAYERS) -> SimpleNamespace:
         cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto", num_gpu_blocks=NB),
         parallel_config=SimpleNamespace(data_parallel_index=0, data_parallel_rank=0, data_parallel_size=1),
         observability_config=SimpleNamespace(otlp_traces_endpoint=None),
+        kv_transfer_config=SimpleNamespace(kv_port=14579),  # vLLM's default: a random ZMQ port
     )
 
 

@@ -20,7 +20,7 @@ from pd_connector import messages as proto
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.config import DisaggConfig, parse_config
 from pd_connector.messages import DoneStatus, RankInfo, RegisterRank
-from pd_connector.metadata import RecvJob, SendJob
+from pd_connector.metadata import RecvJob
 from pd_connector.trace import TraceBook
 from pd_connector.transfer import decode_side as decode_side_module
 from pd_connector.transfer import loads
@@ -32,8 +32,8 @@ from pd_connector.transfer.outbox import Outbox
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import TransferStats
 from tests.support.loopback import HOST, wait_for
-from tests.support.slow_transport import Landings, register_slow_backend
-from tests.support.transfer_rig import BLOCK_SIZE, DTYPE, LAYERS, NUM_BLOCKS, Rig, Side, recv_job
+from tests.support.slow_transport import Landings, late_landings, register_slow_backend, start_slow_push
+from tests.support.transfer_rig import BLOCK_SIZE, DTYPE, LAYERS, Rig, Side, recv_job
 
 # ------------------------------------------------------------ P advertises what bounds its writes
 
@@ -209,35 +209,12 @@ def _cut_pair(rig: Rig, monkeypatch: pytest.MonkeyPatch, room: int) -> tuple[Sid
     """P pushes 8 batches of BATCH_S; once the first started, every frame of P's to D is dropped (D's to
     P still arrive): D's liveness declares P lost while P writes. Returns P, D and D's hand-back times
     (``d.heal()`` lets P's frames through again)."""
-    monkeypatch.setattr(loads, "STOP_MARGIN_S", 0.2)  # the margin at this test's scale
-    p = rig.make("prefill", max_batch_entries=1, peer_timeout_s=PEER_TIMEOUT_S)
-    d = rig.make("decode", peer_timeout_s=PEER_TIMEOUT_S)
-    handed: dict[str, float] = {}
-    inner = d.mgr.outbox.received
-
-    def received(req_id: str, failed_blocks: list[int] | None = None) -> None:
-        handed[req_id] = time.monotonic()
-        inner(req_id, failed_blocks)
-
-    monkeypatch.setattr(d.mgr.outbox, "received", received)
-    p.mgr.add_sends([SendJob("p-1", room, P_BLOCKS, BLOCK_SIZE * len(P_BLOCKS))])
-    d.mgr.add_recvs([recv_job(rig, "d-1", room, D_BLOCKS)])
+    p, d, handed = start_slow_push(rig, monkeypatch, room, (P_BLOCKS, D_BLOCKS), PEER_TIMEOUT_S)
     assert LANDINGS.started.wait(10)
     channel, on_frame = d.mgr.channel, d.mgr.channel._on_frame
     monkeypatch.setattr(channel, "_on_frame", lambda frame: None)  # P -> D cut: no Pong, Ping, answer
     monkeypatch.setattr(d, "heal", lambda: setattr(channel, "_on_frame", on_frame), raising=False)
     return p, d, handed
-
-
-def _late(landings: Landings, d: Side, handed_back: float) -> list[tuple[float, int]]:
-    """(seconds after the hand-back, D block) of every entry that landed in D's blocks after it."""
-    out = []
-    for t in d.kv.values():
-        base, size = t.data_ptr(), t[0].numel() * t.element_size()
-        for at, addr, _ in landings.at:
-            if base <= addr < base + NUM_BLOCKS * size and at > handed_back:
-                out.append((round(at - handed_back, 3), (addr - base) // size))
-    return out
 
 
 def test_no_byte_lands_after_a_lost_p_ranks_load_is_released(
@@ -248,7 +225,7 @@ def test_no_byte_lands_after_a_lost_p_ranks_load_is_released(
     p.wait_sent("p-1", timeout=20)  # P's push ended: every write it made has landed
     assert d.failed == {"d-1": D_BLOCKS}
     assert landings.at, "the slow push wrote nothing: the test proves nothing"
-    assert _late(landings, d, handed["d-1"]) == []
+    assert late_landings(landings, d, handed["d-1"]) == []
     assert len(landings.at) < 2 * len(P_BLOCKS)  # P got D's cancel and stopped between batches
     assert "KV load failed: prefill rank" in pd_logs.text and "prefill did not answer within 1.9 s" in pd_logs.text
 
@@ -262,7 +239,7 @@ def test_releasing_at_the_loss_would_let_a_byte_land_after(
     p, d, handed = _cut_pair(rig, monkeypatch, 7403)
     d.wait_recv("d-1", timeout=20)
     p.wait_sent("p-1", timeout=20)
-    late = _late(landings, d, handed["d-1"])
+    late = late_landings(landings, d, handed["d-1"])
     assert late and {block for _, block in late} <= set(D_BLOCKS)
 
 
@@ -282,6 +259,6 @@ def test_a_lost_p_ranks_late_answer_ends_the_wait(
     landings.gate.set()
     d.wait_recv("d-1", timeout=20)  # far sooner than the 600 s wait: P's answer ended it
     p.wait_sent("p-1", timeout=20)
-    assert _late(landings, d, handed["d-1"]) == []
+    assert late_landings(landings, d, handed["d-1"]) == []
     assert len(landings.at) == 1  # the batch in flight at the cancel, no other
     assert "prefill answered" in pd_logs.text

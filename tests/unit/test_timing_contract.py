@@ -12,21 +12,19 @@ and the request ends as a named failure (vLLM gets its blocks as failed: recompu
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 
 import pytest
 
 from pd_connector.config import ConfigError, parse_config
-from pd_connector.metadata import SendJob
 from pd_connector.transfer import decode_side as decode_side_module
 from pd_connector.transfer import loads
 from pd_connector.transfer.backend import WRITE_RETRIES, TransferError, write_in_batches
 from pd_connector.transfer.loads import in_flight_s, lost_wait_s, stop_wait_s
 from pd_connector.transfer.mooncake import MooncakeOptions, stall_for
 from pd_connector.transfer_backends import NoOptions, OptionError
-from tests.support.slow_transport import Landings, register_slow_backend
-from tests.support.transfer_rig import BLOCK_SIZE, NUM_BLOCKS, Rig, Side, recv_job
+from tests.support.slow_transport import Landings, late_landings, register_slow_backend, start_slow_push
+from tests.support.transfer_rig import Rig, Side
 
 #: Every variable the contract reads: unset for each test here (another test's worker may have set them in
 #: this process, e.g. a prefill on the ascend transport writes ASCEND_TRANSFER_TIMEOUT), set where a test says.
@@ -198,31 +196,7 @@ def landings() -> Landings:
 
 def _timed_out_load(rig: Rig, monkeypatch: pytest.MonkeyPatch, room: int) -> tuple[Side, Side, dict[str, float]]:
     """P pushes 8 one-entry batches of BATCH_S each; D's load times out (0.3 s) inside the first one."""
-    monkeypatch.setattr(loads, "STOP_MARGIN_S", 0.2)  # the margin at this test's scale
-    p = rig.make("prefill", max_batch_entries=1, peer_timeout_s=PEER_TIMEOUT_S)
-    d = rig.make("decode", kv_wait_timeout_s=0.3, peer_timeout_s=PEER_TIMEOUT_S)
-    handed: dict[str, float] = {}
-    inner = d.mgr.outbox.received
-
-    def received(req_id: str, failed_blocks: list[int] | None = None) -> None:
-        handed[req_id] = time.monotonic()
-        inner(req_id, failed_blocks)
-
-    monkeypatch.setattr(d.mgr.outbox, "received", received)
-    p.mgr.add_sends([SendJob("p-1", room, P_BLOCKS, BLOCK_SIZE * len(P_BLOCKS))])
-    d.mgr.add_recvs([recv_job(rig, "d-1", room, D_BLOCKS)])
-    return p, d, handed
-
-
-def _late(landings: Landings, d: Side, handed_back: float) -> list[tuple[float, int]]:
-    """(seconds after the hand-back, D block) of every entry that landed in D's blocks after it."""
-    out = []
-    for t in d.kv.values():
-        base, size = t.data_ptr(), t[0].numel() * t.element_size()
-        for at, addr, _ in landings.at:
-            if base <= addr < base + NUM_BLOCKS * size and at > handed_back:
-                out.append((round(at - handed_back, 3), (addr - base) // size))
-    return out
+    return start_slow_push(rig, monkeypatch, room, (P_BLOCKS, D_BLOCKS), PEER_TIMEOUT_S, kv_wait_timeout_s=0.3)
 
 
 def test_d_holds_the_blocks_while_a_slow_transports_batch_lands(
@@ -237,7 +211,7 @@ def test_d_holds_the_blocks_while_a_slow_transports_batch_lands(
     p.wait_sent("p-1", timeout=20)  # P's push ended: every write it made has landed
     assert d.failed == {"d-1": D_BLOCKS}  # failed: vLLM recomputes or fails the request, never reads them
     assert landings.at, "the slow push wrote nothing: the test proves nothing"
-    assert _late(landings, d, handed["d-1"]) == []
+    assert late_landings(landings, d, handed["d-1"]) == []
     assert len(landings.at) == 1  # P started no batch after D gave up
     assert "KV load failed: no KV from prefill within 0.3 s; prefill answered" in pd_logs.text
     assert any(r.levelno == logging.ERROR and "d-1" in r.getMessage() for r in pd_logs.records)
@@ -252,5 +226,5 @@ def test_a_transport_blind_wait_would_hand_the_blocks_back_too_early(
     p, d, handed = _timed_out_load(rig, monkeypatch, 7302)
     d.wait_recv("d-1", timeout=20)
     p.wait_sent("p-1", timeout=20)
-    late = _late(landings, d, handed["d-1"])
+    late = late_landings(landings, d, handed["d-1"])
     assert late and {block for _, block in late} <= set(D_BLOCKS)

@@ -9,7 +9,7 @@ COMMON = [
     "uvicorn>=0.27",
     "httpx>=0.27",
     # The Router's hot server hands aiohttp's own Response objects a request of its own
-    # (proxy/server_request.py): it relies on what StreamResponse.prepare reads from a request, which is
+    # (proxy/server/request.py): it relies on what StreamResponse.prepare reads from a request, which is
     # not public API. Pinned to the minor version tested (tests/proxy/test_aiohttp_contract.py).
     "aiohttp>=3.14,<3.15",
     "prometheus_client>=0.17",

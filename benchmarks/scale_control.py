@@ -77,7 +77,7 @@ def _config(mode: str, bootstrap_port: int) -> Any:
 
 
 def _manager(mode: str, bootstrap_port: int, dp: int, dp_size: int, tp: int, tp_size: int, rank_index: int) -> Any:
-    from pd_connector.layout import Region
+    from pd_connector.layouts.regions import Region
     from pd_connector.transfer.manager import KVTransferManager, RankSpec
 
     spec = RankSpec(

@@ -43,11 +43,11 @@ import torch  # noqa: E402
 from pd_connector.bootstrap.client import register_rank  # noqa: E402
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState  # noqa: E402
 from pd_connector.config import parse_config  # noqa: E402
-from pd_connector.device_sync import NO_DEVICE, DeviceSync, for_device  # noqa: E402
-from pd_connector.layout import Region, memory_ranges, regions_of_kv_caches  # noqa: E402
+from pd_connector.layouts.regions import Region, memory_ranges, regions_of_kv_caches  # noqa: E402
 from pd_connector.messages import RegisterRank  # noqa: E402
 from pd_connector.metadata import RecvJob, SendJob  # noqa: E402
 from pd_connector.transfer.backend import TransferBackend  # noqa: E402
+from pd_connector.transfer.device_sync import NO_DEVICE, DeviceSync, for_device  # noqa: E402
 from pd_connector.transfer.manager import KVTransferManager, RankSpec  # noqa: E402
 from pd_connector.transfer.registry import create_backend, known_backends  # noqa: E402
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from benchmarks.transfer import pair_of_managers, scattered_blocks, wait_finished
-from pd_connector.layer_chunks import LayerChunk
 from pd_connector.metadata import RecvJob, SendJob
+from pd_connector.scheduling.layer_chunks import LayerChunk
 from pd_connector.transfer.layerwise import LayerStreams, layer_regions_of
 
 DTYPE = torch.float32

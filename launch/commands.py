@@ -21,7 +21,7 @@ from launch.ports import LOOPBACK
 EAGER_ENV = "PDC_ENFORCE_EAGER"
 
 #: ASGI middleware that answers HTTP 400 to malformed `kv_transfer_params` (pd_connector).
-KV_PARAMS_MIDDLEWARE = "pd_connector.http_validation.KVParamsValidationMiddleware"
+KV_PARAMS_MIDDLEWARE = "pd_connector.api_server.validation.KVParamsValidationMiddleware"
 
 
 def vllm_serve_cmd(

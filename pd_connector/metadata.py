@@ -6,14 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pd_connector.kv_params import host_port
-from pd_connector.layer_chunks import LayerChunk
-from pd_connector.vllm_bases import KVConnectorMetadata
+from pd_connector.scheduling.layer_chunks import LayerChunk
+from pd_connector.vllm_lines.bases import KVConnectorMetadata
 
 
 @dataclass(frozen=True)
 class SendJob:
     """P: request `req_id` (room) finished prefill; its KV sits in `block_ids`. D with migration: an aborted
-    request's KV held as its migrate room (pd_connector.migration)."""
+    request's KV held as its migrate room (pd_connector.scheduling.migration)."""
 
     req_id: str
     room: int
@@ -25,7 +25,7 @@ class SendJob:
     trace_headers: Mapping[str, str] | None = field(default=None, compare=False)
     # Decode requests (D's n samples) that load this room; each is served once.
     samples: int = 1
-    # Hybrid KV cache manager (pd_connector.kv_groups): every group's block table (block_ids is group 0); empty: one group.
+    # Hybrid KV cache manager (pd_connector.layouts.kv_groups): every group's block table (block_ids is group 0); empty: one group.
     group_block_ids: list[list[int]] = field(default_factory=list)
     # How long the room waits for a decode to ask (None: room_timeout_s); D's migrate rooms: migrate_hold_s.
     hold_s: float | None = None
@@ -51,7 +51,7 @@ class RecvJob:
     arrival_time: float | None = field(default=None, compare=False)
     admitted_at: float | None = field(default=None, compare=False)
     trace_headers: Mapping[str, str] | None = field(default=None, compare=False)
-    # Hybrid KV cache manager (pd_connector.kv_groups): every group's blocks (dst_block_ids is group 0); empty: one group.
+    # Hybrid KV cache manager (pd_connector.layouts.kv_groups): every group's blocks (dst_block_ids is group 0); empty: one group.
     dst_group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
@@ -61,7 +61,7 @@ class RecvJob:
 
 @dataclass(frozen=True)
 class HostLoad:
-    """D2RH (pd_connector.d2rh): copy host blocks into the request's device blocks (pairwise); ``failed``: the
+    """D2RH (pd_connector.d2rh.scheduler): copy host blocks into the request's device blocks (pairwise); ``failed``: the
     staging failed, report the load failed. ``hit_blocks``: of them, blocks that were host-pool hits."""
 
     req_id: str
@@ -86,6 +86,6 @@ class PDConnectorMetadata(KVConnectorMetadata):
     scheduled: dict[str, float] = field(default_factory=dict)
     # P, transfer_mode "layer": which blocks of which rooms this step's forward completes (layer_chunks).
     layer_chunks: list[LayerChunk] = field(default_factory=list)
-    # D2RH: loads into host blocks (dst ids are host block ids) and host -> device copies (pd_connector.d2rh).
+    # D2RH: loads into host blocks (dst ids are host block ids) and host -> device copies (pd_connector.d2rh.scheduler).
     host_stages: list[RecvJob] = field(default_factory=list)
     host_loads: list[HostLoad] = field(default_factory=list)

@@ -17,10 +17,10 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pd_connector.ascend_env import engine_device_name
+from pd_connector.ascend.env import engine_device_name
+from pd_connector.ascend.peer_sizes import sizes_mismatch
 from pd_connector.config import DisaggConfig
-from pd_connector.layout import memory_ranges
-from pd_connector.peer_sizes import sizes_mismatch
+from pd_connector.layouts.regions import memory_ranges
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Run by ``PDConnector.__init__`` on both sides (scheduler and every worker), befo
 - models whose layers keep a recurrent state instead of (or beside) attention KV (Mamba / Mamba2
   hybrids, gated delta net as in Qwen3-Next; vLLM gives such layers a KV cache group whose spec is a
   ``MambaSpec``, ``vllm/v1/kv_cache_interface.py``), except the one case PDConnector moves (see
-  ``pd_connector.state_groups``): an attention + recurrent-state hybrid on vLLM >= 0.32 with prefix
+  ``pd_connector.layouts.state_groups``): an attention + recurrent-state hybrid on vLLM >= 0.32 with prefix
   caching on (vLLM then keeps the state in "align" mode, one block per ``block_size`` tokens), no
   speculative decoding, tensor and pipeline parallel size 1, ``transfer_mode`` ``request``, neither
   ``d2rh`` nor ``migration``. Attention-free models (plain Mamba) stay refused. vLLM-Ascend has a
@@ -24,8 +24,8 @@ import logging
 from typing import Any
 
 from pd_connector.config import ConfigError, DisaggConfig
-from pd_connector.kv_groups import layer_kinds, recurrent_groups
-from pd_connector.state_groups import state_transfer_problem
+from pd_connector.layouts.kv_groups import layer_kinds, recurrent_groups
+from pd_connector.layouts.state_groups import state_transfer_problem
 
 logger = logging.getLogger(__name__)
 

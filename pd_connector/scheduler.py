@@ -13,11 +13,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pd_connector.ascend.metaserver import DecodeFirst
 from pd_connector.bootstrap.dp_rooms import DpRoomRegistrar
 from pd_connector.bypass import BypassCounter, BypassReason, reason_for
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host
-from pd_connector.d2rh import D2RHScheduler, D2RHState
-from pd_connector.kv_groups import decode_group_blocks, replay_needs_freed_block
+from pd_connector.d2rh.scheduler import D2RHScheduler, D2RHState
 from pd_connector.kv_params import (
     DecodeParams,
     KVParamsError,
@@ -27,16 +27,16 @@ from pd_connector.kv_params import (
     parse_kv_params,
     prefill_refused,
 )
-from pd_connector.layer_chunks import ChunkPlanner
-from pd_connector.metadata import HostLoad, PDConnectorMetadata, RecvJob, SendJob
-from pd_connector.metaserver import DecodeFirst
-from pd_connector.migration import MigrationHolds
-from pd_connector.state_groups import (
+from pd_connector.layouts.kv_groups import decode_group_blocks, replay_needs_freed_block
+from pd_connector.layouts.state_groups import (
     PREFILL_WITHOUT_LAST_TOKEN,
     fill_state_groups,
     prefilled_for_state,
     truncate_for_prefill,
 )
+from pd_connector.metadata import HostLoad, PDConnectorMetadata, RecvJob, SendJob
+from pd_connector.scheduling.layer_chunks import ChunkPlanner
+from pd_connector.scheduling.migration import MigrationHolds
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -85,7 +85,7 @@ class PDScheduler:
         self.cfg = cfg
         self.block_size = block_size
         # Hybrid models: the KV cache groups that hold a recurrent state -> their tokens per block
-        # (pd_connector.state_groups); ``block_size`` is then the attention groups'.
+        # (pd_connector.layouts.state_groups); ``block_size`` is then the attention groups'.
         self.state_groups = dict(state_groups or {})
         self._truncated: set[str] = set()  # P: requests prefilled without their last prompt token
         # D, hybrid KV cache manager: the groups' sliding windows (kv_groups.replay_needs_freed_block).
@@ -115,9 +115,9 @@ class PDScheduler:
         self.bypassed = BypassCounter("prefill" if cfg.is_prefill else "decode")
         # D: requests of vLLM-Ascend's layer-wise proxy (D first; D posts to its metaserver off this thread).
         self._d_first = DecodeFirst(cfg) if cfg.is_decode else None
-        # D, D2RH mode: KV staged in the host pool first (pd_connector.d2rh; set by the connector).
+        # D, D2RH mode: KV staged in the host pool first (pd_connector.d2rh.scheduler; set by the connector).
         self.d2rh: D2RHScheduler | None = None
-        # D with migration: aborted requests' KV held as their migrate rooms (pd_connector.migration).
+        # D with migration: aborted requests' KV held as their migrate rooms (pd_connector.scheduling.migration).
         self._migration = MigrationHolds(cfg, block_size) if cfg.is_decode and cfg.migration else None
         # P with several DP ranks: each request's room registered with this rank on arrival (bootstrap.dp_rooms).
         self.dp_rooms: DpRoomRegistrar | None = None
@@ -235,7 +235,7 @@ class PDScheduler:
         if self._chunks is not None and isinstance(prefill := self._params(request), PrefillParams):
             if prefill.room is not None and prefill.room not in self._live_rooms:  # a live room's is refused
                 self._chunks.track(rid, prefill.room, request.num_prompt_tokens)
-        if self.d2rh is not None and self.d2rh.knows(rid):  # host -> device copy (pd_connector.d2rh)
+        if self.d2rh is not None and self.d2rh.knows(rid):  # host -> device copy (pd_connector.d2rh.scheduler)
             self.d2rh.allocated(rid, list(blocks.get_block_ids()[0]), num_external_tokens)
             if num_external_tokens > 0:
                 self._awaiting_kv.add(rid)
@@ -329,7 +329,7 @@ class PDScheduler:
         vLLM (0.32 and 0.23 alike) calls this for every finished request on both roles, ABORTED ones on a
         kv_consumer included; (True, ...) keeps the blocks until a worker reports the request in
         finished_sending. D with migration holds an aborted request's KV here: ``request.num_computed_tokens``
-        is then prompt + generated - 1 (plus a step still in flight with async scheduling; pd_connector.migration).
+        is then prompt + generated - 1 (plus a step still in flight with async scheduling; pd_connector.scheduling.migration).
         """
         groups = [list(g) for g in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
         rid = request.request_id

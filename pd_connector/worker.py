@@ -4,7 +4,7 @@ It owns this rank's transfer backend (``transfer.registry``, Mooncake by default
 KVTransferManager (ZMQ), registers P ranks with
 the bootstrap server (the leader, dp 0 / tp 0, also hosts that server) and
 turns each step's metadata into transfer work. A D with ``migration`` pushes KV too (its aborted
-requests' migrate rooms, pd_connector.migration): its ranks join a bootstrap server of their own as P's do.
+requests' migrate rooms, pd_connector.scheduling.migration): its ranks join a bootstrap server of their own as P's do.
 """
 
 from __future__ import annotations
@@ -14,24 +14,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pd_connector.ascend_settings import apply_transport_env
+from pd_connector.ascend.settings import apply_transport_env
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
 from pd_connector.config import DisaggConfig, advertised_bootstrap_host, token_of
-from pd_connector.device_sync import for_kv_caches
-from pd_connector.host_kv import D2RHWorker, HostKV, pool_blocks
+from pd_connector.d2rh.host_kv import D2RHWorker, HostKV, pool_blocks
 from pd_connector.idle_wait import IdleWait
-from pd_connector.kv_groups import region_groups
 from pd_connector.kv_params import host_port
-from pd_connector.layout import regions_of_kv_caches
+from pd_connector.layouts.kv_groups import region_groups
+from pd_connector.layouts.pp import PipelineError, own_stage_problem, region_layers_of, stage_range
+from pd_connector.layouts.regions import regions_of_kv_caches
+from pd_connector.layouts.tp import MappingError, is_head_major, local_heads
 from pd_connector.messages import RegisterRank
 from pd_connector.metadata import PDConnectorMetadata
-from pd_connector.pp_stages import PipelineError, own_stage_problem, region_layers_of, stage_range
 from pd_connector.rank_checks import backend_config, prepare_rank
-from pd_connector.tp_mapping import MappingError, is_head_major, local_heads
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.context import user_kv_port
+from pd_connector.transfer.device_sync import for_kv_caches
 from pd_connector.transfer.layerwise import LayerStreams, enable_layer_push
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import create_backend
@@ -139,7 +139,7 @@ class PDWorker:
         self._idle = IdleWait(no_wait_when_busy=cfg.is_prefill and not cfg.is_decode)
         self.layers: LayerStreams | None = None  # P, transfer_mode "layer"
         self.stage_layers = (0, 0)  # P with PP > 1: this stage's layers [first, end) (pp_stages)
-        self.d2rh: D2RHWorker | None = None  # D, D2RH mode: the host KV pool (pd_connector.host_kv)
+        self.d2rh: D2RHWorker | None = None  # D, D2RH mode: the host KV pool (pd_connector.d2rh.host_kv)
         if torch.accelerator.current_accelerator() is None:
             _prepare_cpu_device()
 
@@ -307,7 +307,7 @@ class PDWorker:
         return sending, recving, set(failed)
 
     def build_worker_meta(self) -> Any:
-        """D2RH: staging outcomes and host copies done since the last step (pd_connector.d2rh), else None."""
+        """D2RH: staging outcomes and host copies done since the last step (pd_connector.d2rh.scheduler), else None."""
         return self.d2rh.take_meta() if self.d2rh is not None else None
 
     def take_stats(self) -> dict | None:

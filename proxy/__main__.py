@@ -9,15 +9,15 @@ import sys
 import time
 from collections.abc import Sequence
 
-from proxy.admin_token import ensure_admin_token, remove_token_file
-from proxy.api_keys import startup_notes
+from proxy.access.admin_token import ensure_admin_token, remove_token_file
+from proxy.access.api_keys import startup_notes
+from proxy.access.tls import server_context
 from proxy.app import HOT_ROUTES_KEY, SHUTDOWN_TIMEOUT_S, create_app
 from proxy.cli import parse_config
-from proxy.hot_server import ServerLimits, serve
-from proxy.log_lines import LoopFlushingHandler
 from proxy.router_config import RouterConfig
-from proxy.tls import server_context
-from proxy.workers import fork_workers
+from proxy.server.hot_server import ServerLimits, serve
+from proxy.server.log_lines import LoopFlushingHandler
+from proxy.server.workers import fork_workers
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(config: RouterConfig) -> int:
-    config = fork_workers(config)  # --workers N > 1: from here on in each worker (proxy/workers.py)
+    config = fork_workers(config)  # --workers N > 1: from here on in each worker (proxy/server/workers.py)
     app = create_app(config)
     log = logging.getLogger("proxy")
     scheme = "https" if config.tls else "http"

@@ -1,6 +1,6 @@
 """The Router's aiohttp application: ``create_app(config)`` and its routes.
 
-``python -m proxy`` serves it through :mod:`proxy.hot_server`: ``POST`` on the two generation
+``python -m proxy`` serves it through :mod:`proxy.server.hot_server`: ``POST`` on the two generation
 endpoints runs the same handlers (:data:`HOT_ROUTES_KEY`) on a raw asyncio + httptools server,
 every other request is aiohttp's.
 
@@ -19,11 +19,11 @@ prefill instance P and one decode instance D; both requests are sent at once; D'
 - Never an empty 200 and never a hang: every failure becomes an OpenAI-style error (or the
   backend's own error answer), and every request has a deadline (``--request-timeout``).
 
-Where things are: :mod:`proxy.exchange` (one client request, its retries and its answer),
-:mod:`proxy.attempt` (one try on one P/D pair), :mod:`proxy.admin` (``/instances``,
+Where things are: :mod:`proxy.request.exchange` (one client request, its retries and its answer),
+:mod:`proxy.request.attempt` (one try on one P/D pair), :mod:`proxy.admin.instances` (``/instances``,
 ``/instances/add|remove``, ``/reset_prefix_cache``), :mod:`proxy.router_state` (the application
-state), :mod:`proxy.routing` (routing policies), :mod:`proxy.http1` (the one HTTP client for
-every backend call), :mod:`proxy.upstream` (failure classification, health checks). Routes
+state), :mod:`proxy.upstream.routing` (routing policies), :mod:`proxy.upstream.http1` (the one HTTP client for
+every backend call), :mod:`proxy.upstream.calls` (failure classification, health checks). Routes
 here: the two generation endpoints, ``/v1/models``, ``/health``, ``/healthcheck``,
 ``/metrics`` (:mod:`proxy.router_metrics`) and the admin ones.
 """
@@ -35,10 +35,9 @@ import logging
 
 from aiohttp import web
 
-from proxy import admin
-from proxy.admin import ADMIN_PATHS, Handler, parse_instances
-from proxy.api_keys import Gate
-from proxy.backend_pool import health_summary, pool_health
+from proxy.access.api_keys import Gate
+from proxy.admin.instances import ADMIN_PATHS, Handler, parse_instances
+from proxy.admin import instances as admin
 from proxy.errors import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -48,15 +47,16 @@ from proxy.errors import (
     error_response,
     json_response,
 )
-from proxy.exchange import generate
-from proxy.failure_policy import decide
-from proxy.incoming import backend_headers, request_id
-from proxy.payloads import CHAT_COMPLETIONS, COMPLETIONS
+from proxy.request.exchange import generate
+from proxy.request.failure_policy import decide
+from proxy.request.incoming import backend_headers, request_id
+from proxy.request.payloads import CHAT_COMPLETIONS, COMPLETIONS
 from proxy.router_config import RouterConfig
 from proxy.router_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.router_state import Router
-from proxy.upstream import Failure, fetch, http_failure, passthrough_response
-from proxy.workers import MEMBERSHIP_PATHS, current_worker, refuse_membership_changes
+from proxy.server.workers import MEMBERSHIP_PATHS, current_worker, refuse_membership_changes
+from proxy.upstream.calls import Failure, fetch, http_failure, passthrough_response
+from proxy.upstream.pool import health_summary, pool_health
 
 __all__ = ["HOT_ROUTES_KEY", "ROUTER_KEY", "SHUTDOWN_TIMEOUT_S", "Router", "create_app", "parse_instances"]
 
@@ -66,9 +66,9 @@ logger = logging.getLogger("proxy")
 SHUTDOWN_TIMEOUT_S = 5.0
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 #: The generation endpoints' handlers (auth and error answers included) by path, for the raw
-#: server (proxy.hot_server) that serves ``POST`` on them without aiohttp's request machinery.
+#: server (proxy.server.hot_server) that serves ``POST`` on them without aiohttp's request machinery.
 HOT_ROUTES_KEY: web.AppKey[dict[str, Handler]] = web.AppKey("hot_routes")
-#: The routes proxy.hot_server serves itself (``POST`` only).
+#: The routes proxy.server.hot_server serves itself (``POST`` only).
 HOT_PATHS = (COMPLETIONS, CHAT_COMPLETIONS)
 
 
@@ -165,9 +165,9 @@ def create_app(config: RouterConfig) -> web.Application:
     app[ROUTER_KEY] = router
     app.on_startup.append(router.startup)
     app.on_cleanup.append(router.cleanup)
-    gate = Gate(config.access, router.metrics, ADMIN_PATHS)  # keys and admin token (proxy.api_keys)
+    gate = Gate(config.access, router.metrics, ADMIN_PATHS)  # keys and admin token (proxy.access.api_keys)
     routes = _routes(router, gate)
-    if config.workers > 1:  # a pool change would reach one worker only (proxy.workers)
+    if config.workers > 1:  # a pool change would reach one worker only (proxy.server.workers)
         refuse = refuse_membership_changes(config.workers)
         routes = [(m, p, refuse if p in MEMBERSHIP_PATHS else h) for m, p, h in routes]
     known_paths = {path for _, path, _ in routes}

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
-from proxy.access_flags import add_security_flags, security_from_args
+from proxy.access.flags import add_security_flags, security_from_args
 from proxy.router_config import ROUTING_POLICIES, Backend, RouterConfig
-from proxy.routing import RoutingOptions, describe
+from proxy.upstream.routing import RoutingOptions, describe
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="Router processes sharing the port (SO_REUSEPORT), each a whole Router on its own core; "
-        "with more than 1, /instances/add|remove are refused (see proxy/workers.py) (default: %(default)s)",
+        "with more than 1, /instances/add|remove are refused (see proxy/server/workers.py) (default: %(default)s)",
     )
     add(
         "--trust-client-room",

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.routing import POLICIES, RoutingOptions
+from proxy.upstream.routing import POLICIES, RoutingOptions
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
-#: The ``--routing`` names, from :data:`proxy.routing.POLICIES` (the first is the default).
+#: The ``--routing`` names, from :data:`proxy.upstream.routing.POLICIES` (the first is the default).
 ROUTING_POLICIES: tuple[str, ...] = tuple(POLICIES)
 
 
@@ -39,12 +39,12 @@ class BackendTlsConfig:
 
 @dataclass(frozen=True)
 class AccessConfig:
-    """Who may call the Router (:mod:`proxy.api_keys`); secrets are never in ``repr``.
+    """Who may call the Router (:mod:`proxy.access.api_keys`); secrets are never in ``repr``.
 
     ``api_keys``: clients must send ``Authorization: Bearer <one of them>`` on ``/v1/*``
     (``--api-key``/``--api-key-file``/``PD_ROUTER_API_KEY``; empty: no key needed).
     ``admin_token``: the bearer token of the admin routes (``/instances*``,
-    ``/reset_prefix_cache``); ``None``: ``python -m proxy`` generates one (:mod:`proxy.admin_token`)
+    ``/reset_prefix_cache``); ``None``: ``python -m proxy`` generates one (:mod:`proxy.access.admin_token`)
     unless ``insecure_admin`` (admin routes answer anyone); an application built without either
     refuses every admin call. ``generated_token_file``: where the generated one is (or goes:
     ``--generated-admin-token-file``).
@@ -70,7 +70,7 @@ class Backend:
     ``bootstrap_port`` is the port of the prefill deployment's bootstrap server, which the
     decode side contacts to find P's ranks. A decoder has one only when it serves pushes of its own
     KV (the connector's ``migration``): it is then *movable by KV* (:attr:`movable`: a drain moves
-    its streams with their KV, :mod:`proxy.kv_move`); ``None`` otherwise. The server runs in the
+    its streams with their KV, :mod:`proxy.strategies.kv_move`); ``None`` otherwise. The server runs in the
     deployment's DP-rank-0 leader: ``bootstrap_host`` names that host when it is not this
     instance's (a DP rank on another node), ``None`` meaning ``host``. ``dp_rank`` is this
     instance's DP rank within its deployment, sent to D as ``prefill_dp_rank``; ``None`` (the
@@ -149,7 +149,7 @@ class RouterConfig:
     max_body_size: int = 32 * 1024 * 1024
     #: Seconds a client has to send a request's headers, from its first byte (``--header-timeout``);
     #: seconds without a body byte (``--body-timeout``) and without its reading any of the answer
-    #: (``--write-timeout``) before the connection is closed (:mod:`proxy.hot_connection`).
+    #: (``--write-timeout``) before the connection is closed (:mod:`proxy.server.hot_connection`).
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     write_timeout: float = 30.0
@@ -162,7 +162,7 @@ class RouterConfig:
     #: never reaches P or D): ``Bearer <key>`` from ``--backend-api-key-file``, else
     #: ``PD_BACKEND_API_KEY``, else ``OPENAI_API_KEY`` (what vLLM-Ascend's proxy sends).
     backend_authorization: str | None = field(default=None, repr=False)
-    #: Client keys and the admin token (:mod:`proxy.api_keys`).
+    #: Client keys and the admin token (:mod:`proxy.access.api_keys`).
     access: AccessConfig = AccessConfig()
     #: HTTPS instead of HTTP when set (``--ssl-certfile``/``--ssl-keyfile``).
     tls: TlsConfig | None = None
@@ -171,16 +171,16 @@ class RouterConfig:
     #: Use a client-given ``bootstrap_room`` (``--trust-client-room``); otherwise every request
     #: gets a random one. Either way, a room already in flight is refused (HTTP 409).
     trust_client_room: bool = False
-    #: Streamed completions get P's own first token at once (:mod:`proxy.first_token`); D then
+    #: Streamed completions get P's own first token at once (:mod:`proxy.strategies.first_token`); D then
     #: loads P's KV and decodes the rest (``--first-token-from-prefill``, on by default).
     first_token_from_prefill: bool = True
-    #: Router processes sharing the port (``--workers``, :mod:`proxy.workers`).
+    #: Router processes sharing the port (``--workers``, :mod:`proxy.server.workers`).
     workers: int = 1
     #: Continuations of an answer a decoder cut with ``stop_reason: "recomputed"`` (vLLM-Ascend's
-    #: ``recompute_scheduler_enable``; :mod:`proxy.recompute`), per request; 0 passes it on as is.
+    #: ``recompute_scheduler_enable``; :mod:`proxy.strategies.recompute`), per request; 0 passes it on as is.
     max_recomputes: int = 3
     #: Resumed legs per request of a stream cut by its decoder after it started (``--resume-attempts``,
-    #: :mod:`proxy.resume`): another decoder continues it from the tokens sent; 0: the error event.
+    #: :mod:`proxy.strategies.resume`): another decoder continues it from the tokens sent; 0: the error event.
     resume_attempts: int = 2
 
     def describe(self) -> str:

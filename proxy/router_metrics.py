@@ -16,10 +16,10 @@ Names (``backend`` = ``host:port``, ``role`` = ``prefill``/``decode``, ``endpoin
   ``error_event``;
 - ``pd_router_retries_total{endpoint}``: attempts repeated on another P/D pair (failover);
 - ``pd_router_resumes_total{endpoint,reason}``: streams cut after they started and continued on
-  another decoder (:mod:`proxy.resume`), ``reason`` the failure's ``kind``;
+  another decoder (:mod:`proxy.strategies.resume`), ``reason`` the failure's ``kind``;
   ``pd_router_resume_replayed_tokens_total{endpoint}``: generated tokens prefilled again for them;
   ``pd_router_resume_seconds{endpoint}``: histogram, from the cut to the resumed leg's first chunk;
-- ``pd_router_auth_refused_total{endpoint,reason}``: calls refused by :mod:`proxy.api_keys`,
+- ``pd_router_auth_refused_total{endpoint,reason}``: calls refused by :mod:`proxy.access.api_keys`,
   ``reason`` one of ``missing``, ``wrong``, ``not_loopback``;
 - ``pd_router_time_to_first_byte_seconds{endpoint}`` and
   ``pd_router_request_duration_seconds{endpoint}``: histograms, from the request's arrival to
@@ -38,8 +38,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proxy.backend_pool import BackendPool
 from proxy.router_config import Backend
+from proxy.upstream.pool import BackendPool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (
@@ -208,7 +208,7 @@ class RouterMetrics:
         self._child(self.resume_time, endpoint).observe(seconds)
 
     def auth_refused(self, endpoint: str, reason: str) -> None:
-        """Count one call refused by :mod:`proxy.api_keys`."""
+        """Count one call refused by :mod:`proxy.access.api_keys`."""
         self._child(self.auth_refusals, endpoint, reason).inc()
 
     def render(self) -> bytes:

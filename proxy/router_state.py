@@ -9,17 +9,17 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.admin import Membership
-from proxy.backend_pool import BackendPool
-from proxy.drain import Drains
-from proxy.http1 import Http1Pool
-from proxy.pair_refusals import PairRefusals
-from proxy.prefill_watch import PrefillWatch
-from proxy.rooms_in_flight import RoomsInUse
+from proxy.access.tls import client_context
+from proxy.admin.drain import Drains
+from proxy.admin.instances import Membership
+from proxy.request.rooms_in_flight import RoomsInUse
 from proxy.router_config import RouterConfig
 from proxy.router_metrics import RouterMetrics
-from proxy.tls import client_context
-from proxy.upstream import check_all
+from proxy.strategies.prefill_watch import PrefillWatch
+from proxy.upstream.calls import check_all
+from proxy.upstream.http1 import Http1Pool
+from proxy.upstream.pair_refusals import PairRefusals
+from proxy.upstream.pool import BackendPool
 
 logger = logging.getLogger("proxy")
 

@@ -3,7 +3,7 @@
     python scripts/device_check.py [--layers 24] [--blocks 64] [--work 16] [--sweep small|big|off]   # one JSON
 
 It needs torch, and Mooncake for the cases that use it (they are reported skipped, with the reason,
-when ``mooncake.engine`` does not import); never vLLM (``pd_connector.vllm_bases`` stands in for its
+when ``mooncake.engine`` does not import); never vLLM (``pd_connector.vllm_lines.bases`` stands in for its
 two metadata base classes). On a GPU machine (torch, Mooncake's CUDA build
 ``mooncake-transfer-engine-cuda13``, msgspec, pyzmq, fastapi, uvicorn): ``python scripts/device_check.py
 --sweep big``. The JSON:
@@ -45,17 +45,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # pd_connector,
 from device_check_ordering import run_case  # noqa: E402
 from device_check_transfer import d2rh_copy, mooncake_connector, mooncake_missing, sweep  # noqa: E402
 
-from pd_connector.vllm_bases import VLLM_BASES  # noqa: E402
+from pd_connector.vllm_lines.bases import VLLM_BASES  # noqa: E402
 
 ORDERING_BACKENDS = ("torch", "mooncake")
 
 
 def _vllm() -> str:
     if not VLLM_BASES:
-        return "not importable (vLLM's KV-connector metadata classes): pd_connector.vllm_bases stands in for them"
+        return "not importable (vLLM's KV-connector metadata classes): pd_connector.vllm_lines.bases stands in for them"
     import vllm
 
-    return f"vLLM {getattr(vllm, '__version__', '?')} (imported by pd_connector.vllm_bases; not needed)"
+    return f"vLLM {getattr(vllm, '__version__', '?')} (imported by pd_connector.vllm_lines.bases; not needed)"
 
 
 def _ordering_run(device: torch.device, mode: str, ordered: bool, args: argparse.Namespace, backend: str) -> dict:

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from pd_connector.device_sync import NO_DEVICE, DeviceSync, Marker, for_device
 from pd_connector.transfer.backend import Ints, TransferBackend, TransferError, Wanted, write_in_batches
+from pd_connector.transfer.device_sync import NO_DEVICE, DeviceSync, Marker, for_device
 
 HEADS, BLOCK_SIZE, HEAD_DIM = 8, 16, 128
 _TABLE: dict[bytes, TorchCopyBackend] = {}
@@ -162,8 +162,8 @@ def _layer_streams(sync: DeviceSync, backend: TransferBackend, peer: TransferBac
                    src: list[int], dst: list[int]) -> tuple[Callable[[int], None], Callable[[], None]]:  # fmt: skip
     """The real LayerStreams (transfer/layerwise.py) fed save_kv_layer calls; ImportError without msgspec."""
     from pd_connector import messages as proto
-    from pd_connector.layer_chunks import LayerChunk
-    from pd_connector.layout import regions_of_kv_caches
+    from pd_connector.layouts.regions import regions_of_kv_caches
+    from pd_connector.scheduling.layer_chunks import LayerChunk
     from pd_connector.trace import TraceBook
     from pd_connector.transfer.context import RankContext, RankSpec
     from pd_connector.transfer.layerwise import LayerStreams, layer_regions_of

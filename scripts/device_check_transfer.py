@@ -11,7 +11,7 @@
   bytes, ``ratio`` = raw_s / connector_s) with KV in host memory, and in device memory when there is
   an accelerator, for 16, 32 and 128-token blocks.
 
-Nothing here imports vLLM (``pd_connector.vllm_bases`` stands in for its two metadata base classes).
+Nothing here imports vLLM (``pd_connector.vllm_lines.bases`` stands in for its two metadata base classes).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from benchmarks.transfer import DEFAULT_SHAPE, measure, pair_of_managers, scattered_blocks, wait_finished
-from pd_connector.device_sync import DeviceSync, for_device
-from pd_connector.host_kv import D2RHWorker, HostKV
-from pd_connector.layout import regions_of_kv_caches
+from pd_connector.d2rh.host_kv import D2RHWorker, HostKV
+from pd_connector.layouts.regions import regions_of_kv_caches
 from pd_connector.metadata import HostLoad, RecvJob, SendJob
+from pd_connector.transfer.device_sync import DeviceSync, for_device
 
 HEADS, BLOCK_SIZE, HEAD_DIM = 8, 16, 128
 MOONCAKE = {"protocol": "tcp"}  # said explicitly: the platform probe would ask vLLM

@@ -51,7 +51,7 @@ serve_instance() {
         --data-parallel-size "$DP_SIZE" --data-parallel-address "$ip" --data-parallel-rpc-port "$rpc_port" \
         --tensor-parallel-size 1 --enable-expert-parallel \
         --max-model-len 32768 --max-num-seqs 32 --block-size 128 --trust-remote-code \
-        --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
+        --middleware pd_connector.api_server.validation.KVParamsValidationMiddleware \
         --kv-transfer-config "{\"kv_connector\":\"PDConnector\",\"kv_role\":\"$role\",\"kv_connector_extra_config\":$extra}" \
         "$@"
 }

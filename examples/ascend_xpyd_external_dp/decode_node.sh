@@ -16,7 +16,7 @@ python -m launch.launch_online_dp --dp-size "$D_DP" --tp-size "$D_TP" --dp-size-
     --served-model-name "$SERVED_NAME" --enable-expert-parallel --trust-remote-code \
     --max-model-len 40000 --max-num-batched-tokens 256 --max-num-seqs 40 --gpu-memory-utilization 0.94 \
     --no-enable-prefix-caching \
-    --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
+    --middleware pd_connector.api_server.validation.KVParamsValidationMiddleware \
     --kv-transfer-config "{\"kv_connector\":\"PDConnector\",\"kv_role\":\"kv_consumer\",
         \"kv_connector_extra_config\":{\"local_ip\":\"$ip\",\"protocol\":\"ascend\",\"auth_token_env\":\"PD_AUTH_TOKEN\",
         \"trusted_bootstrap_hosts\":$TRUSTED_P_HOSTS}}"

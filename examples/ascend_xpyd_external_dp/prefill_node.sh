@@ -14,7 +14,7 @@ python -m launch.launch_online_dp --dp-size "$P_DP" --tp-size "$P_TP" --dp-size-
     --served-model-name "$SERVED_NAME" --enable-expert-parallel --trust-remote-code --enforce-eager \
     --max-model-len 40000 --max-num-batched-tokens 16384 --max-num-seqs 8 --gpu-memory-utilization 0.9 \
     --no-enable-prefix-caching \
-    --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
+    --middleware pd_connector.api_server.validation.KVParamsValidationMiddleware \
     --kv-transfer-config "{\"kv_connector\":\"PDConnector\",\"kv_role\":\"kv_producer\",
         \"kv_connector_extra_config\":{\"bootstrap_port\":$BOOTSTRAP_PORT,\"bootstrap_host\":\"$ip\",\"local_ip\":\"$ip\",
         \"protocol\":\"ascend\",\"auth_token_env\":\"PD_AUTH_TOKEN\"}}"

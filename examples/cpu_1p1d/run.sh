@@ -54,7 +54,7 @@ serve() {
     VLLM_CPU_OMP_THREADS_BIND=$2 VLLM_CPU_KVCACHE_SPACE=1 PYTHONUNBUFFERED=1 \
     setsid taskset -c "$2" "$PYTHON" -m launch.vllm_cli serve "$MODEL" \
         --host 127.0.0.1 --port "$3" --dtype float32 --block-size 32 --max-model-len 2048 \
-        --middleware pd_connector.http_validation.KVParamsValidationMiddleware \
+        --middleware pd_connector.api_server.validation.KVParamsValidationMiddleware \
         --kv-transfer-config "{\"kv_connector\":\"PDConnector\",\"kv_role\":\"$4\",\"kv_connector_extra_config\":$5}" \
         >"$LOG_DIR/$1.log" 2>&1 &
     remember $!

@@ -2,7 +2,7 @@
 
 vllm-router ``--kv-connector mooncake`` reads it once per prefill at start-up (retrying while it
 fails) and keeps one ``engine_id`` per DP rank, which it hands to D as ``remote_engine_id``
-(pd_connector.front_ends maps that back to ``prefill_dp_rank``). The answer's shape is vLLM's:
+(pd_connector.api_server.front_ends maps that back to ``prefill_dp_rank``). The answer's shape is vLLM's:
 ``{dp_rank: {"engine_id": str, "worker_addr": {tp_rank: {pp_rank: addr}}}}``; PDConnector's
 workers are found through ``/bootstrap/route``, so ``worker_addr`` stays empty and the call,
 which vllm-router cannot sign, reveals no address (only the DP size).

@@ -26,8 +26,8 @@ from typing import Protocol
 
 import torch
 
-from pd_connector.kv_groups import NULL_BLOCK, recv_groups
-from pd_connector.layout import Region
+from pd_connector.layouts.kv_groups import NULL_BLOCK, recv_groups
+from pd_connector.layouts.regions import Region
 from pd_connector.metadata import RecvJob
 from pd_connector.transfer.context import RankContext
 

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from pd_connector import messages as proto
 from pd_connector.config import ConfigError, DisaggConfig
-from pd_connector.device_sync import NO_DEVICE, DeviceSync
-from pd_connector.layout import Region
+from pd_connector.layouts.regions import Region
 from pd_connector.refusals import VLLM_DEFAULT_KV_PORT
 from pd_connector.trace import TraceBook
+from pd_connector.transfer.device_sync import NO_DEVICE, DeviceSync
 from pd_connector.transfer.outbox import Outbox
 from pd_connector.transfer.stats import TransferStats
 
@@ -107,4 +107,4 @@ class RankContext:
     outbox: Outbox
     traces: TraceBook  # this side's phase traces (pd_connector.trace); logged by TP rank 0 only
     reshuffle: NhdReshuffle | None = None  # token-major KV with a staging buffer (mixed TP on NHD)
-    device: DeviceSync = NO_DEVICE  # the KV's device: events, streams, thread binding (pd_connector.device_sync)
+    device: DeviceSync = NO_DEVICE  # the KV's device: events, streams, thread binding (pd_connector.transfer.device_sync)

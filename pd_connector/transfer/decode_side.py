@@ -27,8 +27,8 @@ from collections.abc import Iterable, Sequence
 
 from pd_connector import messages as proto
 from pd_connector.bootstrap.client import BootstrapError, RouteCache
-from pd_connector.kv_groups import real_blocks, received_bytes, recv_groups
-from pd_connector.layout import LayoutError
+from pd_connector.layouts.kv_groups import real_blocks, received_bytes, recv_groups
+from pd_connector.layouts.regions import LayoutError
 from pd_connector.messages import DoneStatus
 from pd_connector.metadata import RecvJob
 from pd_connector.transfer.checksum import landed_problem

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pd_connector import messages as proto
-from pd_connector.layout import Region
+from pd_connector.layouts.regions import Region
 from pd_connector.transfer.context import RankSpec
 
 

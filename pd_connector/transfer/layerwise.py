@@ -45,13 +45,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pd_connector import messages as proto
-from pd_connector.device_sync import DONE, Marker
-from pd_connector.layer_chunks import LayerChunk
-from pd_connector.layout import LayoutError, Region, block_runs
+from pd_connector.layouts.regions import LayoutError, Region, block_runs
+from pd_connector.layouts.tp import HeadSlice, plan_decode_rank, slices_from, tp_transfer_entries
 from pd_connector.messages import DoneStatus
-from pd_connector.tp_mapping import HeadSlice, plan_decode_rank, slices_from, tp_transfer_entries
+from pd_connector.scheduling.layer_chunks import LayerChunk
 from pd_connector.transfer.backend import TransferBackend, TransferError
 from pd_connector.transfer.context import RankContext, RankSpec
+from pd_connector.transfer.device_sync import DONE, Marker
 from pd_connector.transfer.layer_writers import MAX_LAYER_WRITERS, PeerWriters
 from pd_connector.transfer.room_push import StreamResult
 from pd_connector.transfer.rooms import ClaimKey
@@ -437,7 +437,7 @@ def enable_layer_push(
 ) -> LayerStreams | None:
     """P worker, transfer_mode "layer": ``prefill``'s LayerStreams, or None (logged) where
     it pushes whole requests (``has_reshuffle``: its KV goes through a staging buffer, nhd_reshuffle)."""
-    from pd_connector.layout import regions_of_kv_caches
+    from pd_connector.layouts.regions import regions_of_kv_caches
 
     refusal = layer_push_refusal(spec, has_reshuffle)
     if refusal is not None:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 from pd_connector import messages as proto
 from pd_connector.config import DisaggConfig
+from pd_connector.layouts.tp import HeadSlice
 from pd_connector.metadata import RecvJob
-from pd_connector.tp_mapping import HeadSlice
 from pd_connector.transfer.backend import batch_budget_s
 from pd_connector.transfer.states import LoadState
 from pd_connector.transfer.stats import FailureReason

@@ -4,7 +4,7 @@ It wires the pieces together: the ZMQ ``Channel`` (sockets and listener), the ``
 (backend writes, handshakes), the ``Outbox`` (finished requests for vLLM), ``TransferStats``,
 and the side this rank plays: ``PrefillSide`` (rooms and pushes) on P, ``DecodeSide`` (loads)
 on D; a D with ``migration`` has both (its aborted requests' KV is held as rooms other decoders load:
-pd_connector.migration). The transfer backend is the caller's: it opens it, registers the KV memory and closes it
+pd_connector.scheduling.migration). The transfer backend is the caller's: it opens it, registers the KV memory and closes it
 after ``close()``.
 """
 
@@ -17,14 +17,14 @@ from collections.abc import Sequence
 from pd_connector import messages as proto
 from pd_connector.bootstrap.exposure import exposure_of
 from pd_connector.config import DisaggConfig, token_of
-from pd_connector.device_sync import NO_DEVICE, DeviceSync
-from pd_connector.layout import Region
+from pd_connector.layouts.regions import Region
 from pd_connector.metadata import RecvJob, SendJob
 from pd_connector.trace import TraceBook, make_tracer
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.channel import Channel
 from pd_connector.transfer.context import RankContext, RankSpec
 from pd_connector.transfer.decode_side import DecodeSide
+from pd_connector.transfer.device_sync import NO_DEVICE, DeviceSync
 from pd_connector.transfer.liveness import PeerWatch
 from pd_connector.transfer.nhd_reshuffle import NhdReshuffle
 from pd_connector.transfer.outbox import Outbox

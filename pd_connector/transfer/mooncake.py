@@ -36,11 +36,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pd_connector import ascend_settings
-from pd_connector.ascend_env import setup_local_comm_res
-from pd_connector.platform_transport import on_npu
-from pd_connector.proc_sockets import TABLES, listen_table, socket_inodes
+from pd_connector.ascend import settings as ascend_settings
+from pd_connector.ascend.env import setup_local_comm_res
+from pd_connector.ascend.platform import on_npu
 from pd_connector.transfer.backend import Ints, TransferError, Wanted, write_in_batches
+from pd_connector.transfer.proc_sockets import TABLES, listen_table, socket_inodes
 from pd_connector.transfer_backends import BackendSpec, OptionError
 
 if TYPE_CHECKING:

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pd_connector import messages as proto
-from pd_connector.device_sync import DeviceSync, synchronize_tensor
-from pd_connector.layout import LayoutError, Region, block_dim
+from pd_connector.layouts.regions import LayoutError, Region, block_dim
+from pd_connector.layouts.tp import HeadSlice, plan_decode_rank, slices_from
 from pd_connector.metadata import SendJob
-from pd_connector.tp_mapping import HeadSlice, plan_decode_rank, slices_from
+from pd_connector.transfer.device_sync import DeviceSync, synchronize_tensor
 
 if TYPE_CHECKING:
     from pd_connector.transfer.context import RankSpec

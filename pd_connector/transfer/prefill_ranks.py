@@ -17,14 +17,14 @@ import time
 from dataclasses import dataclass
 
 from pd_connector import messages as proto
+from pd_connector.ascend.peer_sizes import sizes_mismatch
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, RouteCache
 from pd_connector.compat import route_mismatch
 from pd_connector.config import PREFILL, DisaggConfig
-from pd_connector.layout import LayoutError
+from pd_connector.layouts.pp import partition_mismatch, stages_for
+from pd_connector.layouts.regions import LayoutError
+from pd_connector.layouts.tp import decode_contacts
 from pd_connector.metadata import RecvJob
-from pd_connector.peer_sizes import sizes_mismatch
-from pd_connector.pp_stages import partition_mismatch, stages_for
-from pd_connector.tp_mapping import decode_contacts
 from pd_connector.transfer.channel import zmq_host
 from pd_connector.transfer.context import RankSpec
 from pd_connector.transfer.dp_wait import DpRankPending

@@ -25,14 +25,14 @@ from pd_connector import messages as proto
 from pd_connector.bootstrap.client import register_dp_rank
 from pd_connector.compat import peer_problem, version_problem
 from pd_connector.config import token_of
-from pd_connector.device_sync import Marker
 from pd_connector.kv_params import host_port
+from pd_connector.layouts.pp import PipelineError, localize_hello
 from pd_connector.messages import DoneStatus
 from pd_connector.metadata import SendJob
-from pd_connector.pp_stages import PipelineError, localize_hello
 from pd_connector.transfer.backend import TransferBackend, describe
 from pd_connector.transfer.checksum import RunningChecksum
 from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.device_sync import Marker
 from pd_connector.transfer.layerwise import LayerStreams
 from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
 from pd_connector.transfer.room_push import PushOutcome, StreamResult, log_push, push_room

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pd_connector import messages as proto
-from pd_connector.device_sync import Marker
-from pd_connector.layout import LayoutError
+from pd_connector.layouts.regions import LayoutError
 from pd_connector.messages import DoneStatus
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.backend import TransferBackend, TransferError, WriteStopped
 from pd_connector.transfer.context import RankContext
+from pd_connector.transfer.device_sync import Marker
 from pd_connector.transfer.stats import TransferStats
 from pd_connector.transfer.write_guard import guard_push
 from pd_connector.transfer.write_plans import BlockRangeError, write_room

@@ -104,7 +104,7 @@ class StatsSnapshot:
     bad_frames: int = 0  # ZMQ frames that were not PDConnector messages
     rooms_refused: int = 0  # P: prefills refused because their room was in use (KV freed at once)
     auth_refused: int = 0  # ZMQ frames refused: missing or wrong token (pd_connector.auth)
-    host_hit_blocks: int = 0  # D2RH: blocks loaded from the host pool without asking P (pd_connector.d2rh)
+    host_hit_blocks: int = 0  # D2RH: blocks loaded from the host pool without asking P (pd_connector.d2rh.scheduler)
     host_loads: int = 0  # D2RH: host -> device copies done
     host_load_bytes: int = 0  # D2RH: bytes copied host -> device (staged bytes: bytes_received)
 

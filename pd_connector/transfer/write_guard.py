@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pd_connector import messages as proto
-from pd_connector.layout import LayoutError, Region
+from pd_connector.layouts.regions import LayoutError, Region
 from pd_connector.transfer.checksum import RunningChecksum, reader_for
 from pd_connector.transfer.context import RankSpec
 from pd_connector.transfer.write_plans import BlockRangeError

@@ -7,21 +7,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pd_connector import messages as proto
-from pd_connector.kv_groups import (
+from pd_connector.layouts.kv_groups import (
     BlockTableError,
     group_entries,
     group_pairs,
     recv_groups,
     send_groups,
 )
-from pd_connector.layout import LayoutError, Region
-from pd_connector.metadata import SendJob
-from pd_connector.tp_mapping import (
+from pd_connector.layouts.regions import LayoutError, Region
+from pd_connector.layouts.tp import (
     expected_requests,
     plan_decode_rank,
     slices_from,
     tp_transfer_entries,
 )
+from pd_connector.metadata import SendJob
 from pd_connector.transfer.context import RankContext, RankSpec
 from pd_connector.transfer.nhd_reshuffle import WriteFn, staged_work
 

@@ -1,7 +1,7 @@
 """vLLM-Ascend's layer-wise proxy, unmodified, in front of the session's PDConnector P and D (D first).
 
 The proxy sends the client's request to D only, with a `metaserver` and no room; D picks the room and
-posts P's parameters to the proxy's metaserver, which hands them to P (pd_connector.metaserver). Greedy
+posts P's parameters to the proxy's metaserver, which hands them to P (pd_connector.ascend.metaserver). Greedy
 completions and chat, streamed and not, token-identical to a colocated vLLM, every request a KV push,
 no KV held after (tests/support/layerwise_proxy.py). Only the proxy starts here: P and D are the
 session's `pd_stack` (request mode); test_pd_layer_mode.py runs the same checks with P in layer mode.

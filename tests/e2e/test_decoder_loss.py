@@ -6,7 +6,7 @@ by the tests below, which run in file order:
 1. drain: 8 long greedy streams run through a Router in front of P and both decoders; the extra
    decoder (started with the connector's ``migration``, its own bootstrap server, and known to the
    Router through ``--decoder-bootstrap-ports``) is drained (``POST /instances/drain``) once its
-   streams are under way. Its streams move WITH THEIR KV (proxy/kv_move.py): the extra decoder
+   streams are under way. Its streams move WITH THEIR KV (proxy/strategies/kv_move.py): the extra decoder
    holds each aborted request's blocks as its migrate room and pushes them to the stack's decoder,
    which computes nothing of the prompt or the tokens already sent (``kv_bytes_moved`` > 0, no replay).
 2. kill: the drained decoder is idle again (checked); a fresh Router sends it streams again and the
@@ -45,7 +45,7 @@ from launch.processes import (
     vllm_serve_cmd,
     wait_http_ok,
 )
-from proxy.admin_token import admin_headers
+from proxy.access.admin_token import admin_headers
 from tests.support.metrics import metric
 from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S, wait_kv_free
 from tests.support.streams import (

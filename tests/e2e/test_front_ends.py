@@ -4,7 +4,7 @@ Each row starts only its router (a Rust binary, up in a second or two) in front 
 stack (tests/e2e/conftest.py), so no extra vLLM starts:
 
 - ``sglang_router``: ``python -m sglang_router.launch_router --pd-disaggregation``: P and D at
-  once, SGLang's top-level ``bootstrap_host/port/room`` (pd_connector.front_ends maps them);
+  once, SGLang's top-level ``bootstrap_host/port/room`` (pd_connector.api_server.front_ends maps them);
 - ``vllm_router_nixl``: ``vllm-router --vllm-pd-disaggregation`` (``--kv-connector nixl``): P, then
   D with P's answered kv_transfer_params;
 - ``vllm_router_mooncake``: ``vllm-router --kv-connector mooncake``: reads P's bootstrap ``/query``

@@ -68,7 +68,7 @@ def test_equivalence_no_kv_left(reference: dict, pd_stack) -> None:
 
 
 def test_detokenize_marks_a_character_cut_short(pd_stack) -> None:
-    """What the Router's resume asks of vLLM (proxy/held_tail.py): ``/detokenize`` of ids ending
+    """What the Router's resume asks of vLLM (proxy/request/held_tail.py): ``/detokenize`` of ids ending
     inside a character ends in U+FFFD; with the character's last byte it is the character."""
     url, model = pd_stack.decode_url, pd_stack.model
     answer = httpx.post(

@@ -2,7 +2,7 @@
 
 The tiny GraniteMoeHybrid (``launch.tiny_hybrid``) has two KV cache groups: two Mamba2 mixers
 (``MambaSpec``, one recurrent state per request) and two attention layers. P prefills all prompt
-tokens but the last and D computes that one from P's state (``pd_connector.state_groups``): the
+tokens but the last and D computes that one from P's state (``pd_connector.layouts.state_groups``): the
 attention group's prompt blocks and one state block per request move, nothing else. Prompts of 1
 (D prefills it: nothing for P to hold), 2, 17, 129 (two 64-token blocks and a token) and 300 tokens,
 greedy, streamed (the Router's first-token path, which must stand aside for such a P) and not.
@@ -28,8 +28,8 @@ import pytest
 
 from launch.processes import ProcessGroup, free_port, start_pd_stack, vllm_env, vllm_serve_cmd, wait_http_ok
 from launch.tiny_hybrid import attention_block_bytes, num_layers, state_bytes_per_layer
+from pd_connector.layouts.state_groups import MIN_VLLM, vllm_version
 from pd_connector.metrics import METRIC_NAMES
-from pd_connector.state_groups import MIN_VLLM, vllm_version
 from tests.support.metrics import metric, wait_metric
 from tests.support.serving import START_TIMEOUT_S, complete, count_in_log, prompt_of_length, wait_kv_free
 

@@ -35,7 +35,7 @@ from pd_connector import messages as proto
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.keys import frame_key
-from pd_connector.layout import Region
+from pd_connector.layouts.regions import Region
 from pd_connector.transfer.frames import FrameOpener, FrameRefused, FrameSealer
 from tests.support.serving import (
     D_KV_WAIT_TIMEOUT_S,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from launch.processes import ProcessGroup, start_pd_stack, vllm_env, wait_all_healthy
-from proxy.admin_token import admin_headers
+from proxy.access.admin_token import admin_headers
 from tests.support.serving import (
     PROMPT_LENGTHS,
     START_TIMEOUT_S,

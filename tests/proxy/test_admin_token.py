@@ -1,4 +1,4 @@
-"""The admin token a Router generates when none is configured (proxy/admin_token.py)."""
+"""The admin token a Router generates when none is configured (proxy/access/admin_token.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.admin_token import default_token_path, ensure_admin_token, read_token, write_new_token
+from proxy.access.admin_token import default_token_path, ensure_admin_token, read_token, write_new_token
 from proxy.router_config import AccessConfig, Backend, RouterConfig
 from tests.support.router_rig import Backends, RouterFactory, admin_headers, start_router, wait_until
 

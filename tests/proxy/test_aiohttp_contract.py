@@ -1,7 +1,7 @@
 """The part of aiohttp the Router's raw server relies on beyond its public API (setup.py pins it).
 
-The hot server (proxy/hot_server.py) answers with aiohttp's own ``web.Response`` /
-``web.StreamResponse`` but hands them a ``proxy.server_request.RawRequest``, so it relies on what
+The hot server (proxy/server/hot_server.py) answers with aiohttp's own ``web.Response`` /
+``web.StreamResponse`` but hands them a ``proxy.server.request.RawRequest``, so it relies on what
 ``StreamResponse.prepare`` reads from a request: ``_payload_writer`` (the writer it writes to) and
 ``_prepare_hook`` (aiohttp's ``on_response_prepare`` signal). These tests fail with a clear message on
 an aiohttp that reads anything else, before any Router test does.
@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 
-from proxy.server_request import RawRequest, ResponseWriter
+from proxy.server.request import RawRequest, ResponseWriter
 
 SETUP_PY = Path(__file__).resolve().parents[2] / "setup.py"
 

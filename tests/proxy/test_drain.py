@@ -1,4 +1,4 @@
-"""``POST /instances/drain`` (proxy/drain.py) with a real Router in front of fake backends.
+"""``POST /instances/drain`` (proxy/admin/drain.py) with a real Router in front of fake backends.
 
 A drained decoder's resumable stream moves to the other decoder by replay (P prefills the tokens the
 client has; ``slow_short`` goes on from the fake's own generated ids up to tok19); a prefiller or a
@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.drain import held_counts
+from proxy.admin.drain import held_counts
 from tests.support.metrics import metric
 from tests.support.router_rig import (
     Backends,

@@ -1,4 +1,4 @@
-"""A drain moving a decoder's streams WITH their KV (proxy/kv_move.py, proxy/drain.py), real Router in
+"""A drain moving a decoder's streams WITH their KV (proxy/strategies/kv_move.py, proxy/admin/drain.py), real Router in
 front of fake backends of this module's own (tests/support/fake_backend.py, no vLLM).
 
 ``src`` is a decoder movable by KV (``--decoder-bootstrap-ports``) that serves ``/metrics`` and counts
@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from pd_connector.kv_params import MIGRATE_ROOM
-from proxy.admin import parse_instances
+from proxy.admin.instances import parse_instances
 from proxy.cli import parse_config
-from proxy.payloads import decode_body
+from proxy.request.payloads import decode_body
 from proxy.router_config import Backend
 from tests.support.metrics import metric
 from tests.support.router_rig import (

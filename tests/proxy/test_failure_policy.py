@@ -1,4 +1,4 @@
-"""proxy.failure_policy: each failure kind, on P or on D, leads to its one decision."""
+"""proxy.request.failure_policy: each failure kind, on P or on D, leads to its one decision."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from typing import Any, cast
 
 import pytest
 
-from proxy.backend_pool import BackendState
 from proxy.errors import RouterError
-from proxy.failure_policy import Decision, Tried, decide, settle
+from proxy.request.failure_policy import Decision, Tried, decide, settle
 from proxy.router_config import Backend
-from proxy.upstream import Failure, FailureKind, unresponsive_failure
+from proxy.upstream.calls import Failure, FailureKind, unresponsive_failure
+from proxy.upstream.pool import BackendState
 
-#: Each kind's ``retryable`` as proxy.upstream classifies it (HTTP statuses: 503 and 400).
+#: Each kind's ``retryable`` as proxy.upstream.calls classifies it (HTTP statuses: 503 and 400).
 RETRYABLE = {
     FailureKind.CONNECT: True,
     FailureKind.TIMEOUT: False,
@@ -84,7 +84,7 @@ def test_the_metric_labels_are_the_kinds_former_strings() -> None:
         "empty",
         "error_event",
         "refused",
-        "drain",  # the Router closed a draining decoder's stream (proxy.drain)
+        "drain",  # the Router closed a draining decoder's stream (proxy.admin.drain)
     ]
 
 

@@ -1,4 +1,4 @@
-"""proxy.first_token_body: eligibility, the P and D bodies, P's answer, the usage rewrite."""
+"""proxy.strategies.first_token_body: eligibility, the P and D bodies, P's answer, the usage rewrite."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.first_token_body import (
+from proxy.strategies.first_token_body import (
     ContinuationFix,
     DropRepeatedFirst,
     continuation_body,
@@ -138,7 +138,7 @@ def test_first_chunk_with_token_ids() -> None:
 
 
 def test_partial_character_text() -> None:
-    from proxy.first_token_body import text_may_be_partial
+    from proxy.strategies.first_token_body import text_may_be_partial
 
     assert text_may_be_partial("") and text_may_be_partial("a\ufffd")
     assert not text_may_be_partial("é") and not text_may_be_partial(" the")

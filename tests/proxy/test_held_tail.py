@@ -1,4 +1,4 @@
-"""A cut stream whose last event held a token's text (proxy/held_tail.py): the resumed leg's prompt
+"""A cut stream whose last event held a token's text (proxy/request/held_tail.py): the resumed leg's prompt
 ends at the client's last whole character, the held token is generated again.
 
 With a real Router and fake backends: ``die_held`` sends tok0..tok2, its last event naming one more
@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 
-from proxy.attempt import Call
-from proxy.held_tail import MAX_CANDIDATES, WINDOW, candidate_ends, longest_whole, window
-from proxy.resume_body import StreamTracker, resume_call
+from proxy.request.attempt import Call
+from proxy.request.held_tail import MAX_CANDIDATES, WINDOW, candidate_ends, longest_whole, window
+from proxy.strategies.resume_body import StreamTracker, resume_call
 from tests.support.fake_backend import GENERATED_ID_BASE, HELD_ID
 from tests.support.router_rig import (
     HOST,

@@ -1,4 +1,4 @@
-"""The Router's raw HTTP/1.1 server for the generation endpoints (proxy/hot_server.py), over raw sockets.
+"""The Router's raw HTTP/1.1 server for the generation endpoints (proxy/server/hot_server.py), over raw sockets.
 
 A real ``python -m proxy`` in front of the fake backends; each test writes the HTTP bytes itself
 so that keep-alive, hand-over to aiohttp mid-connection, ``Expect: 100-continue``, chunked

@@ -1,4 +1,4 @@
-"""Limits of the Router's own HTTP server (proxy/hot_connection.py), over raw sockets.
+"""Limits of the Router's own HTTP server (proxy/server/hot_connection.py), over raw sockets.
 
 A real ``python -m proxy`` (short deadlines) for the head size, header and body deadlines,
 slowloris, pipelining and the 413; the server object in-process for the write deadline (a
@@ -15,8 +15,8 @@ import time
 
 from aiohttp import web
 
-from proxy.hot_server import HotServer
-from proxy.server_limits import MAX_HEAD_BYTES, ServerLimits
+from proxy.server.hot_server import HotServer
+from proxy.server.limits import MAX_HEAD_BYTES, ServerLimits
 from tests.support.raw_http import RawConnection, json_body, raw_post
 from tests.support.router_rig import HOST, Backends, RouterFactory, new_rid
 

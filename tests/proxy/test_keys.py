@@ -15,15 +15,15 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from proxy.access_flags import ADMIN_TOKEN_ENV, API_KEY_ENV, BACKEND_KEY_ENV, LEGACY_BACKEND_KEY_ENV
-from proxy.admin import ADMIN_PATHS
-from proxy.api_keys import Access, BearerCheck, Gate, Refusal, access_of, is_loopback, startup_notes
-from proxy.backend_pool import BackendPool
+from proxy.access.api_keys import Access, BearerCheck, Gate, Refusal, access_of, is_loopback, startup_notes
+from proxy.access.flags import ADMIN_TOKEN_ENV, API_KEY_ENV, BACKEND_KEY_ENV, LEGACY_BACKEND_KEY_ENV
+from proxy.access.tls import client_context, server_context
+from proxy.admin.instances import ADMIN_PATHS
 from proxy.cli import parse_config
 from proxy.router_config import AccessConfig, Backend, BackendTlsConfig
 from proxy.router_metrics import RouterMetrics
 from proxy.router_state import Router
-from proxy.tls import client_context, server_context
+from proxy.upstream.pool import BackendPool
 from tests.support.key_files import secret_file, self_signed
 from tests.support.router_rig import REPO_ROOT
 

@@ -1,4 +1,4 @@
-"""proxy/log_lines.py: lines logged in one event-loop turn reach the stream in one write, that turn."""
+"""proxy/server/log_lines.py: lines logged in one event-loop turn reach the stream in one write, that turn."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import io
 import logging
 import threading
 
-from proxy.log_lines import LoopFlushingHandler
+from proxy.server.log_lines import LoopFlushingHandler
 
 
 class _Stream(io.StringIO):

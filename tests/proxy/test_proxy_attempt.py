@@ -1,4 +1,4 @@
-"""One attempt on one P/D pair (proxy/attempt.py), in process, against small asyncio servers.
+"""One attempt on one P/D pair (proxy/request/attempt.py), in process, against small asyncio servers.
 
 P and D run as two tasks; the caller awaits D's answer and P's failure together, so a failing P
 ends the attempt without cancelling the caller (only a client going away does that).
@@ -12,11 +12,11 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from proxy.attempt import Answered, Attempt, AttemptState, Call, Opened
-from proxy.http1 import UpstreamError
+from proxy.request.attempt import Answered, Attempt, AttemptState, Call, Opened
 from proxy.router_config import Backend, RouterConfig
 from proxy.router_state import Router
-from proxy.upstream import Failure, FailureKind
+from proxy.upstream.calls import Failure, FailureKind
+from proxy.upstream.http1 import UpstreamError
 
 HOST = "127.0.0.1"
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

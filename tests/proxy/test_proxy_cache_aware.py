@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.backend_pool import BackendPool
 from proxy.cli import parse_config
-from proxy.payloads import estimate_prompt_tokens
+from proxy.request.payloads import estimate_prompt_tokens
 from proxy.router_config import Backend
-from proxy.routing import POLICIES, CacheAware, RouteRequest, RoutingOptions
+from proxy.upstream.pool import BackendPool
+from proxy.upstream.routing import POLICIES, CacheAware, RouteRequest, RoutingOptions
 from tests.support.router_rig import (
     FAKE_BACKEND,
     HOST,

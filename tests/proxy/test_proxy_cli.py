@@ -177,7 +177,7 @@ def test_bad_flags_exit_2_as_a_process(case: str) -> None:
 def test_routing_choices_help_and_readme_come_from_the_policy_table() -> None:
     from proxy.cli import build_parser
     from proxy.router_config import ROUTING_POLICIES
-    from proxy.routing import POLICIES, describe
+    from proxy.upstream.routing import POLICIES, describe
 
     assert ROUTING_POLICIES == tuple(POLICIES)
     (action,) = [a for a in build_parser()._actions if a.dest == "routing"]

@@ -1,4 +1,4 @@
-"""The Router's own HTTP/1.1 client (proxy/http1.py) and its one-shot calls (proxy/upstream.py: fetch,
+"""The Router's own HTTP/1.1 client (proxy/upstream/http1.py) and its one-shot calls (proxy/upstream/calls.py: fetch,
 probe) against small in-process asyncio servers."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from proxy.backend_pool import BackendState
-from proxy.http1 import READ_HIGH_WATER, ConnectFailed, ConnectionBroken, ConnState, Http1Pool, UpstreamTimeout
 from proxy.router_config import Backend
-from proxy.upstream import Failure, FailureKind, Reply, fetch, probe
+from proxy.upstream.calls import Failure, FailureKind, Reply, fetch, probe
+from proxy.upstream.http1 import READ_HIGH_WATER, ConnectFailed, ConnectionBroken, ConnState, Http1Pool, UpstreamTimeout
+from proxy.upstream.pool import BackendState
 
 HOST = "127.0.0.1"
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

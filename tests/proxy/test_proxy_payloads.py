@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from proxy.errors import RouterError
-from proxy.payloads import check_prefill_dp_rank, decode_body, prefill_body, resolve_room, validate_body
+from proxy.request.payloads import check_prefill_dp_rank, decode_body, prefill_body, resolve_room, validate_body
 from proxy.router_config import Backend
 
 PREFILLER = Backend("prefill", "10.0.0.7", 8100, 18800)

@@ -1,4 +1,4 @@
-"""proxy.prefix_tree: the cache-aware policy's bounded prefix tree and its prompt keys (in process)."""
+"""proxy.upstream.prefix_tree: the cache-aware policy's bounded prefix tree and its prompt keys (in process)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from proxy.prefix_tree import TOKEN_IDS_MARK, PrefixTree, _Node, prompt_key
+from proxy.upstream.prefix_tree import TOKEN_IDS_MARK, PrefixTree, _Node, prompt_key
 
 # --- insert and match ----------------------------------------------------------------------------
 

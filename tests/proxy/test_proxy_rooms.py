@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from pd_connector.kv_params import KVParamsError, PrefillParams, parse_kv_params, prefill_refused
-from proxy.backend_pool import BackendState
-from proxy.payloads import decode_body, prefill_body, resolve_room
-from proxy.rooms_in_flight import RoomsInUse
+from proxy.request.payloads import decode_body, prefill_body, resolve_room
+from proxy.request.rooms_in_flight import RoomsInUse
 from proxy.router_config import Backend
-from proxy.upstream import refused_failure
+from proxy.upstream.calls import refused_failure
+from proxy.upstream.pool import BackendState
 from tests.support.router_rig import Backends, RouterFactory, http_client, new_rid, record, request_body
 
 PREFILLER = Backend("prefill", "10.0.0.7", 8100, 18800)

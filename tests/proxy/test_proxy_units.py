@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 
 from proxy.app import parse_instances
-from proxy.backend_pool import BackendPool, BackendState
 from proxy.errors import RouterError
-from proxy.http1 import ConnectFailed, ConnectionBroken, UpstreamTimeout
-from proxy.payloads import estimate_prompt_tokens, validate_body
+from proxy.request.payloads import estimate_prompt_tokens, validate_body
 from proxy.router_config import Backend
-from proxy.routing import POLICIES, Choice, RouteRequest, candidates
-from proxy.upstream import FailureKind, empty_failure, error_event_failure, exception_failure, http_failure
+from proxy.upstream.calls import FailureKind, empty_failure, error_event_failure, exception_failure, http_failure
+from proxy.upstream.http1 import ConnectFailed, ConnectionBroken, UpstreamTimeout
+from proxy.upstream.pool import BackendPool, BackendState
+from proxy.upstream.routing import POLICIES, Choice, RouteRequest, candidates
 
 P = tuple(Backend("prefill", "p", 8100 + i, 18800) for i in range(3))
 D = tuple(Backend("decode", "d", 8200 + i) for i in range(2))

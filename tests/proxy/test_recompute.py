@@ -1,5 +1,5 @@
 """Answers a decoder cuts with ``stop_reason: "recomputed"`` (vLLM-Ascend's ``recompute_scheduler_enable``),
-continued by a real Router process on a fresh pair (:mod:`proxy.recompute`).
+continued by a real Router process on a fresh pair (:mod:`proxy.strategies.recompute`).
 
 The fake P and D run in this process (aiohttp, one thread). D "generates" `` t0``, `` t1``, ... in
 order, one token an event, starting after the tokens its prompt already holds (`` t<k>`` in a text
@@ -312,7 +312,7 @@ def test_continuation_log_line(routers: dict[str, Router]) -> None:
     assert any("stopped with recomputed after 3 tokens" in line and "continuation 1/3" in line for line in lines)
 
 
-# -- the pure part (proxy.recompute_body) and the flag, in process ---------------------------------
+# -- the pure part (proxy.strategies.recompute_body) and the flag, in process ---------------------------------
 
 
 def _event(payload: dict[str, Any]) -> bytes:
@@ -320,7 +320,7 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 
 def test_watch_holds_back_a_recomputed_event_split_over_chunks() -> None:
-    from proxy.recompute_body import Progress, StreamWatch
+    from proxy.strategies.recompute_body import Progress, StreamWatch
 
     watch = StreamWatch(None, Progress(), leg=0, client_usage=True)
     token = _event({"id": "a", "choices": [{"text": " t0", "finish_reason": None}]})
@@ -337,7 +337,7 @@ def test_watch_holds_back_a_recomputed_event_split_over_chunks() -> None:
 def test_watch_reads_no_event_until_one_is_recomputed() -> None:
     """The first leg's events pass through unread (no JSON parsed per event of every stream); the text
     and tokens before a ``recomputed`` event are read when it comes, events split over chunks included."""
-    from proxy.recompute_body import Progress, StreamWatch
+    from proxy.strategies.recompute_body import Progress, StreamWatch
 
     watch = StreamWatch(None, Progress(), leg=0, client_usage=False)
     quoted = _event({"id": "b", "choices": [{"text": ' "recomputed" t0', "finish_reason": None}]})
@@ -350,7 +350,7 @@ def test_watch_reads_no_event_until_one_is_recomputed() -> None:
 
 
 def test_continuation_bodies() -> None:
-    from proxy.recompute_body import Progress, continuation_body, unsupported_reason
+    from proxy.strategies.recompute_body import Progress, continuation_body, unsupported_reason
 
     done = Progress(text=" t0 t1", tokens=2)
     chat = {
@@ -374,7 +374,7 @@ def test_continuation_bodies() -> None:
 
 
 def test_merged_answer_concatenates_logprobs_and_token_ids() -> None:
-    from proxy.recompute_body import Progress, merged_answer
+    from proxy.strategies.recompute_body import Progress, merged_answer
 
     def leg(text: str, ids: list[int], stop: str | None) -> dict[str, Any]:
         logprobs = {"tokens": [text], "token_logprobs": [-0.5]}

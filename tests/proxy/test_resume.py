@@ -1,5 +1,5 @@
-"""Resuming a stream its decoder cut after it started (proxy/resume.py), with real Router and fake
-backend processes, and the stream tracker's rules (proxy/resume_body.py) as pure code.
+"""Resuming a stream its decoder cut after it started (proxy/strategies/resume.py), with real Router and fake
+backend processes, and the stream tracker's rules (proxy/strategies/resume_body.py) as pure code.
 
 The fake ``die_mid_stream`` decoder sends tok0..tok2 and drops the connection; ``resume_d`` continues
 a prompt ending in the fake's own generated ids (1000 + i) at the next token, up to tok7.
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from proxy.attempt import Call
-from proxy.failure_policy import resume_refusal
-from proxy.resume_body import StreamTracker, resumable, resume_call
+from proxy.request.attempt import Call
+from proxy.request.failure_policy import resume_refusal
+from proxy.strategies.resume_body import StreamTracker, resumable, resume_call
 from tests.support.metrics import metric
 from tests.support.router_rig import (
     HOST,
@@ -187,7 +187,7 @@ def test_which_streams_are_resumable(body: dict[str, Any], ok: bool) -> None:
 
 
 def test_resume_policy_bounds_attempts() -> None:
-    from proxy.upstream import FailureKind
+    from proxy.upstream.calls import FailureKind
 
     class _F:
         kind = FailureKind.DISCONNECT

@@ -1,4 +1,4 @@
-"""``--workers N``: N Router processes on one port (proxy/workers.py), real processes on loopback."""
+"""``--workers N``: N Router processes on one port (proxy/server/workers.py), real processes on loopback."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import workers as workers_module
 from proxy.cli import parse_config
-from proxy.workers import Supervisor, SupervisorState
+from proxy.server import workers as workers_module
+from proxy.server.workers import Supervisor, SupervisorState
 from tests.support.router_rig import (
     HOST,
     REPO_ROOT,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from pd_connector.layout import Region
-from pd_connector.tp_mapping import HeadSlice, tp_transfer_entries
+from pd_connector.layouts.regions import Region
+from pd_connector.layouts.tp import HeadSlice, tp_transfer_entries
 
 #: Equal TP: each block moves whole (one "head" per block on both sides).
 WHOLE_BLOCKS = [HeadSlice(p_rank=0, src_head=0, dst_head=0, num_heads=1)]

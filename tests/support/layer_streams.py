@@ -3,7 +3,7 @@ one forward pass, as vLLM's worker makes them (tests/support/transfer_rig.py bui
 
 from __future__ import annotations
 
-from pd_connector.layer_chunks import LayerChunk
+from pd_connector.scheduling.layer_chunks import LayerChunk
 from pd_connector.transfer.layerwise import LayerStreams, layer_regions_of
 from tests.support.transfer_rig import LAYERS, Rig, Side
 

@@ -4,7 +4,7 @@
 PDC_VLLM_ASCEND_PEERS names, see launch/ascend_peers.py) sends the client's request to D only, with
 `kv_transfer_params: {do_remote_prefill: true, metaserver: http://<proxy>/v1/metaserver}` and no room.
 D picks the room, asks its prefill deployment for it and posts `{request_id, do_remote_decode,
-bootstrap_room}` to the metaserver (pd_connector.metaserver); the proxy then sends the request to P
+bootstrap_room}` to the metaserver (pd_connector.ascend.metaserver); the proxy then sends the request to P
 with those parameters, and P pushes the KV to D. :func:`check_layerwise_proxy` starts only the proxy.
 """
 

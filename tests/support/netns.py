@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pd_connector.proc_sockets import TABLES, listen_table, socket_inodes
+from pd_connector.transfer.proc_sockets import TABLES, listen_table, socket_inodes
 from tests.support.key_files import self_signed
 
 T = TypeVar("T")

@@ -12,10 +12,10 @@ import torch
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import parse_config
-from pd_connector.layout import memory_ranges, regions_of_kv_caches
+from pd_connector.layouts.regions import memory_ranges, regions_of_kv_caches
+from pd_connector.layouts.tp import local_heads, plan_decode_rank, slices_from
 from pd_connector.messages import RegisterRank
 from pd_connector.metadata import RecvJob, SendJob
-from pd_connector.tp_mapping import local_heads, plan_decode_rank, slices_from
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import create_backend

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.admin_token import admin_headers as _token_headers
+from proxy.access.admin_token import admin_headers as _token_headers
 from tests.support.loopback import HOST, free_port, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""A simulated asynchronous accelerator for the unit tests, behind ``pd_connector.device_sync.DeviceSync``.
+"""A simulated asynchronous accelerator for the unit tests, behind ``pd_connector.transfer.device_sync.DeviceSync``.
 
 CPU kernels are synchronous, so no CPU test can see a transfer read KV before the device wrote
 it. ``SimDevice`` brings back what an NPU/GPU does: ``write_blocks`` queues a KV write on the device's one
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pd_connector.device_sync import Marker
+from pd_connector.transfer.device_sync import Marker
 
 _local = threading.local()
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from proxy.drain import HELD_METRICS, held_counts
+from proxy.admin.drain import HELD_METRICS, held_counts
 from tests.support.metrics import metric
 from tests.support.serving import prompt_of_length
 
@@ -121,5 +121,5 @@ def running_requests(url: str) -> float:
 
 
 def held(url: str, role: str) -> dict[str, float]:
-    """What a vLLM instance of ``role`` ("decode"/"prefill") still holds (:data:`proxy.drain.HELD_METRICS`)."""
+    """What a vLLM instance of ``role`` ("decode"/"prefill") still holds (:data:`proxy.admin.drain.HELD_METRICS`)."""
     return held_counts(httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text, HELD_METRICS[role])

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from pd_connector.http_validation import CHECKED_PATHS, KVParamsValidationMiddleware
+from pd_connector.api_server.validation import CHECKED_PATHS, KVParamsValidationMiddleware
 
 
 async def echo(request: Request) -> JSONResponse:

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pd_connector import platform_transport
-from pd_connector.ascend_env import ENV_VAR, endpoint_file, setup_local_comm_res
+from pd_connector.ascend import platform as platform_transport
+from pd_connector.ascend.env import ENV_VAR, endpoint_file, setup_local_comm_res
+from pd_connector.ascend.peer_sizes import SideSizes
 from pd_connector.config import ConfigError, DisaggConfig, parse_config
-from pd_connector.layout import LayoutError, block_dim, memory_ranges, regions_of_kv_caches, regions_of_tensor
+from pd_connector.layouts.regions import LayoutError, block_dim, memory_ranges, regions_of_kv_caches, regions_of_tensor
+from pd_connector.layouts.tp import is_head_major
 from pd_connector.metadata import SendJob
-from pd_connector.peer_sizes import SideSizes
 from pd_connector.rank_checks import RankSetupError, check_kv_memory, check_sizes
-from pd_connector.tp_mapping import is_head_major
 from pd_connector.transfer.mooncake import MooncakeOptions, default_protocol
 from tests.support.ascend_kv import ascend_kv, ascend_tensor
 from tests.support.byte_copies import apply_writes, storages_of, whole_block_writes

@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from pd_connector import ascend_env, ascend_settings
 from pd_connector import worker as worker_mod
-from pd_connector.ascend_env import endpoint_file, parse_npu_map, setup_local_comm_res
-from pd_connector.ascend_settings import apply_transport_env, transfer_timeout_ms
+from pd_connector.ascend import env as ascend_env
+from pd_connector.ascend import settings as ascend_settings
+from pd_connector.ascend.env import endpoint_file, parse_npu_map, setup_local_comm_res
+from pd_connector.ascend.settings import apply_transport_env, transfer_timeout_ms
 from pd_connector.config import ConfigError, parse_config
-from pd_connector.layout import regions_of_kv_caches
+from pd_connector.layouts.regions import regions_of_kv_caches
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import register_backend

@@ -1,4 +1,4 @@
-"""D2RH mode (pd_connector.d2rh) inside vLLM's real v1 Scheduler, on both vLLM lines CI covers.
+"""D2RH mode (pd_connector.d2rh.scheduler) inside vLLM's real v1 Scheduler, on both vLLM lines CI covers.
 
 The workers are simulated by the ModelRunnerOutput each step hands the scheduler: the staging
 outcome and the host copies done come back as PDConnector's worker metadata (D2RHWorkerMeta),
@@ -18,11 +18,11 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from pd_connector import metaserver as ms
+from pd_connector.ascend import metaserver as ms
 from pd_connector.config import ConfigError, parse_config
-from pd_connector.d2rh import D2RHScheduler, D2RHState, D2RHWorkerMeta
-from pd_connector.host_kv import d2rh_scheduler
-from pd_connector.host_pool import HostPool
+from pd_connector.d2rh.host_kv import d2rh_scheduler
+from pd_connector.d2rh.host_pool import HostPool
+from pd_connector.d2rh.scheduler import D2RHScheduler, D2RHState, D2RHWorkerMeta
 from pd_connector.kv_params import DecodeParams
 from pd_connector.scheduler import PDScheduler
 from tests.support.fake_scheduler import FakeRequest, meta

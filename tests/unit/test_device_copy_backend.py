@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pd_connector.config import ConfigError, parse_config
-from pd_connector.layout import memory_ranges
+from pd_connector.layouts.regions import memory_ranges
 from pd_connector.rank_checks import RankSetupError, check_kv_memory
 from pd_connector.transfer.backend import TransferBackend, TransferError, WriteStopped
 from pd_connector.transfer.device_copy import DeviceCopyBackend, DeviceCopyOptions

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pd_connector.device_sync import DONE, NO_DEVICE, DeviceSync, TorchDeviceSync, for_device
-from pd_connector.layer_chunks import LayerChunk
 from pd_connector.metadata import SendJob
+from pd_connector.scheduling.layer_chunks import LayerChunk
+from pd_connector.transfer.device_sync import DONE, NO_DEVICE, DeviceSync, TorchDeviceSync, for_device
 from pd_connector.transfer.layerwise import LayerStreams, layer_regions_of
 from pd_connector.transfer.states import RoomState
 from tests.support.loopback import wait_for

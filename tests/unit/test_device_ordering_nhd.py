@@ -21,11 +21,11 @@ import torch
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import parse_config
-from pd_connector.device_sync import NO_DEVICE, DeviceSync
-from pd_connector.layout import memory_ranges, regions_of_kv_caches
+from pd_connector.layouts.regions import memory_ranges, regions_of_kv_caches
+from pd_connector.layouts.tp import local_heads
 from pd_connector.messages import RegisterRank
 from pd_connector.metadata import RecvJob, SendJob
-from pd_connector.tp_mapping import local_heads
+from pd_connector.transfer.device_sync import NO_DEVICE, DeviceSync
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.nhd_reshuffle import NhdReshuffle, token_major_views
 from pd_connector.transfer.staging import aligned_buffer

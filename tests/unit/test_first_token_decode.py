@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from proxy.first_token_body import text_may_be_partial
+from proxy.strategies.first_token_body import text_may_be_partial
 
 #: The tiny tokenizer's byte tokens (0-2 are its special tokens).
 BYTE_IDS = range(3, 259)

@@ -1,5 +1,5 @@
 """Other routers' PD requests on P and D: sglang-router's top-level bootstrap fields and vllm-router's
-Mooncake ``transfer_id`` become PDConnector's kv_transfer_params (pd_connector.front_ends, applied by
+Mooncake ``transfer_id`` become PDConnector's kv_transfer_params (pd_connector.api_server.front_ends, applied by
 the HTTP middleware), and P's bootstrap server answers vLLM's Mooncake ``/query``."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from pd_connector.api_server.front_ends import FrontEnd, Side, TranslationError, room_of_transfer_id, translate
+from pd_connector.api_server.validation import KVParamsValidationMiddleware
 from pd_connector.bootstrap.mooncake_query import dp_rank_of_engine_id, engine_id
 from pd_connector.bootstrap.server import BootstrapState, create_app
-from pd_connector.front_ends import FrontEnd, Side, TranslationError, room_of_transfer_id, translate
-from pd_connector.http_validation import KVParamsValidationMiddleware
 from pd_connector.kv_params import DecodeParams, PrefillParams, parse_kv_params
 from pd_connector.messages import RegisterRank
 

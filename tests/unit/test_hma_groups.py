@@ -1,4 +1,4 @@
-"""pd_connector.kv_groups (pure) and the group fields of the wire format."""
+"""pd_connector.layouts.kv_groups (pure) and the group fields of the wire format."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pd_connector import messages as proto
-from pd_connector.kv_groups import (
+from pd_connector.layouts.kv_groups import (
     NULL_BLOCK,
     BlockTableError,
     GroupError,
@@ -29,7 +29,7 @@ from pd_connector.kv_groups import (
     send_groups,
     sliding_windows,
 )
-from pd_connector.layout import Region
+from pd_connector.layouts.regions import Region
 from pd_connector.metadata import RecvJob, SendJob
 
 

@@ -7,7 +7,7 @@ blocks out of the window; failed loads are reported by request id, so both polic
 
 vLLM 0.23 (.venv-vllm023, vLLM-Ascend 0.23's line): PDConnector is ``SupportsHMA`` there too; vLLM 0.23
 fails loads through block ids, in a scheduler method that reads one group's table, which the connector's
-scheduler side replaces for hybrid models (pd_connector.vllm023_hma), so both policies work there as well.
+scheduler side replaces for hybrid models (pd_connector.vllm_lines.hma_023), so both policies work there as well.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, Slid
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from pd_connector import vllm023_hma
 from pd_connector.connector import PDConnector
-from pd_connector.kv_groups import NULL_BLOCK
 from pd_connector.kv_params import DecodeParams, parse_kv_params
+from pd_connector.layouts.kv_groups import NULL_BLOCK
+from pd_connector.vllm_lines import hma_023 as vllm023_hma
 from tests.support.real_scheduler import BLOCK, D_PARAMS, NUM_BLOCKS, PROMPT, failed_load, make_scheduler, request, step
 
 WINDOW = BLOCK  # 52-token prompt: the window keeps tokens 37.., so sliding blocks 0 and 1 are null

@@ -1,4 +1,4 @@
-"""A recurrent-state KV cache group (Mamba2 / gated delta net) moved P -> D (pd_connector.state_groups).
+"""A recurrent-state KV cache group (Mamba2 / gated delta net) moved P -> D (pd_connector.layouts.state_groups).
 
 Against vLLM's real classes: its Scheduler with a ``MambaSpec`` group beside a full-attention group
 (prefix caching off: mamba_cache_mode 'none', one state block per request, the group's block size the
@@ -22,11 +22,17 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput
 
 from pd_connector.bypass import BypassReason
-from pd_connector.kv_groups import NULL_BLOCK, group_entries, group_pairs, region_groups
 from pd_connector.kv_params import PREFILL_WITHOUT_LAST_TOKEN, DecodeParams, parse_kv_params
-from pd_connector.layout import regions_of_kv_caches
-from pd_connector.state_groups import MIN_VLLM, fill_state_groups, prefilled_for_state, state_slice, vllm_version
-from pd_connector.tp_mapping import plan_decode_rank, slices_from, tp_transfer_entries
+from pd_connector.layouts.kv_groups import NULL_BLOCK, group_entries, group_pairs, region_groups
+from pd_connector.layouts.regions import regions_of_kv_caches
+from pd_connector.layouts.state_groups import (
+    MIN_VLLM,
+    fill_state_groups,
+    prefilled_for_state,
+    state_slice,
+    vllm_version,
+)
+from pd_connector.layouts.tp import plan_decode_rank, slices_from, tp_transfer_entries
 from tests.support import real_scheduler
 from tests.support.real_scheduler import BLOCK, D_PARAMS, PROMPT, make_scheduler, request, step
 
@@ -197,7 +203,7 @@ def test_state_group_moves_one_state_per_layer_byte_exact() -> None:
 
 def test_the_router_takes_no_first_token_from_a_prefill_without_the_last_token() -> None:
     """P's answer marked PREFILL_WITHOUT_LAST_TOKEN: the first-token path lets D answer from the prompt."""
-    from proxy.first_token_body import parse_first_token
+    from proxy.strategies.first_token_body import parse_first_token
 
     choice = {"text": "x", "token_ids": [5], "prompt_token_ids": [1, 2, 3], "finish_reason": "length"}
     answer = {"id": "c", "choices": [choice], "kv_transfer_params": {"bootstrap_room": 1, "prefill_done": True}}

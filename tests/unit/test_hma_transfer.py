@@ -27,8 +27,8 @@ from vllm.v1.kv_cache_interface import (
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import parse_config
-from pd_connector.kv_groups import region_groups
-from pd_connector.layout import memory_ranges, regions_of_kv_caches
+from pd_connector.layouts.kv_groups import region_groups
+from pd_connector.layouts.regions import memory_ranges, regions_of_kv_caches
 from pd_connector.messages import RegisterRank
 from pd_connector.metadata import RecvJob, SendJob
 from pd_connector.transfer.manager import KVTransferManager, RankSpec

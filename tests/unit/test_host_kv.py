@@ -1,4 +1,4 @@
-"""D2RH, a D rank's side (pd_connector.host_kv): host regions, host -> device copies, staging outcomes."""
+"""D2RH, a D rank's side (pd_connector.d2rh.host_kv): host regions, host -> device copies, staging outcomes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from pd_connector.host_kv import D2RHWorker, HostKV, device_block_views
-from pd_connector.layout import regions_of_kv_caches
+from pd_connector.d2rh.host_kv import D2RHWorker, HostKV, device_block_views
+from pd_connector.layouts.regions import regions_of_kv_caches
 from pd_connector.metadata import HostLoad
 from pd_connector.transfer.stats import TransferStats
 

@@ -1,10 +1,10 @@
-"""D2RH's host pool index (pd_connector.host_pool): hash-keyed prefix cache, pins, bounds, LRU eviction."""
+"""D2RH's host pool index (pd_connector.d2rh.host_pool): hash-keyed prefix cache, pins, bounds, LRU eviction."""
 
 from __future__ import annotations
 
 import pytest
 
-from pd_connector.host_pool import HostPool, PoolError
+from pd_connector.d2rh.host_pool import HostPool, PoolError
 
 
 def test_fresh_blocks_until_full_then_refused_without_change() -> None:

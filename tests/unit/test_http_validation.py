@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from pd_connector.api_server.validation import CHECKED_PATHS, KVParamsValidationMiddleware, parse_body
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
-from pd_connector.http_validation import CHECKED_PATHS, KVParamsValidationMiddleware, parse_body
 from pd_connector.messages import RegisterRank
 from tests.support.loopback import free_port
 from tests.support.validation_app import compat_app as _compat_app

@@ -169,7 +169,7 @@ def test_builders_round_trip_through_the_parser() -> None:
 def test_contract_and_router_import_without_vllm() -> None:
     code = (
         "import sys; sys.modules['vllm'] = None\n"
-        "import pd_connector.kv_params, proxy.payloads, proxy.app\n"
+        "import pd_connector.kv_params, proxy.request.payloads, proxy.app\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules if sys.modules[m] is not None)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

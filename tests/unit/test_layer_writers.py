@@ -20,10 +20,10 @@ import torch
 
 from pd_connector import messages as proto
 from pd_connector.config import parse_config
-from pd_connector.layer_chunks import LayerChunk
-from pd_connector.layout import memory_ranges
+from pd_connector.layouts.regions import memory_ranges
 from pd_connector.messages import DoneStatus
 from pd_connector.metadata import SendJob
+from pd_connector.scheduling.layer_chunks import LayerChunk
 from pd_connector.transfer.backend import Ints, TransferBackend, Wanted
 from pd_connector.transfer.layer_writers import PeerQueueState, PeerWriters
 from pd_connector.transfer.registry import create_backend

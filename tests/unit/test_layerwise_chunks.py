@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from pd_connector.config import ConfigError, parse_config
-from pd_connector.layer_chunks import ChunkPlanner, LayerChunk
+from pd_connector.scheduling.layer_chunks import ChunkPlanner, LayerChunk
 
 BS = 16
 

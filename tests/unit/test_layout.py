@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pd_connector.layout import (
+from pd_connector.layouts.regions import (
     LayoutError,
     Region,
     block_runs,
@@ -17,7 +17,7 @@ from pd_connector.layout import (
     regions_of_kv_caches,
     regions_of_tensor,
 )
-from pd_connector.tp_mapping import check_head_regions
+from pd_connector.layouts.tp import check_head_regions
 from tests.support.byte_copies import apply_writes, storages_of, whole_block_writes
 
 NB, BS, HEADS, HD = 12, 4, 2, 8

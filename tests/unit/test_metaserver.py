@@ -1,4 +1,4 @@
-"""D first, P on demand (pd_connector.metaserver): vLLM-Ascend's layer-wise proxy's metaserver flow."""
+"""D first, P on demand (pd_connector.ascend.metaserver): vLLM-Ascend's layer-wise proxy's metaserver flow."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from launch.ports import free_port
-from pd_connector import metaserver as ms
+from pd_connector.api_server.validation import parse_body
+from pd_connector.ascend import metaserver as ms
 from pd_connector.config import DisaggConfig, parse_config
-from pd_connector.http_validation import parse_body
 from pd_connector.kv_params import DecodeParams, PrefillParams, parse_kv_params
 from pd_connector.scheduler import PDScheduler
 from tests.support.fake_scheduler import FakeBlocks, FakeRequest, meta

@@ -1,5 +1,5 @@
 """Moving a decoder's request with its KV (issue 24), connector side: the ``migration`` config, the
-``migrate_room`` parameter, the D scheduler's hold of an aborted request (pd_connector.migration), and a
+``migrate_room`` parameter, the D scheduler's hold of an aborted request (pd_connector.scheduling.migration), and a
 real push from a "source decoder" manager (kv_consumer with migration) to a target decoder over the
 transfer-manager rig (tests/support/transfer_rig.py: real ZMQ and bootstrap server on loopback, the
 in-process backend)."""
@@ -20,7 +20,7 @@ import pd_connector.worker as worker_mod
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.config import ConfigError, parse_config
 from pd_connector.kv_params import MIGRATE_ROOM, DecodeParams, KVParamsError, parse_kv_params
-from pd_connector.layout import regions_of_kv_caches
+from pd_connector.layouts.regions import regions_of_kv_caches
 from pd_connector.messages import RegisterRank
 from pd_connector.metadata import PDConnectorMetadata, SendJob
 from pd_connector.scheduler import PDScheduler

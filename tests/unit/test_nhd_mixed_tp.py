@@ -48,7 +48,7 @@ def test_no_staging_means_mixed_tp_on_nhd_is_refused() -> None:
         kv_dtype="float16", num_layers=LAYERS, regions=[(0, BS * 4 * HB, BS * 4 * HB)] * (2 * LAYERS),
         total_kv_heads=4, local_kv_heads=4, heads_outermost=False, token_major=True,
     )  # fmt: skip
-    regions = [__import__("pd_connector.layout", fromlist=["Region"]).Region(0, BS * 2 * HB, BS * 2 * HB)] * (
+    regions = [__import__("pd_connector.layouts.regions", fromlist=["Region"]).Region(0, BS * 2 * HB, BS * 2 * HB)] * (
         2 * LAYERS
     )
     problem = peer_problem(spec, regions, hello)

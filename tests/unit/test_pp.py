@@ -20,9 +20,7 @@ from pd_connector import messages as proto
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import ConfigError, parse_config
-from pd_connector.layout import memory_ranges, regions_of_kv_caches
-from pd_connector.metadata import SendJob
-from pd_connector.pp_stages import (
+from pd_connector.layouts.pp import (
     PipelineError,
     layer_index,
     localize_hello,
@@ -31,6 +29,8 @@ from pd_connector.pp_stages import (
     stage_range,
     stages_for,
 )
+from pd_connector.layouts.regions import memory_ranges, regions_of_kv_caches
+from pd_connector.metadata import SendJob
 from pd_connector.transfer.backend import TransferBackend
 from pd_connector.transfer.manager import KVTransferManager, RankSpec
 from pd_connector.transfer.registry import create_backend

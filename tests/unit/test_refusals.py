@@ -1,5 +1,5 @@
 """Start-up refusals (pd_connector.refusals) against vLLM's real config and KV cache spec classes, on both
-vLLM lines: recurrent-state models outside the hybrid case PDConnector moves (pd_connector.state_groups),
+vLLM lines: recurrent-state models outside the hybrid case PDConnector moves (pd_connector.layouts.state_groups),
 context parallel, micro-batching with layer mode; what kv_port and engine_id do; and the ascend
 transport's device name with PP > 1 (rank_checks.backend_config)."""
 
@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
 
 from pd_connector.config import ConfigError, parse_config
 from pd_connector.connector import PDConnector
+from pd_connector.layouts.state_groups import MIN_VLLM, vllm_version
 from pd_connector.rank_checks import backend_config
 from pd_connector.refusals import (
     UnsupportedSetupError,
@@ -31,7 +32,6 @@ from pd_connector.refusals import (
     note_kv_transfer_fields,
     refuse_unsupported,
 )
-from pd_connector.state_groups import MIN_VLLM, vllm_version
 from pd_connector.transfer.mooncake import MooncakeOptions
 from tests.support.real_scheduler import make_scheduler
 

@@ -22,7 +22,7 @@ import torch
 
 from pd_connector import worker as worker_mod
 from pd_connector.config import parse_config
-from pd_connector.layout import memory_ranges
+from pd_connector.layouts.regions import memory_ranges
 from pd_connector.rank_checks import RankSetupError
 from pd_connector.transfer.registry import register_backend
 from pd_connector.transfer.staging import STAGING_ALIGN, aligned_buffer, nhd_reshuffle, round_up

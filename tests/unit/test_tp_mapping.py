@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pd_connector.layout import LayoutError, Region, block_runs, regions_of_kv_caches
-from pd_connector.tp_mapping import (
+from pd_connector.layouts.regions import LayoutError, Region, block_runs, regions_of_kv_caches
+from pd_connector.layouts.tp import (
     HeadSlice,
     MappingError,
     check_head_regions,

@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from pd_connector import messages as proto
-from pd_connector.layout import Region
+from pd_connector.layouts.regions import Region
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.checksum import (
     MASK64,
@@ -255,7 +255,7 @@ def test_blocks_of_a_failed_load_never_enter_the_prefix_cache(tiny_model) -> Non
 def test_p_ranks_write_each_byte_of_the_load_once(heads: int, p_tp: int, d_tp: int, mla: bool) -> None:
     """Head-major KV, any TP pairing: the ranges D's P ranks write are disjoint and are exactly the load's
     blocks in every region (what D's byte count and checksum are computed over)."""
-    from pd_connector.tp_mapping import decode_contacts, local_heads
+    from pd_connector.layouts.tp import decode_contacts, local_heads
     from pd_connector.transfer.context import RankSpec
     from pd_connector.transfer.write_plans import push_entries
 

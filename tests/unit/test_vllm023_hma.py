@@ -1,4 +1,4 @@
-"""pd_connector.vllm023_hma: vLLM 0.23's failed-load scan over every KV cache group's block table.
+"""pd_connector.vllm_lines.hma_023: vLLM 0.23's failed-load scan over every KV cache group's block table.
 
 One group: the same results as vLLM's own method (compared on random cases, on whichever vLLM line
 runs the test; both read one table there). Two groups: the cut is the first block index that holds an
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pd_connector import vllm023_hma
-from pd_connector.vllm023_hma import install, needs_install, update_requests_with_invalid_blocks
+from pd_connector.vllm_lines import hma_023 as vllm023_hma
+from pd_connector.vllm_lines.hma_023 import install, needs_install, update_requests_with_invalid_blocks
 
 BLOCK = 4
 

@@ -20,9 +20,9 @@ import torch
 
 from pd_connector import messages as proto
 from pd_connector.config import parse_config
-from pd_connector.layer_chunks import LayerChunk
 from pd_connector.messages import DoneStatus
 from pd_connector.metadata import RecvJob, SendJob
+from pd_connector.scheduling.layer_chunks import LayerChunk
 from pd_connector.trace import TraceBook
 from pd_connector.transfer import decode_side as decode_side_module
 from pd_connector.transfer.backend import WRITE_RETRIES, Ints, Wanted, write_in_batches

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pd_connector import messages as proto
-from pd_connector.layout import LayoutError, Region, regions_of_kv_caches
+from pd_connector.layouts.regions import LayoutError, Region, regions_of_kv_caches
 from pd_connector.metadata import SendJob
 from pd_connector.transfer.write_guard import WriteGuard, WriteTargetError, check_own_blocks, request_blocks
 from tests.support.transfer_rig import BOTH_BACKENDS, NUM_BLOCKS, Rig, recv_job, snapshot

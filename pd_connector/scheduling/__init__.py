@@ -1,0 +1,1 @@
+"""Scheduler-side features of PDConnector (no I/O)."""

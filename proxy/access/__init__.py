@@ -1,0 +1,1 @@
+"""Who may call the Router and how: API keys, the admin token, TLS."""

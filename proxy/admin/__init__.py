@@ -1,0 +1,1 @@
+"""The admin API: instances added, removed and drained at run time."""

@@ -1,0 +1,332 @@
+"""Draining an instance at run time: ``POST /instances/drain`` (:class:`Drains`).
+
+A drained instance leaves routing at once (as ``/instances/remove``: it gets no new request) and
+the call returns once the instance holds nothing, or its time limit passed:
+
+- **a decoder**: each of its resumable streams (:func:`proxy.strategies.resume_body.resumable`: a streamed
+  completions request whose continuation samples what one instance would) is *moved*: its D stream
+  is closed (vLLM aborts the request) and :func:`proxy.strategies.resume.resume_stream` goes on on another
+  decoder with the tokens the client has. A decoder *movable by KV* (its bootstrap port known:
+  ``--decoder-bootstrap-ports``) holds the aborted request's KV as the request's migrate room, and
+  the other decoder loads it from there (``mode="kv"``, :mod:`proxy.strategies.kv_move`: nothing prefilled
+  again); otherwise, or when that leg fails before its first chunk, P prefills the prompt plus the
+  generated tokens again (``mode="replay"``). ``pd_router_drain_moves_total{mode}`` counts them
+  (``failed``: cut, but no decoder took the stream over). Requests that cannot move (non-streamed,
+  chat, sampling the first-token path refuses) finish where they are. Once the Router has nothing in
+  flight there and every cut stream went on, D's ``/metrics`` is read until it reports no request
+  running or waiting and no KV held for a move (``vllm:pd_kv_rooms_held``); ``kv_bytes_moved`` is
+  the increase of its ``vllm:pd_kv_sent_bytes_total`` over the drain.
+- **a prefiller**: no new room goes to it; its prefills in flight finish; then its ``/metrics`` is
+  read until ``vllm:pd_kv_rooms_held`` is 0: every room's KV was pushed (or expired).
+
+``pd_router_drains_total{role,outcome}``, ``pd_router_drain_seconds{role}``; each moved stream is
+also a ``pd_router_resumes_total{reason="drain"}`` and carries a ``drain`` mark in its phase trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.errors import DECODE_FAILED, RouterError
+from proxy.request.attempt import Attempt, AttemptState
+from proxy.strategies.kv_move import holds_kv_for_move
+from proxy.strategies.resume_body import StreamTracker, resume_call
+from proxy.upstream.calls import Failure, FailureKind, fetch
+from proxy.upstream.pool import BackendState
+
+if TYPE_CHECKING:
+    from proxy.request.exchange import Exchange
+    from proxy.router_state import Router
+
+logger = logging.getLogger("proxy")
+
+#: Default bound of one drain (``timeout_s`` in the call's body).
+DEFAULT_DRAIN_TIMEOUT_S = 300.0
+POLL_S = 0.05
+#: How often the instance's ``/metrics`` is read once the Router has nothing in flight there.
+METRICS_POLL_S = 0.25
+#: What an instance still holds, by role: metric names whose sum must reach 0.
+HELD_METRICS: dict[str, tuple[str, ...]] = {
+    "decode": (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:pd_kv_loads_waiting",
+        "vllm:pd_kv_rooms_held",  # KV held for a move by KV, until pushed or expired
+    ),
+    "prefill": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:pd_kv_rooms_held"),
+}
+#: A decoder's KV pushed to others (a move by KV), bytes (the counter's sample name).
+SENT_BYTES = "vllm:pd_kv_sent_bytes_total"
+DRAIN_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class MoveMode(enum.Enum):
+    """How a drained decoder's stream went on elsewhere."""
+
+    KV = "kv"  # another decoder loaded the stream's KV from the drained one (proxy.strategies.kv_move)
+    REPLAY = "replay"  # P prefilled prompt + generated tokens again (the decoder's KV was dropped)
+    FAILED = "failed"  # cut, but no decoder took the stream over (the client got an error event)
+
+
+class DrainOutcome(enum.Enum):
+    DRAINED = "drained"  # the instance holds nothing
+    TIMEOUT = "timeout"  # the time limit passed first
+    UNKNOWN = "unknown"  # the instance was not in the pool
+
+
+@dataclass(slots=True)
+class DrainReport:
+    """One drain's result (the call's ``results`` entries)."""
+
+    role: str
+    host: str
+    port: int
+    outcome: DrainOutcome = DrainOutcome.DRAINED
+    seconds: float = 0.0
+    #: Streams moved to another decoder, by :class:`MoveMode` value.
+    moved: dict[str, int] = field(default_factory=dict)
+    #: Requests left to finish where they were (not movable).
+    waited: int = 0
+    #: KV bytes the drained decoder pushed to others over the drain (its ``vllm:pd_kv_sent_bytes_total``).
+    kv_bytes_moved: int = 0
+    #: What the instance's ``/metrics`` reported last (None: not read or not answered).
+    held: dict[str, float] | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "host": self.host,
+            "port": self.port,
+            "result": self.outcome.value,
+            "seconds": round(self.seconds, 3),
+            "moved": self.moved,
+            "waited": self.waited,
+            "kv_bytes_moved": self.kv_bytes_moved,
+            "held": self.held,
+        }
+
+
+@dataclass(slots=True)
+class _Stream:
+    exchange: weakref.ref[Exchange]
+    tracker: StreamTracker
+
+
+def held_counts(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The sums of ``names``' samples in Prometheus ``text`` (names absent there are left out)."""
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+class Drains:
+    """The decoders' movable streams and the drains in progress (one per Router)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        #: Per decoder: its attempts whose stream is relayed through a tracker (weakly held).
+        self._streams: dict[BackendState, weakref.WeakKeyDictionary[Attempt, _Stream]] = {}
+        self._running: dict[tuple[str, str, int], asyncio.Task[DrainReport]] = {}
+        #: Per draining decoder: its cut streams whose next leg has not opened (or failed) yet.
+        self._pending: dict[BackendState, weakref.WeakSet[Attempt]] = {}
+        #: Per draining decoder: its streams moved so far, by :class:`MoveMode` value.
+        self._tally: dict[BackendState, dict[str, int]] = {}
+        reg = router.metrics.registry
+        self.drains = Counter(
+            "pd_router_drains",
+            "Instances drained (POST /instances/drain), by outcome",
+            ["role", "outcome"],
+            registry=reg,
+        )
+        self.moves = Counter(
+            "pd_router_drain_moves",
+            "Streams moved off a draining decoder, by how (kv: with their KV; replay: P prefilled the tokens "
+            "again; failed: not continued)",
+            ["mode"],
+            registry=reg,
+        )
+        self.seconds = Histogram(
+            "pd_router_drain_seconds",
+            "Seconds from a drain call to the instance holding nothing",
+            ["role"],
+            buckets=DRAIN_BUCKETS,
+            registry=reg,
+        )
+
+    # -- the relay's side ----------------------------------------------------------------------
+
+    def track(self, exchange: Exchange, attempt: Attempt, tracker: StreamTracker) -> None:
+        """``attempt``'s stream is relayed through ``tracker``: movable if its decoder drains."""
+        streams = self._streams.get(attempt.d)
+        if streams is None:
+            streams = self._streams[attempt.d] = weakref.WeakKeyDictionary()
+        streams[attempt] = _Stream(weakref.ref(exchange), tracker)
+        if attempt.d.draining:
+            self._move(attempt, streams[attempt])  # opened while its decoder drains
+
+    def _move(self, attempt: Attempt, stream: _Stream) -> bool:
+        """Close ``attempt``'s D stream with a drain failure (the relay resumes it); False when it
+        cannot move (ended, nothing to resume from, no resumed leg left)."""
+        exchange = stream.exchange()
+        opened = attempt.opened
+        if exchange is None or opened is None or attempt.state is not AttemptState.STREAMING:
+            return False
+        if attempt.late_p_failure is not None or stream.tracker.finished:
+            return attempt.late_p_failure is not None and attempt.late_p_failure.kind is FailureKind.DRAIN
+        if exchange.progress.resumes >= self.router.config.resume_attempts or resume_call(stream.tracker) is None:
+            return False
+        if not any(s.healthy for s in self.router.pool.active["decode"]):
+            return False  # nowhere to go: it finishes in place
+        name = attempt.d.backend.name
+        error = RouterError(503, f"{name} is draining; the stream moves to another decoder", DECODE_FAILED)
+        attempt.late_p_failure = Failure(attempt.d, FailureKind.DRAIN, error, True, detail="drain")
+        exchange.progress.moves.append(("drain", time.time()))
+        pending = self._pending.get(attempt.d)
+        if pending is None:
+            pending = self._pending[attempt.d] = weakref.WeakSet()
+        pending.add(attempt)
+        mode = MoveMode.KV if holds_kv_for_move(attempt) else MoveMode.REPLAY
+        logger.info(
+            "rid=%s room=%s moving off draining %s (%s%s)",
+            attempt.call.rid,
+            attempt.room,
+            name,
+            mode.value,
+            f", migrate room {attempt.migrate_room}" if mode is MoveMode.KV else "",
+        )
+        opened.response.close()  # the relay reads what was buffered, then resumes it elsewhere
+        return True
+
+    def settled(self, attempt: Attempt, mode: MoveMode | None, room: int) -> None:
+        """``attempt``'s cut stream went on by ``mode`` (None: nothing was left to move), its new leg
+        with ``room``; called once per cut stream by :mod:`proxy.strategies.resume` (later calls are no-ops)."""
+        pending = self._pending.get(attempt.d)
+        if pending is None or attempt not in pending:
+            return
+        pending.discard(attempt)
+        if mode is None:
+            return
+        tally = self._tally.setdefault(attempt.d, {})
+        tally[mode.value] = tally.get(mode.value, 0) + 1
+        self.moves.labels(mode.value).inc()
+        log = logger.warning if mode is MoveMode.FAILED else logger.info
+        log(
+            "rid=%s room=%s moved off draining %s by %s",
+            attempt.call.rid,
+            room,
+            attempt.d.backend.name,
+            mode.value,
+        )
+
+    def _unsettled(self, state: BackendState) -> bool:
+        """Whether a stream cut on ``state`` has not gone on yet (one that ended cleanly at the cut
+        needs nothing)."""
+        pending = self._pending.get(state)
+        return pending is not None and any(a.state is not AttemptState.ANSWERED for a in pending)
+
+    # -- the admin call ------------------------------------------------------------------------
+
+    async def drain(self, state: BackendState | None, role: str, host: str, port: int, timeout: float) -> DrainReport:
+        """Drain the instance (``state``; None: unknown); one drain per instance at a time."""
+        if state is None:
+            return DrainReport(role, host, port, DrainOutcome.UNKNOWN)
+        key = state.backend.key
+        task = self._running.get(key)
+        if task is None:
+            task = self._running[key] = self.router.spawn(self._drain(state, timeout))
+            task.add_done_callback(lambda _t: self._running.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _drain(self, state: BackendState, timeout: float) -> DrainReport:
+        backend = state.backend
+        report = DrainReport(backend.role, backend.host, backend.port)
+        start = time.monotonic()
+        deadline = start + timeout
+        if not state.draining:
+            self.router.pool.remove(state)
+        logger.info("%s draining (%d in flight, %.0f s at most)", backend.name, state.in_flight, timeout)
+        sent_before = await self._sent_bytes(state, deadline) if backend.movable else None
+        moved: set[int] = set()
+        stuck: set[int] = set()
+        self._tally[state] = {}
+        while (state.in_flight > 0 or self._unsettled(state)) and time.monotonic() < deadline:
+            if backend.role == "decode":
+                for attempt, stream in list(self._streams.get(state, {}).items()):
+                    if id(attempt) in moved:
+                        continue
+                    if self._move(attempt, stream):
+                        moved.add(id(attempt))
+                        stuck.discard(id(attempt))
+                    elif attempt.state is AttemptState.STREAMING:
+                        stuck.add(id(attempt))
+            await asyncio.sleep(POLL_S)
+        report.moved = dict(self._tally.pop(state, {}))
+        report.waited = len(stuck)
+        if state.in_flight > 0 or self._unsettled(state):
+            report.outcome = DrainOutcome.TIMEOUT
+        else:
+            report.held = await self._wait_empty(state, deadline)
+            if report.held and any(v > 0 for v in report.held.values()):
+                report.outcome = DrainOutcome.TIMEOUT
+            if sent_before is not None and (sent_after := await self._sent_bytes(state, deadline)) is not None:
+                report.kv_bytes_moved = max(0, int(sent_after - sent_before))
+        self._streams.pop(state, None)
+        self._pending.pop(state, None)
+        report.seconds = time.monotonic() - start
+        self.drains.labels(backend.role, report.outcome.value).inc()
+        if report.outcome is DrainOutcome.DRAINED:
+            self.seconds.labels(backend.role).observe(report.seconds)
+        logger.info(
+            "%s drain %s in %.3f s: moved %s, %d finished in place, KV bytes moved %d, held %s",
+            backend.name,
+            report.outcome.value,
+            report.seconds,
+            report.moved or "none",
+            report.waited,
+            report.kv_bytes_moved,
+            report.held,
+        )
+        return report
+
+    async def _metrics(self, state: BackendState, deadline: float) -> str | None:
+        """The instance's ``/metrics`` text (None: not answered)."""
+        config = self.router.config
+        headers = {"Authorization": config.backend_authorization} if config.backend_authorization else None
+        left = deadline - time.monotonic()
+        reply = await fetch(self.router.http, state, "GET", "/metrics", max(0.5, min(5.0, left)), None, headers)
+        if isinstance(reply, Failure) or reply.status != 200:
+            return None
+        return reply.body.decode("utf-8", "replace")
+
+    async def _sent_bytes(self, state: BackendState, deadline: float) -> float | None:
+        """The KV bytes the instance has pushed so far (None: no such metric, or no answer)."""
+        text = await self._metrics(state, deadline)
+        return None if text is None else held_counts(text, (SENT_BYTES,)).get(SENT_BYTES)
+
+    async def _wait_empty(self, state: BackendState, deadline: float) -> dict[str, float] | None:
+        """Read the instance's ``/metrics`` until it holds nothing (or the deadline); its last
+        counts, None when it has no such metrics (not vLLM, or not answering)."""
+        names = HELD_METRICS[state.backend.role]
+        while True:
+            text = await self._metrics(state, deadline)
+            if text is None:
+                return None
+            held = held_counts(text, names)
+            if not held:
+                return None
+            if not any(v > 0 for v in held.values()) or time.monotonic() + METRICS_POLL_S > deadline:
+                return held
+            await asyncio.sleep(METRICS_POLL_S)

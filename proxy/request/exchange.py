@@ -1,0 +1,372 @@
+"""One client generation request: :func:`generate` and its :class:`Exchange`.
+
+An exchange validates the body, then makes up to ``--max-retries`` :class:`proxy.request.attempt.Attempt`
+objects, one at a time, each on a P/D pair the routing policy picks (avoiding instances that
+already failed this request) with a fresh bootstrap room after the first. The first attempt that
+does not fail gives the answer: D's JSON, or D's stream relayed byte for byte. Eligible streamed
+completions take :class:`proxy.strategies.first_token.FirstTokenPath` instead (P's own first token first). Its
+``finally`` closes the current attempt and writes the request's one INFO log line.
+
+The handler task is cancelled only by the Router's server (:mod:`proxy.server.hot_server`, or aiohttp
+for what it hands over), when the client goes away: the exchange then closes both backend
+requests (vLLM aborts them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from pd_connector.trace import PhaseTrace
+from proxy.errors import (
+    CLIENT_DISCONNECTED,
+    DECODE_FAILED,
+    INTERNAL_ERROR,
+    UPSTREAM_UNAVAILABLE,
+    RouterError,
+    error_response,
+)
+from proxy.request.attempt import Answered, Attempt, Call, Opened
+from proxy.request.failure_policy import Tried, settle
+from proxy.request.incoming import backend_headers, read_json, request_id
+from proxy.request.payloads import check_prefill_dp_rank, estimate_prompt_tokens, new_room, resolve_room, validate_body
+from proxy.request.progress import RequestProgress
+from proxy.request.room_release import release_attempt_room
+from proxy.router_state import Router
+from proxy.strategies.first_token import FirstTokenPath
+from proxy.strategies.first_token_body import ineligible_reason
+from proxy.strategies.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
+from proxy.strategies.resume import mid_stream_error, resume_stream
+from proxy.strategies.resume_body import StreamTracker, resumable
+from proxy.upstream.calls import Failure, exception_failure, passthrough_response
+from proxy.upstream.http1 import UpstreamError
+from proxy.upstream.routing import RouteRequest
+
+logger = logging.getLogger("proxy")
+
+#: Status recorded (nginx convention) when the client went away before the answer ended.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def generate(router: Router, request: web.Request, endpoint: str) -> web.StreamResponse:
+    """Serve ``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+    t0 = time.monotonic()
+    rid = request_id(request)
+    try:
+        body = await read_json(request, router.config.max_body_size)
+        validate_body(body, endpoint)
+        check_prefill_dp_rank(body, [s.backend.dp_rank for s in router.pool.active["prefill"]])
+        room = resolve_room(body, trust_client=router.config.trust_client_room)
+        router.rooms.claim(room)
+    except RouterError as error:
+        logger.warning("rid=%s POST %s rejected: HTTP %d %s", rid, endpoint, error.status, error.message)
+        router.metrics.error(endpoint, error.error_type)
+        router.metrics.request_done(endpoint, error.status, None, time.monotonic() - t0)
+        return error.to_response({"X-Request-Id": rid})
+    tokens = estimate_prompt_tokens(body)
+    call = Call(
+        endpoint,
+        rid,
+        body,
+        body.get("stream") is True,
+        tokens,
+        backend_headers(request, rid, router.config.backend_authorization),
+    )
+    try:
+        return await Exchange(router, request, call, room, t0).run()
+    finally:
+        router.rooms.release(room)
+
+
+class Exchange:
+    """One client generation request: its attempts, its answer, its cleanup and its log line."""
+
+    def __init__(self, router: Router, request: web.Request, call: Call, room: int, t0: float) -> None:
+        self.router = router
+        self.request = request
+        self.call = call
+        self.endpoint = call.endpoint
+        self.rid = call.rid
+        #: The request's room, attempts and first byte (shared with the first-token path and
+        #: proxy.strategies.recompute, which run attempts of this request too).
+        self.progress = RequestProgress(room)
+        self.t0 = t0
+        self.deadline = t0 + router.config.request_timeout
+        self.out_headers = {"X-Request-Id": call.rid}
+        self.status = 0
+        #: The last bytes relayed to the client; a stream whose tail is ``data: [DONE]`` is complete
+        #: even if the client hangs up before the Router ends the chunked body.
+        self._tail = b""
+
+    # -- the whole request ------------------------------------------------------------------
+
+    @property
+    def sent_done_event(self) -> bool:
+        """Whether the client already has the stream's final ``data: [DONE]`` event."""
+        return self._tail.rstrip().endswith(b"data: [DONE]")
+
+    async def run(self) -> web.StreamResponse:
+        try:
+            return await self._attempts()
+        except asyncio.CancelledError:
+            if self.sent_done_event:
+                logger.debug("rid=%s room=%s client closed the connection after [DONE]", self.rid, self.progress.room)
+                raise
+            self.status = CLIENT_CLOSED_REQUEST
+            self.router.metrics.error(self.endpoint, CLIENT_DISCONNECTED)
+            logger.warning(
+                "rid=%s room=%s client disconnected %s; closing the backend requests",
+                self.rid,
+                self.progress.room,
+                "mid-stream" if self.progress.ttfb is not None else "before the answer",
+            )
+            raise
+        except Exception as exc:
+            logger.exception("rid=%s room=%s unexpected error", self.rid, self.progress.room)
+            self.status = 500
+            self.router.metrics.error(self.endpoint, INTERNAL_ERROR)
+            if self.progress.ttfb is not None:
+                raise
+            return error_response(500, f"internal Router error: {type(exc).__name__}", INTERNAL_ERROR, self.out_headers)
+        finally:
+            if self.progress.attempt is not None:
+                self.progress.attempt.close()
+            self._log_done()
+
+    def _log_done(self) -> None:
+        elapsed = time.monotonic() - self.t0
+        self.router.metrics.request_done(self.endpoint, self.status, self.progress.ttfb, elapsed)
+        attempt = self.progress.attempt
+        if not logger.isEnabledFor(logging.INFO):
+            return  # nor build the phase trace
+        # One line a request (its phase trace, pd_connector.trace's summary, at its end): logging
+        # is a large share of the Router's time per request.
+        logger.info(
+            "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f first=%s%s%s",
+            self.rid,
+            self.progress.room,
+            self.endpoint,
+            self.call.stream,
+            attempt.p.backend.address if attempt else "-",
+            attempt.d.backend.address if attempt else "-",
+            self.status,
+            self.progress.attempts,
+            f"{self.progress.ttfb * 1000:.1f}" if self.progress.ttfb is not None else "-",
+            elapsed * 1000,
+            self.progress.first_token_from.value,
+            " moved=" + ">".join(self.progress.decoders) if self.progress.decoders else "",  # resumed (proxy.strategies.resume)
+            "" if attempt is None else " | " + self._phase_trace(attempt, elapsed).line(),
+        )
+
+    def _phase_trace(self, attempt: Attempt, elapsed: float) -> PhaseTrace:
+        """The request's phases as the Router saw them (pd_connector.trace's summary line)."""
+        received = time.time() - elapsed
+        trace = PhaseTrace(
+            "router", attempt.room, self.rid, outcome="ok" if self.status < 300 else f"http_{self.status}"
+        )
+        trace.mark("received", received)
+        if attempt.p_answered_at is not None:
+            trace.mark("p_answered", attempt.p_answered_at)
+        for phase, at in self.progress.moves:  # a stream resumed on another decoder (proxy.strategies.resume)
+            trace.mark(phase, at)
+        if self.progress.ttfb is not None:
+            trace.mark("d_first_byte", received + self.progress.ttfb)
+        trace.mark("done", received + elapsed)
+        return trace
+
+    async def _attempts(self) -> web.StreamResponse:
+        router = self.router
+        config = router.config
+        if config.first_token_from_prefill and ineligible_reason(self.endpoint, self.call.body) is None:
+            return await FirstTokenPath(self).run()
+        return await self.pair_attempts()
+
+    async def pair_attempts(self, start: int = 1, tried: Tried | None = None) -> web.StreamResponse:
+        """Attempts ``start``.. on P/D pairs (P and D at once), avoiding the instances that failed
+        (``tried``); each failure as :mod:`proxy.request.failure_policy` decides."""
+        router = self.router
+        config = router.config
+        pool = router.pool
+        progress = self.progress
+        tried = Tried() if tried is None else tried
+        failure: Failure | None = None
+        for number in range(start, config.max_retries + 1):
+            if number > 1:
+                router.metrics.retry(self.endpoint)
+                progress.room = new_room()
+                delay = config.retry_delay * 2 ** (number - 2)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            route = RouteRequest(progress.room, self.call.tokens, self.call.body)
+            p = pool.pick("prefill", progress.room, tried.p, route)
+            d = pool.pick("decode", progress.room, tried.d, route)
+            if p is None or d is None:
+                missing = "prefill" if p is None else "decode"
+                return self.error(RouterError(503, f"no {missing} instance is available", UPSTREAM_UNAVAILABLE))
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            progress.attempts = number
+            progress.attempt = attempt = Attempt(router, self.call, p, d, progress.room, remaining)
+            outcome = await attempt.run()
+            if not isinstance(outcome, Failure):
+                return await self.answer(attempt, outcome)
+            failure = outcome
+            attempt.close()
+            decision = settle(router, self.endpoint, failure, tried, attempt)
+            if decision.release_room:
+                release_attempt_room(router, attempt)  # P finished, D unreachable: free the room now
+            if not decision.retry or number == config.max_retries:
+                break
+            logger.warning(
+                "rid=%s room=%s attempt %d/%d failed (%s); retrying on another pair with a fresh room",
+                self.rid,
+                self.progress.room,
+                number,
+                config.max_retries,
+                failure.error.message,
+            )
+        if failure is None:
+            return self.error(RouterError(504, "the request timed out before a backend answered", DECODE_FAILED))
+        return self.final_failure(failure)
+
+    # -- answers -------------------------------------------------------------------------------
+
+    def error(self, error: RouterError) -> web.Response:
+        """The client's answer for a Router-side error (counted and logged)."""
+        self.status = error.status
+        self.router.metrics.error(self.endpoint, error.error_type)
+        logger.error("rid=%s room=%s answering HTTP %d: %s", self.rid, self.progress.room, error.status, error.message)
+        return error.to_response(self.out_headers)
+
+    def final_failure(self, failure: Failure) -> web.Response:
+        """The client's answer once no attempt is left: the last failure (a backend's own HTTP
+        error passed through where it has one)."""
+        self.status = failure.passthrough[0] if failure.passthrough else failure.error.status
+        self.router.metrics.error(self.endpoint, failure.error.error_type)
+        if self.progress.attempt is not None:
+            self.router.pair_refusals.note(self.progress.attempt.p, failure)
+        logger.error(
+            "rid=%s room=%s answering HTTP %d after %d attempt(s): %s",
+            self.rid,
+            self.progress.room,
+            self.status,
+            self.progress.attempts,
+            failure.error.message,
+        )
+        return failure.response(self.out_headers)
+
+    async def answer(self, attempt: Attempt, outcome: Opened | Answered) -> web.StreamResponse:
+        """D's answer to the client: a whole JSON answer as it is, a stream through :meth:`relay`."""
+        if isinstance(outcome, Answered):
+            if self.router.config.max_recomputes and (cut := recomputed_answer(outcome.body)) is not None:
+                return await continue_answer(self, attempt, outcome, cut)
+            self.status = outcome.status
+            self.progress.ttfb = time.monotonic() - self.t0
+            return passthrough_response(outcome.status, outcome.body, outcome.content_type, self.out_headers)
+        try:
+            watch = stream_watch(self, None)
+            return await after_relay(self, await self.relay(attempt, outcome, transform=watch), watch)
+        except ConnectionResetError:
+            raise asyncio.CancelledError from None  # the client went away
+
+    def stream_response(self, status: int, content_type: str | None) -> web.StreamResponse:
+        """The client's streamed answer (not yet prepared)."""
+        self.status = status
+        headers = {
+            "Content-Type": content_type or "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": self.rid,
+        }
+        return web.StreamResponse(status=status, headers=headers)
+
+    async def relay(
+        self,
+        attempt: Attempt,
+        opened: Opened,
+        response: web.StreamResponse | None = None,
+        transform: Callable[[bytes], bytes] | None = None,
+        tracker: StreamTracker | None = None,
+    ) -> web.StreamResponse:
+        """Send D's stream to the client (unchanged, or through ``transform``) on ``response``
+        (prepared already, or a new one); if P or D fails, resume it on another decoder
+        (:mod:`proxy.strategies.resume`, through ``tracker``: a resumed leg's, else one made here for a
+        resumable request) or end it with an error event. A :class:`proxy.strategies.recompute.StreamWatch`
+        transform that saw ``recomputed`` leaves it open."""
+        watch = transform if isinstance(transform, StreamWatch) else None
+        if tracker is None and resumable(attempt.call, self.router.config.resume_attempts):
+            tracker = StreamTracker(attempt.call)
+        if tracker is not None:
+            self.router.drains.track(self, attempt, tracker)  # movable if its decoder drains (proxy.admin.drain)
+        upstream = opened.response
+        failure: Failure | None = None
+        eof_sent = False
+        chunk = opened.first
+        if response is None:
+            response = self.stream_response(upstream.status, upstream.content_type)
+            await response.prepare(self.request)
+        while True:
+            if tracker is not None:
+                chunk = tracker.feed(chunk, end=upstream.at_eof())
+                if tracker.error is not None:
+                    await response.write(transform(chunk) if transform is not None else chunk)
+                    failure = mid_stream_error(attempt, tracker.error)
+                    break
+            if transform is not None:
+                chunk = transform(chunk)
+            if upstream.at_eof() and attempt.late_p_failure is None and not (watch and watch.recomputed):
+                # The end of D's stream came with this chunk: send both in one write.
+                await response.write_eof(chunk)
+                eof_sent = True
+            else:
+                await response.write(chunk)
+            self._tail = (self._tail + chunk)[-64:]
+            if self.progress.ttfb is None:
+                self.progress.ttfb = time.monotonic() - self.t0
+            if eof_sent:
+                break
+            try:
+                chunk = await upstream.next_chunk()
+            except UpstreamError as exc:
+                failure = exception_failure(attempt.d, exc, self.router.config.request_timeout)
+                break
+            if not chunk:
+                break
+        if eof_sent:
+            failure = None
+        elif attempt.late_p_failure is not None:
+            failure = attempt.late_p_failure
+        if failure is None:
+            attempt.finish()
+            self.router.pair_refusals.clear(attempt.p, attempt.d)
+            if watch is not None and watch.recomputed:
+                watch.held_open = True
+                return response  # proxy.strategies.recompute continues it
+        else:
+            if tracker is not None and await resume_stream(self, attempt, failure, response, tracker):
+                return response  # continued on another decoder (its relay ended the stream)
+            self._stream_cut(attempt, failure)
+            await response.write(failure.error.to_sse())
+        if not eof_sent:
+            await response.write_eof()
+        return response
+
+    def stream_cut(self, attempt: Attempt, failure: Failure) -> None:
+        """A stream that began ends with ``failure``: counted, logged, the attempt closed."""
+        self._stream_cut(attempt, failure)
+
+    def _stream_cut(self, attempt: Attempt, failure: Failure) -> None:
+        self.router.pair_refusals.note(attempt.p, failure)
+        self.router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind.value)
+        self.router.metrics.error(self.endpoint, failure.error.error_type)
+        logger.error(
+            "rid=%s room=%s stream cut after it started: %s; ending it with an error event",
+            self.rid,
+            self.progress.room,
+            failure.error.message,
+        )
+        attempt.close()

@@ -1,0 +1,40 @@
+"""What one client request's attempts have done so far: :class:`RequestProgress`.
+
+The exchange (:mod:`proxy.request.exchange`) makes one for each request and hands it to whatever runs
+the request's attempts (its own two-instance loop, :class:`proxy.strategies.first_token.FirstTokenPath`, the
+continuations of :mod:`proxy.strategies.recompute`); the exchange's ``finally`` closes its current attempt and
+its log line reads it, however the request ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from proxy.strategies.first_token_body import FirstTokenFrom
+
+if TYPE_CHECKING:
+    from proxy.request.attempt import Attempt
+
+
+@dataclass(slots=True)
+class RequestProgress:
+    """The request's current room and attempt, how many attempts it made, and its first byte."""
+
+    #: The bootstrap room of the current attempt (a fresh one on each retry).
+    room: int
+    #: Attempts made so far (the log line's ``attempts=``).
+    attempts: int = 0
+    #: The current attempt (closed by the exchange when the request ends).
+    attempt: Attempt | None = None
+    #: Seconds from the request's arrival to the first byte of its answer.
+    ttfb: float | None = None
+    #: Who sent the client's first token.
+    first_token_from: FirstTokenFrom = FirstTokenFrom.DECODE
+    #: Resumed legs tried after the stream was cut (:mod:`proxy.strategies.resume`).
+    resumes: int = 0
+    #: Where the request moved: ``(phase, wall-clock time)`` marks for its phase trace
+    #: (``d_cut``, ``resumed``; numbered after the first).
+    moves: list[tuple[str, float]] = field(default_factory=list)
+    #: The decoders a resumed stream went through, in order (the log line's ``moved=``).
+    decoders: list[str] = field(default_factory=list)

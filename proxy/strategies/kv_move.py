@@ -1,0 +1,95 @@
+"""Moving a drained decoder's stream WITH its KV: the target decoder's leg (:func:`kv_leg`).
+
+A decoder the Router knows the bootstrap port of (``--decoder-bootstrap-ports``, ``/instances/add``
+with ``bootstrap_port``: :attr:`proxy.router_config.Backend.movable`) gets a fresh ``migrate_room``
+in every resumable request (:class:`proxy.request.attempt.Attempt`). When a drain closes such a stream
+(:mod:`proxy.admin.drain`), vLLM aborts the request there and the connector holds its KV as that room for
+a while (``migrate_hold_s``). The stream then goes on on another decoder by an ordinary D-only leg:
+
+- prompt: the leg's prompt ids plus the generated ids the client has (:func:`proxy.strategies.resume_body.resume_call`);
+- ``kv_transfer_params``: room = the migrate room, bootstrap host/port = the drained decoder's own
+  bootstrap server, DP rank 0, ``prefilled_tokens`` = len(prompt) - 1 (the drained decoder computed
+  the KV of at least that many positions: a sampled token's KV is computed by the forward that
+  samples the next one). The target loads those blocks from the drained decoder (a D -> D push)
+  and computes the last prompt token itself; nothing is prefilled again.
+
+The leg is an :class:`proxy.request.attempt.Attempt` with ``p_answered`` whose "prefiller" is the drained
+decoder: it holds no lease there (the drain waits for nothing of it). A leg that fails before its
+first chunk leaves the stream to a replay leg (:mod:`proxy.strategies.resume`); the target is avoided then
+only where it was unreachable (a failed KV load is most often the source's doing).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from proxy.request.attempt import Attempt, Call, Opened
+from proxy.request.failure_policy import Tried, settle
+from proxy.upstream.calls import Failure, FailureKind
+from proxy.upstream.routing import RouteRequest
+
+if TYPE_CHECKING:
+    from proxy.request.exchange import Exchange
+
+logger = logging.getLogger("proxy")
+
+
+def holds_kv_for_move(attempt: Attempt) -> bool:
+    """Whether ``attempt``'s decoder keeps the request's KV as the attempt's migrate room if it is cut."""
+    return attempt.migrate_room is not None and attempt.d.backend.movable
+
+
+def kv_movable(failure: Failure, attempt: Attempt) -> bool:
+    """Whether ``attempt``'s stream, cut by ``failure``, moves with its KV: a drain cut it and its
+    decoder holds the request's KV as the attempt's migrate room."""
+    return failure.kind is FailureKind.DRAIN and holds_kv_for_move(attempt)
+
+
+def prefilled_tokens(call: Call) -> int | None:
+    """Tokens of ``call``'s prompt whose KV the drained decoder holds: all but the last (None: too
+    short a prompt to move by KV)."""
+    prompt = call.body.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    return len(prompt) - 1
+
+
+async def kv_leg(ex: Exchange, attempt: Attempt, call: Call, tried: Tried) -> tuple[Attempt, Opened] | None:
+    """Open the leg that continues ``attempt``'s cut stream on another decoder with the KV the drained
+    decoder holds (``call``: :func:`proxy.strategies.resume_body.resume_call`'s); the leg and its first chunk,
+    or None when no such leg opened (the caller replays; ``tried`` gains the target only where it
+    was unreachable)."""
+    router = ex.router
+    source = attempt.d
+    room = attempt.migrate_room
+    prefilled = prefilled_tokens(call)
+    if room is None or prefilled is None:
+        return None
+    d = router.pool.pick("decode", room, tried.d, RouteRequest(room, call.tokens, call.body))
+    remaining = ex.deadline - time.monotonic()
+    if d is None or d in tried.d or remaining <= 0:
+        logger.warning("rid=%s room=%s no decoder to move to by KV; replaying", ex.rid, room)
+        return None
+    ex.progress.room = room
+    ex.progress.attempts += 1
+    new = Attempt(router, call, source, d, room, remaining, p_answered=True, prefilled_tokens=prefilled)
+    ex.progress.attempt = new
+    outcome = await new.run()
+    if isinstance(outcome, Opened):
+        return new, outcome
+    new.close()
+    if isinstance(outcome, Failure):
+        decision = settle(router, ex.endpoint, outcome, Tried(), new)
+        if decision.mark_unhealthy:
+            tried.d.add(d)
+        logger.warning(
+            "rid=%s room=%s KV leg on %s (KV from %s) failed before its first chunk (%s); replaying",
+            ex.rid,
+            room,
+            d.backend.name,
+            source.backend.name,
+            outcome.error.message,
+        )
+    return None

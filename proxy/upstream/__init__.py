@@ -1,0 +1,1 @@
+"""The Router's backends: the HTTP client, one-shot calls and failure classes, the pool and routing."""

@@ -3,7 +3,7 @@
 Everything comes from vLLM's `--kv-transfer-config`: `kv_role` decides the
 instance's side (producer = prefill, consumer = decode) and
 `kv_connector_extra_config` holds the keys below, plus the options of the chosen
-transfer backend (declared and parsed by the backend, see ``pd_connector.transfer_backends``;
+transfer backend (declared and parsed by the backend, see ``pd_connector.transfer.registry``;
 Mooncake's include vLLM-Ascend's ``use_ascend_direct``). Unknown keys and bad values
 raise `ConfigError` with a message that names the key.
 """
@@ -16,12 +16,12 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pd_connector import transfer_backends
 from pd_connector.ascend import settings as ascend_settings
 from pd_connector.ascend.peer_sizes import SideSizes, SizesError, parse_sizes
 from pd_connector.auth import AuthError, load_token
 from pd_connector.bootstrap.trust import TrustedHosts, TrustError
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
+from pd_connector.transfer import registry as backends
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -48,10 +48,10 @@ class DisaggConfig:
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     # Address this rank advertises to peers (ZMQ and Mooncake). Never probed.
     local_ip: str = "127.0.0.1"
-    # Transfer backend (pd_connector.transfer_backends), and its own options, parsed by it from its keys (Mooncake's:
+    # Transfer backend (pd_connector.transfer.registry), and its own options, parsed by it from its keys (Mooncake's:
     # protocol, device_name, use_ascend_direct, ascend_local_comm_res_path; transfer.mooncake).
-    backend: str = transfer_backends.DEFAULT_BACKEND
-    backend_options: transfer_backends.BackendOptions = field(default_factory=transfer_backends.default_options)
+    backend: str = backends.DEFAULT_BACKEND
+    backend_options: backends.BackendOptions = field(default_factory=backends.default_options)
     # P: how long a finished prefill holds its KV blocks waiting for D (vLLM-Ascend's hold by default).
     room_timeout_s: float = ROOM_TIMEOUT_S
     # D: how long a request waits for its KV before the load counts as failed.
@@ -231,7 +231,7 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
         )
     extra = dict(extra or {})
     tls = extra.pop(ascend_settings.TLS_CONFIG, None)  # vLLM-Ascend's form of the bootstrap_ssl_* keys
-    owners = transfer_backends.option_owners()  # backend option key -> the backends that take it
+    owners = backends.option_owners()  # backend option key -> the backends that take it
     unknown = sorted(set(extra) - set(_FIELD_TYPES) - set(owners))
     if unknown:
         known = sorted({*_FIELD_TYPES, *owners, *ascend_settings.EXTRA_KEYS})
@@ -239,9 +239,7 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
     if "d2rh" not in extra and ("d2rh_zmq_port" in extra or "d2rh_scheduler_ready_port" in extra):
         extra["d2rh"] = True  # vLLM-Ascend's D2RH config (its port keys) without our switch: D2RH is meant
     values = {key: _coerce(key, extra.pop(key), typ) for key, typ in _FIELD_TYPES.items() if key in extra}
-    values["backend_options"] = _backend_options(
-        values.get("backend", transfer_backends.DEFAULT_BACKEND), extra, owners
-    )
+    values["backend_options"] = _backend_options(values.get("backend", backends.DEFAULT_BACKEND), extra, owners)
     try:  # tls_config, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, qos_priority
         ascend_settings.resolve(mode == PREFILL, values, tls, hixl=values["backend_options"].uses_hixl)
     except ascend_settings.SettingError as exc:
@@ -263,11 +261,11 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
     return cfg
 
 
-def _backend_options(name: str, raw: dict[str, Any], owners: dict[str, list[str]]) -> transfer_backends.BackendOptions:
+def _backend_options(name: str, raw: dict[str, Any], owners: dict[str, list[str]]) -> backends.BackendOptions:
     """Backend ``name``'s options from its keys in ``raw`` (the extra config's keys left after DisaggConfig's)."""
     try:
-        spec = transfer_backends.spec_of(name)
-    except transfer_backends.UnknownBackendError as exc:
+        spec = backends.spec_of(name)
+    except backends.UnknownBackendError as exc:
         raise ConfigError(f"kv_connector_extra_config.backend: {exc}") from None
     foreign = sorted(set(raw) - set(spec.keys))
     if foreign:
@@ -277,7 +275,7 @@ def _backend_options(name: str, raw: dict[str, Any], owners: dict[str, list[str]
         )
     try:
         return spec.parse({key: _coerce(key, val, spec.keys[key]) for key, val in raw.items()})
-    except transfer_backends.OptionError as exc:
+    except backends.OptionError as exc:
         raise ConfigError(str(exc)) from None
 
 

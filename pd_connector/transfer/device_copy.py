@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.transfer.backend import Ints, TransferError, Wanted, write_in_batches
-from pd_connector.transfer_backends import LOCAL_COPY_STALL_S, BackendSpec
+from pd_connector.transfer.registry import LOCAL_COPY_STALL_S, BackendSpec
 
 if TYPE_CHECKING:
     from pd_connector.config import DisaggConfig

@@ -10,7 +10,7 @@ any status) once its write returned. D therefore tells each P rank that has not 
 answered, or until its wait (``stop_wait_s``; ``lost_wait_s`` after a loss) ran out.
 
 The timing contract, from the P ranks' own bound on one batch write (``batch_stall_s`` of their
-backend's options, ``transfer_backends.BackendOptions``) and their ``peer_timeout_s``: each P rank
+backend's options, ``transfer.registry.BackendOptions``) and their ``peer_timeout_s``: each P rank
 advertises both when it registers (``RegisterRank``; D reads them in the route's ``RankInfo``), and a
 load uses the largest among the P ranks it asked (``PeerTiming``; a rank that advertised nothing, from
 an older release, counts with D's own values):

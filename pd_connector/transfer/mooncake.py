@@ -41,7 +41,7 @@ from pd_connector.ascend.env import setup_local_comm_res
 from pd_connector.ascend.platform import on_npu
 from pd_connector.transfer.backend import Ints, TransferError, Wanted, write_in_batches
 from pd_connector.transfer.proc_sockets import TABLES, listen_table, socket_inodes
-from pd_connector.transfer_backends import BackendSpec, OptionError
+from pd_connector.transfer.registry import BackendSpec, OptionError
 
 if TYPE_CHECKING:
     from pd_connector.config import DisaggConfig

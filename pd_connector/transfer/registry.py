@@ -1,13 +1,14 @@
-"""Transfer backends by name (``kv_connector_extra_config.backend``, default ``mooncake``), and their options.
+"""Transfer backends by name (``kv_connector_extra_config.backend``, default ``mooncake``): their
+options (``BackendOptions``, ``BackendSpec``) and the factory that opens one at worker start.
 
-This module is vLLM-free and imports no backend at import time: ``config`` uses it to check a backend's
-name and options when it parses, ``transfer.registry`` to open the backend at worker start. A backend
-module is imported the first time its name is used.
+This module is vLLM-free and imports no backend at import time: ``config`` uses it to check a
+backend's name and options when it parses, the worker (``create_backend``) to open the backend.
+A backend module is imported the first time its name is used.
 
 Adding a backend: one module under ``pd_connector/transfer/`` that defines ``BACKEND = BackendSpec(...)``
 (its option keys and their types, a parser that turns them into its options, and a factory
-``(DisaggConfig) -> TransferBackend``), plus one line in ``_MODULES`` below. Its keys are accepted at the
-top level of ``kv_connector_extra_config`` (vLLM-Ascend's ``use_ascend_direct`` and
+``(DisaggConfig) -> TransferBackend``), plus one entry in ``_MODULES`` below. Its keys are accepted at
+the top level of ``kv_connector_extra_config`` (vLLM-Ascend's ``use_ascend_direct`` and
 ``ascend_local_comm_res_path`` are the Mooncake backend's). Tests and plugins may also call
 ``register_backend(name, factory)``.
 """
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 DEFAULT_BACKEND = "mooncake"
 
-#: Backend name -> the module defining its ``BACKEND`` spec, imported on first use. One line per backend.
+#: Backend name -> the module defining its ``BACKEND`` spec, imported on first use. One entry per backend.
 _MODULES: dict[str, str] = {
     "mooncake": "pd_connector.transfer.mooncake",
     "device_copy": "pd_connector.transfer.device_copy",
@@ -159,6 +160,11 @@ def option_owners() -> dict[str, list[str]]:
         for key in spec_of(name).keys:
             owners.setdefault(key, []).append(name)
     return owners
+
+
+def create_backend(cfg: DisaggConfig) -> TransferBackend:
+    """Open the backend ``cfg.backend`` names for this worker rank (UnknownBackendError if none)."""
+    return spec_of(cfg.backend).open(cfg)
 
 
 def default_options() -> BackendOptions:

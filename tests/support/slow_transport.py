@@ -19,8 +19,7 @@ from pd_connector.config import DisaggConfig
 from pd_connector.metadata import SendJob
 from pd_connector.transfer import loads
 from pd_connector.transfer.device_copy import DeviceCopyBackend
-from pd_connector.transfer.registry import register_backend
-from pd_connector.transfer_backends import NoOptions
+from pd_connector.transfer.registry import NoOptions, register_backend
 from tests.support.transfer_rig import BLOCK_SIZE, NUM_BLOCKS, Rig, Side, recv_job
 
 

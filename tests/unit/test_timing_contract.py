@@ -22,7 +22,7 @@ from pd_connector.transfer import loads
 from pd_connector.transfer.backend import WRITE_RETRIES, TransferError, write_in_batches
 from pd_connector.transfer.loads import in_flight_s, lost_wait_s, stop_wait_s
 from pd_connector.transfer.mooncake import MooncakeOptions, stall_for
-from pd_connector.transfer_backends import NoOptions, OptionError
+from pd_connector.transfer.registry import NoOptions, OptionError
 from tests.support.slow_transport import Landings, late_landings, register_slow_backend, start_slow_push
 from tests.support.transfer_rig import Rig, Side
 

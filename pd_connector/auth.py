@@ -16,8 +16,10 @@ Without a token, frames and calls are unsigned (a loopback deployment, or ``inse
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
+from typing import Protocol
 
 MAC_BYTES = 32
 AUTH_HEADER = "Authorization"
@@ -25,6 +27,16 @@ AUTH_HEADER = "Authorization"
 
 class AuthError(ValueError):
     """The token cannot be read, or a frame / call does not carry the right one."""
+
+
+class TokenSettings(Protocol):
+    """Where a config names its token (``DisaggConfig``'s two keys)."""
+
+    @property
+    def auth_token_file(self) -> str: ...
+
+    @property
+    def auth_token_env(self) -> str: ...
 
 
 def load_token(token_file: str, token_env: str) -> bytes | None:
@@ -45,3 +57,13 @@ def load_token(token_file: str, token_env: str) -> bytes | None:
     if len(text) < 16:
         raise AuthError(f"the auth token from {source} is empty or shorter than 16 characters")
     return text.encode()
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_token(token_file: str, token_env: str) -> bytes | None:
+    return load_token(token_file, token_env)
+
+
+def token_of(cfg: TokenSettings) -> bytes | None:
+    """The control-plane token ``cfg`` names (read once per file / variable name), None without one."""
+    return _cached_token(cfg.auth_token_file, cfg.auth_token_env)

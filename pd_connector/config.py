@@ -10,7 +10,6 @@ raise `ConfigError` with a message that names the key.
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import os
 from dataclasses import dataclass, field, fields
@@ -18,7 +17,7 @@ from typing import Any
 
 from pd_connector.ascend import settings as ascend_settings
 from pd_connector.ascend.peer_sizes import SideSizes, SizesError, parse_sizes
-from pd_connector.auth import AuthError, load_token
+from pd_connector.auth import AuthError, token_of
 from pd_connector.bootstrap.trust import TrustedHosts, TrustError
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from pd_connector.transfer import registry as backends
@@ -279,16 +278,6 @@ def _backend_options(name: str, raw: dict[str, Any], owners: dict[str, list[str]
         raise ConfigError(str(exc)) from None
 
 
-@functools.lru_cache(maxsize=8)
-def _token(token_file: str, token_env: str) -> bytes | None:
-    return load_token(token_file, token_env)
-
-
-def token_of(cfg: DisaggConfig) -> bytes | None:
-    """The control-plane token of ``cfg`` (read once), None without one."""
-    return _token(cfg.auth_token_file, cfg.auth_token_env)
-
-
 def _validate(cfg: DisaggConfig) -> None:
     if not 1 <= cfg.bootstrap_port <= 65535:
         raise ConfigError(f"kv_connector_extra_config.bootstrap_port must be in 1..65535, got {cfg.bootstrap_port}")
@@ -376,26 +365,3 @@ def _validate_tls(cfg: DisaggConfig) -> None:
             "kv_connector_extra_config.bootstrap_ssl_certfile is set but bootstrap_ssl_ca_certs is not: P's ranks "
             "register over https and verify the server with it (for a self-signed certificate: the certificate)"
         )
-
-
-def trusted_hosts_of(cfg: DisaggConfig) -> TrustedHosts:
-    """The bootstrap hosts this (decode) instance may contact: the configured list, else the default."""
-    if cfg.trusted_bootstrap_hosts:
-        return TrustedHosts.parse(cfg.trusted_bootstrap_hosts)
-    return TrustedHosts.default(cfg.bootstrap_host, cfg.local_ip)
-
-
-def dp_rank_of(cfg: DisaggConfig, parallel_config: Any) -> int:
-    """This instance's DP rank: ``dp_rank`` if set, else vLLM's (its DP index for independent engines)."""
-    if cfg.dp_rank >= 0:
-        return cfg.dp_rank
-    return int(getattr(parallel_config, "data_parallel_index", parallel_config.data_parallel_rank))
-
-
-def advertised_bootstrap_host(cfg: DisaggConfig, dp_rank: int) -> str:
-    """Where D reaches this prefill deployment's bootstrap server, as P's answer tells it.
-
-    The instance that hosts the server (DP rank 0 with ``start_bootstrap_server``) binds it on
-    its ``local_ip``; every other one registers at ``bootstrap_host``.
-    """
-    return cfg.local_ip if dp_rank == 0 and cfg.start_bootstrap_server else cfg.bootstrap_host

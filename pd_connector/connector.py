@@ -18,7 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pd_connector.bootstrap.dp_rooms import dp_rooms_for
-from pd_connector.config import dp_rank_of, parse_config
+from pd_connector.bootstrap.placement import dp_rank_of
+from pd_connector.config import parse_config
 from pd_connector.d2rh.host_kv import d2rh_scheduler
 from pd_connector.layouts.kv_groups import check_group_block_sizes, group_block_sizes, recurrent_groups, sliding_windows
 from pd_connector.metadata import PDConnectorMetadata

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from pd_connector.ascend.metaserver import DecodeFirst
 from pd_connector.bootstrap.dp_rooms import DpRoomRegistrar
+from pd_connector.bootstrap.placement import advertised_bootstrap_host
 from pd_connector.bypass import BypassCounter, BypassReason, reason_for
-from pd_connector.config import DisaggConfig, advertised_bootstrap_host
+from pd_connector.config import DisaggConfig
 from pd_connector.d2rh.scheduler import D2RHScheduler, D2RHState
 from pd_connector.kv_params import (
     DecodeParams,

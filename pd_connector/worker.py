@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pd_connector.ascend.settings import apply_transport_env
+from pd_connector.auth import token_of
 from pd_connector.bootstrap.client import register_rank
+from pd_connector.bootstrap.placement import advertised_bootstrap_host
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
-from pd_connector.config import DisaggConfig, advertised_bootstrap_host, token_of
+from pd_connector.config import DisaggConfig
 from pd_connector.d2rh.host_kv import D2RHWorker, HostKV, pool_blocks
 from pd_connector.idle_wait import IdleWait
 from pd_connector.kv_params import host_port

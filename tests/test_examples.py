@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from pd_connector.bootstrap.exposure import exposure_of
+from pd_connector.bootstrap.trust import trusted_hosts_of
 from pd_connector.config import parse_config as parse_kv_config
-from pd_connector.config import trusted_hosts_of
 from proxy.cli import parse_config as parse_router_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -178,7 +178,8 @@ class RouteCache:
     @classmethod
     def for_config(cls, cfg: DisaggConfig, timeout_s: float | None = None, ttl_s: float = ROUTE_TTL_S) -> RouteCache:
         """A decode instance's cache: its token, CA bundle and trusted hosts."""
-        from pd_connector.config import token_of, trusted_hosts_of
+        from pd_connector.auth import token_of
+        from pd_connector.bootstrap.trust import trusted_hosts_of
 
         return cls(
             cfg.http_timeout_s if timeout_s is None else timeout_s,

@@ -124,7 +124,7 @@ def dp_rooms_for(cfg: DisaggConfig, parallel_config: Any, dp_rank: int) -> DpRoo
     dp_size = cfg.dp_size if cfg.dp_size >= 0 else int(getattr(parallel_config, "data_parallel_size", 1))
     if dp_size <= 1:
         return None
-    from pd_connector.config import token_of
+    from pd_connector.auth import token_of
 
     addr = host_port(cfg.bootstrap_host, cfg.bootstrap_port)
     return DpRoomRegistrar(addr, dp_rank, cfg.http_timeout_s, token_of(cfg), cfg.bootstrap_ssl_ca_certs)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import ipaddress
 from typing import NamedTuple
 
-from pd_connector.config import ConfigError, DisaggConfig, token_of
+from pd_connector.auth import token_of
+from pd_connector.config import ConfigError, DisaggConfig
 
 
 def is_loopback(host: str) -> bool:

@@ -22,11 +22,25 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 ANY = "*"
 LOOPBACK_ENTRIES = ("127.0.0.0/8", "::1", "localhost")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class TrustSettings(Protocol):
+    """What a decode config says about the bootstrap servers it may contact (``DisaggConfig``'s keys)."""
+
+    @property
+    def trusted_bootstrap_hosts(self) -> tuple[str, ...]: ...
+
+    @property
+    def bootstrap_host(self) -> str: ...
+
+    @property
+    def local_ip(self) -> str: ...
 
 
 class TrustError(ValueError):
@@ -114,3 +128,10 @@ def is_loopback_host(host: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return ip is not None and ip.is_loopback
+
+
+def trusted_hosts_of(cfg: TrustSettings) -> TrustedHosts:
+    """The bootstrap hosts this (decode) instance may contact: the configured list, else the default."""
+    if cfg.trusted_bootstrap_hosts:
+        return TrustedHosts.parse(cfg.trusted_bootstrap_hosts)
+    return TrustedHosts.default(cfg.bootstrap_host, cfg.local_ip)

@@ -15,8 +15,9 @@ import logging
 from collections.abc import Sequence
 
 from pd_connector import messages as proto
+from pd_connector.auth import token_of
 from pd_connector.bootstrap.exposure import exposure_of
-from pd_connector.config import DisaggConfig, token_of
+from pd_connector.config import DisaggConfig
 from pd_connector.layouts.regions import Region
 from pd_connector.metadata import RecvJob, SendJob
 from pd_connector.trace import TraceBook, make_tracer

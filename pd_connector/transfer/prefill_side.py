@@ -22,9 +22,9 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from pd_connector import messages as proto
+from pd_connector.auth import token_of
 from pd_connector.bootstrap.client import register_dp_rank
 from pd_connector.compat import peer_problem, version_problem
-from pd_connector.config import token_of
 from pd_connector.kv_params import host_port
 from pd_connector.layouts.pp import PipelineError, localize_hello
 from pd_connector.messages import DoneStatus

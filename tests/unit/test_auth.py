@@ -12,10 +12,11 @@ import pytest
 import zmq
 
 from pd_connector import messages as proto
+from pd_connector.auth import token_of
 from pd_connector.bootstrap.client import RouteCache, register_rank
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.bootstrap.signing import signed_headers
-from pd_connector.config import ConfigError, parse_config, token_of
+from pd_connector.config import ConfigError, parse_config
 from pd_connector.keys import frame_key
 from pd_connector.kv_params import KVParamsError, host_port, parse_kv_params
 from pd_connector.messages import RegisterRank

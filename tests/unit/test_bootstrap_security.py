@@ -21,8 +21,8 @@ from pd_connector.bootstrap.client import (
 )
 from pd_connector.bootstrap.exposure import exposure_of, is_loopback
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
-from pd_connector.bootstrap.trust import TrustedHosts, split_addr
-from pd_connector.config import ConfigError, parse_config, trusted_hosts_of
+from pd_connector.bootstrap.trust import TrustedHosts, split_addr, trusted_hosts_of
+from pd_connector.config import ConfigError, parse_config
 from pd_connector.keys import derive_keys
 from pd_connector.messages import RegisterRank
 from tests.support.loopback import HOST, free_port

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
-from pd_connector.config import advertised_bootstrap_host, parse_config
+from pd_connector.bootstrap.placement import advertised_bootstrap_host
+from pd_connector.config import parse_config
 from pd_connector.kv_params import (
     MAX_ROOM,
     DecodeParams,

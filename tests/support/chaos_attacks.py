@@ -1,4 +1,4 @@
-"""Attack tools of the chaos test's hardening phases (tests/e2e/chaos_hardening.py).
+"""Attack tools of the chaos test's hardening phases (tests/support/chaos_hardening.py).
 
 - `LogWatch`: follows a process's log as it grows and stamps every line with the monotonic time it
   was seen (a log's own timestamps have whole seconds), so a phase can order its own actions (a

@@ -39,9 +39,9 @@ import httpx
 
 from launch.processes import signal_group
 from pd_connector import messages as proto
-from tests.e2e import chaos_tools as ct
-from tests.e2e.chaos_attacks import Flood, FramePeer, LogWatch, metric_total, slowloris
-from tests.e2e.chaos_stack import FREEZE_S, HEADER_TIMEOUT_S, PEER_TIMEOUT_S, STOP_WAIT_S, Chaos
+from tests.support import chaos_tools as ct
+from tests.support.chaos_attacks import Flood, FramePeer, LogWatch, metric_total, slowloris
+from tests.support.chaos_stack import FREEZE_S, HEADER_TIMEOUT_S, PEER_TIMEOUT_S, STOP_WAIT_S, Chaos
 from tests.support.serving import complete, prompt_of_length
 
 REFUSED_METRIC = "vllm:pd_kv_auth_refused"

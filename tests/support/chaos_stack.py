@@ -21,7 +21,7 @@ from launch.processes import ManagedProcess, PDStack, ProcessGroup, signal_group
 from pd_connector.bootstrap.signing import signed_headers
 from pd_connector.config import DECODE, DisaggConfig
 from pd_connector.transfer.loads import PeerTiming, lost_wait_s, stop_wait_s
-from tests.e2e import chaos_tools as ct
+from tests.support import chaos_tools as ct
 from tests.support.serving import FAST_BATCH_STALL_S, FAST_TRANSFER_ENV
 
 logger = logging.getLogger(__name__)

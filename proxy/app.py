@@ -36,8 +36,8 @@ import logging
 from aiohttp import web
 
 from proxy.access.api_keys import Gate
-from proxy.admin.instances import ADMIN_PATHS, Handler, parse_instances
 from proxy.admin import instances as admin
+from proxy.admin.instances import ADMIN_PATHS, Handler, parse_instances
 from proxy.errors import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -54,6 +54,7 @@ from proxy.request.payloads import CHAT_COMPLETIONS, COMPLETIONS
 from proxy.router_config import RouterConfig
 from proxy.router_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.router_state import Router
+from proxy.server.reply import aiohttp_replies
 from proxy.server.workers import MEMBERSHIP_PATHS, current_worker, refuse_membership_changes
 from proxy.upstream.calls import Failure, fetch, http_failure, passthrough_response
 from proxy.upstream.pool import health_summary, pool_health
@@ -161,7 +162,7 @@ def _routes(router: Router, gate: Gate) -> list[tuple[str, str, Handler]]:
 def create_app(config: RouterConfig) -> web.Application:
     """Build the Router application for ``config`` (run it with handler cancellation on)."""
     router = Router(config)
-    app = web.Application(client_max_size=config.max_body_size)
+    app = web.Application(client_max_size=config.max_body_size, middlewares=[aiohttp_replies])  # Reply -> aiohttp
     app[ROUTER_KEY] = router
     app.on_startup.append(router.startup)
     app.on_cleanup.append(router.cleanup)

@@ -1,12 +1,17 @@
-"""OpenAI-style error bodies and the Router's own error type."""
+"""OpenAI-style error bodies and the Router's own error type.
+
+Answers are :class:`proxy.server.reply.BodyReply` objects, which the raw server writes itself and
+aiohttp's routes send through the application's middleware (:func:`proxy.server.reply.aiohttp_replies`).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from proxy.server.reply import BodyReply, json_reply
 
 #: Error ``type`` values the Router itself produces.
 INVALID_REQUEST = "invalid_request_error"
@@ -20,28 +25,25 @@ INTERNAL_ERROR = "internal_error"
 #: Recorded in metrics (never sent: the client is gone).
 CLIENT_DISCONNECTED = "client_disconnected"
 
-JSON_CONTENT_TYPE = "application/json"
-
 
 def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:
     """Return an OpenAI-style error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    """A JSON response (compact separators, UTF-8)."""
-    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-    return web.Response(body=body, status=status, headers=headers, content_type=JSON_CONTENT_TYPE)
+def json_response(payload: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> BodyReply:
+    """A JSON answer (compact separators, UTF-8)."""
+    return json_reply(payload, status, headers)
 
 
 def error_response(
     status: int,
     message: str,
     error_type: str,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     param: str | None = None,
-) -> web.Response:
-    """Return a JSON response with an OpenAI-style error body and the given HTTP status."""
+) -> BodyReply:
+    """Return a JSON answer with an OpenAI-style error body and the given HTTP status."""
     return json_response(error_body(message, error_type, status, param), status, headers)
 
 
@@ -69,8 +71,8 @@ class RouterError(Exception):
     def __str__(self) -> str:
         return f"HTTP {self.status} {self.error_type}: {self.message}"
 
-    def to_response(self, headers: dict[str, str] | None = None) -> web.Response:
-        """Render this error as a JSON response."""
+    def to_response(self, headers: Mapping[str, str] | None = None) -> BodyReply:
+        """Render this error as a JSON answer."""
         return error_response(self.status, self.message, self.error_type, headers, self.param)
 
     def to_sse(self) -> bytes:

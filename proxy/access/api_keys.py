@@ -36,6 +36,7 @@ from pd_connector.log_limit import LogLimiter
 from proxy.errors import error_response
 from proxy.request.incoming import request_id
 from proxy.router_config import AccessConfig
+from proxy.server.reply import Answer
 
 if TYPE_CHECKING:
     from proxy.admin.instances import Handler
@@ -154,7 +155,7 @@ class Gate:
             return handler
         bearer = self._bearer(CLIENT_PREFIX + "/*", handler, client, "an API key")
 
-        async def fallback(request: web.Request) -> web.StreamResponse:
+        async def fallback(request: web.Request) -> Answer:
             if access_of(request.path, ()) is Access.CLIENT and request.method != "OPTIONS":
                 return await bearer(request)
             return await handler(request)
@@ -162,7 +163,7 @@ class Gate:
         return fallback
 
     def _bearer(self, endpoint: str, handler: Handler, check: BearerCheck, what: str) -> Handler:
-        async def guarded(request: web.Request) -> web.StreamResponse:
+        async def guarded(request: web.Request) -> Answer:
             refusal = check.check(request.headers.get("Authorization"))
             if refusal is None:
                 return await handler(request)
@@ -177,7 +178,7 @@ class Gate:
         return guarded
 
     def _no_admin(self, endpoint: str) -> Handler:
-        async def refuse(request: web.Request) -> web.StreamResponse:
+        async def refuse(request: web.Request) -> Answer:
             self._refused(request, endpoint, Refusal.NO_TOKEN)
             message = (
                 f"{endpoint} is refused: no admin token is configured on the Router "

@@ -25,6 +25,7 @@ from proxy.admin.drain import DEFAULT_DRAIN_TIMEOUT_S
 from proxy.errors import INVALID_REQUEST, NOT_FOUND, RouterError, json_response
 from proxy.request.incoming import read_json
 from proxy.router_config import ROLES, Backend, Role
+from proxy.server.reply import Answer
 from proxy.upstream.calls import Failure, fetch, probe
 from proxy.upstream.pool import BackendState
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("proxy")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = Callable[[web.Request], Awaitable[Answer]]
 
 #: The admin routes' paths (:mod:`proxy.access.api_keys` guards them with the admin token).
 ADMIN_PATHS = frozenset(

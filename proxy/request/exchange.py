@@ -37,6 +37,7 @@ from proxy.request.payloads import check_prefill_dp_rank, estimate_prompt_tokens
 from proxy.request.progress import RequestProgress
 from proxy.request.room_release import release_attempt_room
 from proxy.router_state import Router
+from proxy.server.reply import StreamReply
 from proxy.strategies.first_token import FirstTokenPath
 from proxy.strategies.first_token_body import ineligible_reason
 from proxy.strategies.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
@@ -282,7 +283,7 @@ class Exchange:
             "Cache-Control": "no-cache",
             "X-Request-Id": self.rid,
         }
-        return web.StreamResponse(status=status, headers=headers)
+        return StreamReply(status, headers)
 
     async def relay(
         self,

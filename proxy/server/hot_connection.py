@@ -14,12 +14,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import httptools
-from aiohttp import web
-from aiohttp.http import HttpVersion10, HttpVersion11
 from multidict import CIMultiDict
 
 from proxy.server.limits import LINGER_S, MAX_HEAD_BYTES, Phase, ServerLimits, error_bytes
-from proxy.server.request import RawRequest, ResponseWriter
+from proxy.server.reply import ClientReply
+from proxy.server.request import RawRequest, ReplyWriter
 
 if TYPE_CHECKING:
     from proxy.server.hot_server import HotServer
@@ -27,7 +26,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("proxy")
 
 _IDLE, _HEAD, _BODY = Phase.IDLE, Phase.HEAD, Phase.BODY  # module globals: one lookup each on the hot path
-HotHandler = Callable[[Any], Awaitable[web.StreamResponse]]
+_HTTP10, _HTTP11 = (1, 0), (1, 1)
+HotHandler = Callable[[Any], Awaitable[ClientReply]]
 
 
 class _Stop(Exception):
@@ -317,16 +317,17 @@ class HotConnection(asyncio.Protocol):
 
     def _dispatch(self, handler: HotHandler, body: bytes | None, keep_alive: bool) -> None:
         self._handler = None
+        version = _HTTP11 if self.parser.get_http_version() == "1.1" else _HTTP10
         request = RawRequest(
             "POST",
             self._path,
-            HttpVersion11 if self.parser.get_http_version() == "1.1" else HttpVersion10,
+            version,
             keep_alive,
             self._header_map,
             self.remote,
             body,
             self.server.max_body_size,
-            ResponseWriter(self, self.loop),
+            ReplyWriter(self, self.loop, version, keep_alive),
         )
         if self._task is None:
             self._task = self.loop.create_task(self._serve(request, handler))
@@ -362,13 +363,15 @@ class HotConnection(asyncio.Protocol):
 
     async def _answer(self, request: RawRequest, handler: HotHandler) -> bool:
         """Run ``handler`` and send its answer; whether the connection may serve another request."""
-        writer: ResponseWriter = request._payload_writer
+        writer = request.writer
         try:
-            response = await handler(request)
-            if writer.started and not response.prepared:
+            reply = await handler(request)
+            if not isinstance(reply, ClientReply):
+                raise TypeError(f"POST {request.path}: handler gave a {type(reply).__name__}, not a ClientReply")
+            if writer.started and not reply.prepared:
                 return False  # an answer was under way when the handler gave another one: cut it
-            await response.prepare(request)  # type: ignore[arg-type]
-            await response.write_eof()
+            await reply.prepare(request)
+            await reply.write_eof()
         except asyncio.CancelledError:
             return False  # the client went away (connection_lost cancelled the task)
         except ConnectionResetError:
@@ -380,7 +383,7 @@ class HotConnection(asyncio.Protocol):
                 head = b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nConnection: close\r\n"
                 self.send(head + b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
             return False
-        return bool(response.keep_alive) and request.keep_alive
+        return writer.keep_alive
 
     # -- the connection --------------------------------------------------------------------------
 

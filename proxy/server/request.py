@@ -1,26 +1,51 @@
 """What the Router's raw HTTP/1.1 server (:mod:`proxy.server.hot_server`) hands to a request handler.
 
-The generation handlers (:func:`proxy.request.exchange.generate`, wrapped by :mod:`proxy.access.api_keys` and
-``proxy.app``) are written against aiohttp's ``web.Request`` and answer with aiohttp's
-``web.Response`` / ``web.StreamResponse``. The raw server keeps them unchanged: it passes a
-:class:`RawRequest` that has the part of ``web.Request`` they and aiohttp's response classes
-use (``method``, ``path``, ``version``, ``keep_alive``, ``headers``, ``remote``,
-``content_length``, ``read()``, the ``_payload_writer`` and ``_prepare_hook`` that
-``StreamResponse.prepare`` calls), and a :class:`ResponseWriter` as that payload writer, which
-frames the answer (``Content-Length`` or chunked) onto the connection's transport.
+The generation handlers (:func:`proxy.request.exchange.generate`, wrapped by :mod:`proxy.access.api_keys`
+and ``proxy.app``) read a request through the part of aiohttp's ``web.Request`` they use
+(``method``, ``path``, ``version``, ``keep_alive``, ``headers``, ``remote``, ``content_length``,
+``read()``); :class:`RawRequest` has exactly that, plus its connection's :class:`ReplyWriter`.
+They answer with a :class:`proxy.server.reply.Reply`, which the writer frames onto the
+connection (``Content-Length`` or chunked). Nothing here touches aiohttp's objects.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
+from http import HTTPStatus
 from typing import Any, Protocol
 
 from aiohttp import web
-from aiohttp.http import HttpVersion
 from multidict import CIMultiDict
+
+#: The ``Server`` header of the Router's own answers.
+SERVER_NAME = "pd-router"
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("", "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_date_second = 0
+_date_text = ""
+
+
+def http_date() -> str:
+    """The current time as an HTTP ``Date`` value (computed once per second)."""
+    global _date_second, _date_text
+    now = int(time.time())
+    if now != _date_second:
+        year, month, day, hh, mm, ss, weekday, *_ = time.gmtime(now)
+        _date_text = f"{_DAYS[weekday]}, {day:02d} {_MONTHS[month]} {year:04d} {hh:02d}:{mm:02d}:{ss:02d} GMT"
+        _date_second = now
+    return _date_text
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
 
 
 class Connection(Protocol):
-    """The connection a :class:`ResponseWriter` writes to (``proxy.server.hot_server.HotConnection``)."""
+    """The connection a :class:`ReplyWriter` writes to (``proxy.server.hot_connection.HotConnection``)."""
 
     def send(self, data: bytes) -> None:
         """Write ``data`` to the client (ConnectionResetError once the connection is closing)."""
@@ -32,44 +57,72 @@ class Connection(Protocol):
         """Wait until the transport's buffer is below the low mark again."""
 
 
-class ResponseWriter:
-    """aiohttp's payload-writer interface (``AbstractStreamWriter``) over a raw connection.
+class ReplyWriter:
+    """Frames one answer onto a raw connection.
 
-    The status line and headers are held until the first body write, so that a short answer or
-    a stream's first event goes out in one ``send``; ``send_headers`` (called by
-    ``StreamResponse.prepare``) only makes sure they leave within this loop iteration.
+    :meth:`start` builds the status line and headers and holds them until the first body write,
+    so that a short answer or a stream's first event goes out in one ``send``; with
+    ``flush_soon`` (a stream) they leave within this loop iteration even if no write follows.
     """
 
-    buffer_size = 0
+    __slots__ = ("_connection", "_loop", "_version", "_request_keep_alive", "_head", "_chunked", "_length")
+    __slots__ += ("output_size", "done", "started", "keep_alive")
 
-    def __init__(self, connection: Connection, loop: Any) -> None:
+    def __init__(self, connection: Connection, loop: Any, version: tuple[int, int], keep_alive: bool) -> None:
         self._connection = connection
         self._loop = loop
+        self._version = version
+        self._request_keep_alive = keep_alive
         self._head: bytes | None = None
         self._chunked = False
-        self.length: int | None = None
+        self._length: int | None = None
         self.output_size = 0
         self.done = False
         #: Whether any byte of the answer went out (after that an error can only close the connection).
         self.started = False
+        #: Whether the connection may serve another request after this answer (set by start()).
+        self.keep_alive = keep_alive
 
-    def enable_chunking(self) -> None:
-        self._chunked = True
-
-    def enable_compression(self, encoding: str = "deflate", strategy: int | None = None) -> None:
-        raise NotImplementedError("the Router does not compress its answers")
-
-    async def write_headers(self, status_line: str, headers: Any) -> None:
-        lines = [status_line]
-        for name, value in headers.items():
+    def start(
+        self, status: int, headers: Mapping[str, str], length: int | None, keep_alive: bool | None, flush_soon: bool
+    ) -> None:
+        """Commit the status line and ``headers``; ``length`` None: a body of unknown length."""
+        if self._head is not None or self.started:
+            raise RuntimeError(f"the status line of this answer is committed already (HTTP {status} is one too many)")
+        alive = self._request_keep_alive and keep_alive is not False
+        http11 = self._version >= (1, 1)
+        out = CIMultiDict(headers)
+        out.popall("Content-Length", None)
+        out.popall("Transfer-Encoding", None)
+        empty = status < 200 or status in (204, 304)
+        if empty:
+            self._length = 0
+        elif length is not None:
+            self._length = length
+            out["Content-Length"] = str(length)
+        elif http11:
+            self._chunked = True
+            out["Transfer-Encoding"] = "chunked"
+        else:
+            alive = False  # HTTP/1.0 without a length: the body ends with the connection
+        if not empty and length != 0:
+            out.setdefault("Content-Type", "application/octet-stream")
+        out.setdefault("Date", http_date())
+        out.setdefault("Server", SERVER_NAME)
+        if "Connection" not in out:
+            if alive and not http11:
+                out["Connection"] = "keep-alive"
+            elif not alive and http11:
+                out["Connection"] = "close"
+        self.keep_alive = alive
+        lines = [f"HTTP/{self._version[0]}.{self._version[1]} {status} {_reason(status)}"]
+        for name, value in out.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"newline in response header {name!r}: {value!r}")
             lines.append(f"{name}: {value}")
         lines.append("\r\n")
         self._head = "\r\n".join(lines).encode("latin-1")
-
-    def send_headers(self) -> None:
-        if self._head is not None:
+        if flush_soon:
             self._loop.call_soon(self._flush_head)
 
     def _flush_head(self) -> None:
@@ -88,57 +141,54 @@ class ResponseWriter:
             if last:
                 framed += b"0\r\n\r\n"
         else:
-            if self.length is not None:
-                body = body[: max(self.length - self.output_size, 0)]
+            if self._length is not None:
+                body = body[: max(self._length - self.output_size, 0)]
             framed = body
         self.output_size += len(body)
         if self._head is not None:
             framed, self._head = self._head + framed, None
         return framed
 
-    async def write(self, chunk: bytes | bytearray | memoryview, *, drain: bool = True, **_: Any) -> None:
-        framed = self._frame(chunk, last=False)
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send ``data`` as the next part of the body; waits while the client's buffer is full."""
+        if self.done:
+            raise RuntimeError("write() after write_eof()")
+        framed = self._frame(data, last=False)
         if framed:
             self.started = True
             self._connection.send(framed)
-        if drain and self._connection.must_drain():
+        if self._connection.must_drain():
             await self._connection.drain()
 
-    async def write_eof(self, chunk: bytes = b"") -> None:
+    async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
+        """Send ``data`` and end the body (again: nothing happens)."""
         if self.done:
             return
-        framed = self._frame(chunk, last=True)
+        framed = self._frame(data, last=True)
         self.done = True
         if framed:
             self.started = True
             self._connection.send(framed)
         if self._connection.must_drain():
             await self._connection.drain()
-
-    async def drain(self) -> None:
-        if self._connection.must_drain():
-            await self._connection.drain()
-
-    def set_eof(self) -> None:
-        self.done = True
 
 
 class RawRequest:
-    """The part of aiohttp's ``web.Request`` the generation handlers and responses use."""
+    """The part of aiohttp's ``web.Request`` the generation handlers use, and its connection's writer."""
 
-    __slots__ = ("method", "path", "version", "keep_alive", "headers", "remote", "_body", "_limit", "_payload_writer")
+    __slots__ = ("method", "path", "version", "keep_alive", "headers", "remote", "writer", "_body", "_limit")
 
     def __init__(
         self,
         method: str,
         path: str,
-        version: HttpVersion,
+        version: tuple[int, int],
         keep_alive: bool,
         headers: CIMultiDict[str],
         remote: str | None,
         body: bytes | None,
         limit: int,
-        writer: ResponseWriter,
+        writer: ReplyWriter,
     ) -> None:
         self.method = method
         self.path = path
@@ -146,10 +196,11 @@ class RawRequest:
         self.keep_alive = keep_alive
         self.headers = headers
         self.remote = remote
+        #: Where the answer goes (:meth:`proxy.server.reply.Reply.prepare` uses it).
+        self.writer = writer
         #: None: the body went over ``limit`` bytes and was dropped.
         self._body = body
         self._limit = limit
-        self._payload_writer = writer
 
     @property
     def content_length(self) -> int | None:
@@ -157,10 +208,7 @@ class RawRequest:
         return int(value) if value is not None and value.isdigit() else None
 
     async def read(self) -> bytes:
-        """The whole body (aiohttp's HTTP 413 exception when it went over the limit)."""
+        """The whole body (aiohttp's HTTP 413 exception, as ``web.Request.read`` raises, over the limit)."""
         if self._body is None:
             raise web.HTTPRequestEntityTooLarge(max_size=self._limit, actual_size=self._limit + 1)
         return self._body
-
-    async def _prepare_hook(self, response: web.StreamResponse) -> None:
-        """aiohttp's ``on_response_prepare`` signal: the Router connects nothing to it."""

@@ -33,6 +33,7 @@ from proxy.request.attempt import Attempt, Call, Opened
 from proxy.request.failure_policy import Decision, Tried, settle
 from proxy.request.payloads import new_room
 from proxy.request.room_release import release_attempt_room, release_room
+from proxy.server.reply import ClientReply
 from proxy.strategies.first_token_body import (
     ContinuationFix,
     DropRepeatedFirst,
@@ -78,7 +79,7 @@ class FirstTokenPath:
     async def run(self) -> web.StreamResponse:
         ex = self.ex
         got = await self._first_token()
-        if isinstance(got, web.StreamResponse):
+        if isinstance(got, ClientReply):
             return got  # the final error answer
         p, reply, first = got
         if first is None:
@@ -216,7 +217,7 @@ class FirstTokenPath:
             await response.write_eof(final_events(first, include_usage(call.body)))
             return response
         d = await self._pick_d(p, RouteRequest(self.progress.room, cont.tokens, cont_body), cont, prompt_len)
-        if isinstance(d, web.StreamResponse):
+        if isinstance(d, ClientReply):
             return d
         try:
             await response.prepare(ex.request)
@@ -316,7 +317,7 @@ class FirstTokenPath:
         prompt_len = len(first.prompt_token_ids)
         cont = Call(call.endpoint, call.rid, continuation_body(call.body, first), True, prompt_len + 1, call.headers)
         d = await self._pick_d(p, RouteRequest(self.progress.room, call.tokens, call.body), cont, prompt_len)
-        if isinstance(d, web.StreamResponse):
+        if isinstance(d, ClientReply):
             return d
         response = ex.stream_response(200, "text/event-stream")
         try:

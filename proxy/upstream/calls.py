@@ -17,10 +17,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
 from pd_connector.kv_params import PREFILL_ERROR, refusal_of
 from proxy.errors import DECODE_FAILED, PREFILL_FAILED, ROOM_IN_USE, RouterError, excerpt
+from proxy.server.reply import BodyReply
 from proxy.upstream.http1 import ConnectFailed, Http1Pool, UpstreamError
 from proxy.upstream.pool import BackendPool, BackendState
 
@@ -68,11 +67,11 @@ class Failure:
     #: as a retryable timeout, and the backend is down (:mod:`proxy.request.failure_policy`).
     unresponsive: bool = False
 
-    def response(self, headers: dict[str, str]) -> web.Response:
+    def response(self, headers: dict[str, str]) -> BodyReply:
         """The client's answer when this failure is final."""
         if self.passthrough is not None:
             status, body, content_type = self.passthrough
-            return web.Response(body=body, status=status, headers={**headers, "Content-Type": content_type})
+            return passthrough_response(status, body, content_type, headers)
         return self.error.to_response(headers)
 
 
@@ -177,9 +176,9 @@ def unresponsive_failure(state: BackendState, message: str) -> Failure:
     return Failure(state, FailureKind.TIMEOUT, error, True, detail="unresponsive", unresponsive=True)
 
 
-def passthrough_response(status: int, body: bytes, content_type: str, headers: dict[str, str]) -> web.Response:
+def passthrough_response(status: int, body: bytes, content_type: str, headers: dict[str, str]) -> BodyReply:
     """A backend's answer, relayed with its status and content type."""
-    return web.Response(body=body, status=status, headers={**headers, "Content-Type": content_type})
+    return BodyReply(body, status, {**headers, "Content-Type": content_type})
 
 
 async def fetch(

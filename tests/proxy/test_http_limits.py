@@ -17,6 +17,7 @@ from aiohttp import web
 
 from proxy.server.hot_server import HotServer
 from proxy.server.limits import MAX_HEAD_BYTES, ServerLimits
+from proxy.server.reply import StreamReply, json_reply
 from tests.support.raw_http import RawConnection, json_body, raw_post
 from tests.support.router_rig import HOST, Backends, RouterFactory, new_rid
 
@@ -191,7 +192,7 @@ def test_write_deadline_cuts_a_client_that_stops_reading() -> None:
     cancelled: list[float] = []
 
     async def endless(request):  # type: ignore[no-untyped-def]
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response = StreamReply(200, {"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
             while True:
@@ -230,7 +231,7 @@ def test_reading_pauses_while_one_request_waits() -> None:
         while not release.is_set():
             await asyncio.sleep(0.02)
         served.append(request.headers["X-Request-Id"])
-        return web.json_response({"ok": True})
+        return json_reply({"ok": True})
 
     async def main() -> None:
         server, hot = await _serve(slow, ServerLimits())

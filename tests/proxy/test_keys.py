@@ -23,6 +23,7 @@ from proxy.cli import parse_config
 from proxy.router_config import AccessConfig, Backend, BackendTlsConfig
 from proxy.router_metrics import RouterMetrics
 from proxy.router_state import Router
+from proxy.server.reply import Answer, BodyReply
 from proxy.upstream.pool import BackendPool
 from tests.support.key_files import secret_file, self_signed
 from tests.support.router_rig import REPO_ROOT
@@ -102,7 +103,7 @@ class _Transport:
         return (self.peer, 40000) if name == "peername" else default
 
 
-def _call(handler: Any, path: str, peer: str, authorization: str | None = None) -> web.StreamResponse:
+def _call(handler: Any, path: str, peer: str, authorization: str | None = None) -> Answer:
     headers = {"Authorization": authorization} if authorization else {}
     request = make_mocked_request("POST", path, headers=headers, transport=_Transport(peer))
     return asyncio.run(handler(request))
@@ -122,10 +123,10 @@ def _refused(metrics: RouterMetrics, endpoint: str, reason: str) -> float:
     return value or 0.0
 
 
-def _error(response: web.StreamResponse) -> dict[str, Any]:
-    assert isinstance(response, web.Response) and response.body is not None
+def _error(response: Answer) -> dict[str, Any]:
+    assert isinstance(response, BodyReply)
     assert response.content_type == "application/json"
-    return json.loads(bytes(response.body))["error"]  # type: ignore[arg-type]
+    return json.loads(response.body)["error"]
 
 
 def test_nothing_configured_wraps_nothing_but_admin() -> None:

@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     report["acceptance"] = {} if args.closed_loop_only else acceptance(systems, report.get("interleaved_low_load"))
     if args.closed_loop:
         report["closed_loop"] = closed = bench_closed(model, args, log_dir)
-        # judged in the connector's default transfer_mode (issue 26 item 4: chosen by this phase)
+        # judged in the connector's default transfer_mode (the phase that chose that default)
         mode = DisaggConfig.transfer_mode
         for baseline, key in (
             ("colocated", "closed_loop_ttft_ratio_vs_colocated"),

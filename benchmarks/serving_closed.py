@@ -1,8 +1,8 @@
 """Closed-loop TTFT: the next request as soon as the previous one's first token arrived.
 
-Issue 26: PD through the Router was 1.4-1.7x colocated at 64-token prompts when requests came
-back to back, and at par with 1.5 s pauses (`serving_interleaved.py`'s low-load run). This phase
-measures the back-to-back case: `concurrency` clients, each sending its next prompt the moment
+PD through the Router can trail colocated vLLM when requests come back to back while it is at
+par with pauses between them (`serving_interleaved.py`'s low-load run). This phase measures the
+back-to-back case: `concurrency` clients, each sending its next prompt the moment
 its previous request's first token arrived (that stream goes on in the background), at each
 prompt length of `LENGTHS` and each concurrency of `CONCURRENCY`. Every system is started alone
 (its own `ProcessGroup`, nothing else of the benchmark up) on the same cores, in the order given;

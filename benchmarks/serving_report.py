@@ -176,7 +176,7 @@ def _colocated_ttft(low_ours: dict[str, Any], low_coloc: dict[str, Any], pairs: 
 
 
 def acceptance(systems: dict[str, dict[str, Any]], interleaved: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Issue 11's serving criteria from the systems' summaries and, when it ran, the interleaved
+    """The serving acceptance criteria from the systems' summaries and, when it ran, the interleaved
     low-load run (``serving.py``'s ``interleaved_low_load``: per other system, under ``vs``, a
     ``serving_interleaved.summarize``); see the module docstring."""
     ours, colocated, mooncake = (_runs(systems, n) for n in ("pd", "colocated", "vllm_mooncake"))

@@ -17,15 +17,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from pd_connector.bootstrap.dp_rooms import dp_rooms_for
 from pd_connector.bootstrap.placement import dp_rank_of
 from pd_connector.config import parse_config
-from pd_connector.d2rh.host_kv import d2rh_scheduler
 from pd_connector.layouts.kv_groups import check_group_block_sizes, group_block_sizes, recurrent_groups, sliding_windows
 from pd_connector.metadata import PDConnectorMetadata
 from pd_connector.metrics import PDKVConnectorStats, PDPromMetrics
 from pd_connector.refusals import note_kv_transfer_fields, refuse_unsupported
 from pd_connector.scheduler import PDScheduler
+from pd_connector.scheduling.selection import extensions_for
 from pd_connector.worker import PDWorker
 
 try:  # vLLM >= 0.32 reports failed receives by request id.
@@ -94,10 +93,19 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
             # A recurrent-state group has a block size of its own (pd_connector.layouts.state_groups).
             states = {g: sizes[g] for g in recurrent_groups(kv_cache_config)}
             block_size = check_group_block_sizes([s for g, s in enumerate(sizes) if g not in states])
-            self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, sliding_windows(kv_cache_config), states)
-            self._scheduler.dp_rooms = dp_rooms_for(self.cfg, vllm_config.parallel_config, dp_rank)
-            if self.cfg.d2rh and self.cfg.is_decode:  # host KV pool first (pd_connector.d2rh.scheduler)
-                self._scheduler.d2rh = d2rh_scheduler(self.cfg, vllm_config, kv_cache_config, block_size, len(sizes))
+            # The optional features (D2RH, migration, layer mode, recurrent state, DP-rank rooms, D first),
+            # chosen by role and config in one place (pd_connector.scheduling.selection).
+            extensions = extensions_for(
+                self.cfg,
+                block_size,
+                dp_rank=dp_rank,
+                state_groups=states,
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
+                kv_groups=len(sizes),
+            )
+            windows = sliding_windows(kv_cache_config)
+            self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, windows, extensions)
             note_kv_transfer_fields(self.cfg, kv, vllm_config.parallel_config)  # vLLM-Ascend's carry kv_port, engine_id
         else:
             self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)

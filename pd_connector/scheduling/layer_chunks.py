@@ -1,7 +1,8 @@
 """P, layer-wise push (``transfer_mode: "layer"``), scheduler side: which blocks each step completes.
 
-Pure bookkeeping (no vLLM import, no I/O). The scheduler registers every P request that has a
-room (`track`), and for every engine step `ChunkPlanner.plan(scheduler_output)` says, per such
+Pure bookkeeping (no vLLM import, no I/O). ``scheduling.layer_mode.LayerChunksExtension`` (chosen on P
+with transfer_mode "layer") registers every P request with a free room once vLLM allocated its blocks
+(`track`), and for every engine step `ChunkPlanner.plan(scheduler_output)` says, per such
 request scheduled in that step, which of its blocks hold every token once the step's forward is
 done: a `LayerChunk`. The worker (`transfer.layerwise`) writes those blocks of each layer to D as
 soon as that layer's attention ran. A chunk that does not end the prompt completes only the

@@ -30,9 +30,12 @@ from typing import TYPE_CHECKING
 
 from pd_connector.config import DisaggConfig
 from pd_connector.kv_params import DecodeParams, PrefillParams
-from pd_connector.metadata import SendJob
+from pd_connector.metadata import PDConnectorMetadata, SendJob
+from pd_connector.scheduling.extension import Finish, Params, SchedulerExtension
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -102,3 +105,33 @@ class MigrationHolds:
 
     def holding(self) -> bool:
         return bool(self._room_of)
+
+
+class MigrationExtension(SchedulerExtension):
+    """Chosen on D with ``kv_connector_extra_config.migration``: holds aborted requests' KV (``MigrationHolds``)."""
+
+    def __init__(self, cfg: DisaggConfig, block_size: int) -> None:
+        self.holds = MigrationHolds(cfg, block_size)
+        self._sends: list[SendJob] = []
+
+    def finished(
+        self, request: Request, params: Params, groups: list[list[int]], kv_pending: bool, answer: Finish
+    ) -> Finish | None:
+        """An aborted request with a migrate room keeps its blocks (True) until the worker reports it in
+        finished_sending (its room pushed to the decoder taking the stream over, or its hold expired)."""
+        held = self.holds.hold(request, params, groups, kv_pending)
+        if held is None:
+            return None
+        self._sends.append(held)
+        return True, None
+
+    def output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self.holds.released(rid)
+
+    def meta(self, scheduler_output: SchedulerOutput, meta: PDConnectorMetadata) -> None:
+        meta.sends.extend(self._sends)
+        self._sends = []
+
+    def busy(self) -> bool:
+        return bool(self._sends) or self.holds.holding()

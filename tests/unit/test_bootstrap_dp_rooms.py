@@ -18,6 +18,8 @@ from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.config import parse_config
 from pd_connector.kv_params import PrefillParams
 from pd_connector.scheduler import PDScheduler
+from pd_connector.scheduling.dp_rooms import DpRoomsExtension
+from pd_connector.scheduling.selection import extensions_for
 from tests.support.fake_scheduler import BS, FakeRequest
 from tests.support.loopback import HOST, free_port, wait_for
 
@@ -47,11 +49,12 @@ def deployment(
 
 def _scheduler(extra: dict, dp_rank: int) -> tuple[PDScheduler, DpRoomRegistrar]:
     cfg = parse_config("kv_producer", {**extra, "dp_rank": dp_rank})
-    sched = PDScheduler(cfg, BS, dp_rank)
-    registrar = dp_rooms_for(cfg, SimpleNamespace(data_parallel_size=1), dp_rank)  # a dense model: vLLM says 1
-    assert registrar is not None
-    sched.dp_rooms = registrar
-    return sched, registrar
+    engine = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1))  # a dense model: vLLM says 1
+    extensions = extensions_for(cfg, BS, dp_rank=dp_rank, vllm_config=engine)  # type: ignore[arg-type]
+    sched = PDScheduler(cfg, BS, dp_rank, extensions=extensions)
+    extension = sched.extension(DpRoomsExtension)
+    assert extension is not None  # chosen: dp_size 2
+    return sched, extension.registrar
 
 
 def test_a_room_is_registered_when_the_request_arrives(deployment: tuple[BootstrapServer, dict]) -> None:

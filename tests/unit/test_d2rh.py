@@ -25,6 +25,8 @@ from pd_connector.d2rh.host_pool import HostPool
 from pd_connector.d2rh.scheduler import D2RHScheduler, D2RHState, D2RHWorkerMeta
 from pd_connector.kv_params import DecodeParams
 from pd_connector.scheduler import PDScheduler
+from pd_connector.scheduling.d2rh import D2RHExtension
+from pd_connector.scheduling.decode_first import DecodeFirstExtension
 from tests.support.fake_scheduler import FakeRequest, meta
 from tests.support.real_scheduler import BLOCK, FAILED_BY_ID, NUM_BLOCKS, PROMPT, make_scheduler, step
 
@@ -60,7 +62,9 @@ def used_blocks(sched: Any) -> int:
 
 
 def d2rh_of(sched: Any) -> Any:
-    return sched.connector._scheduler.d2rh
+    extension = sched.connector._scheduler.extension(D2RHExtension)
+    assert extension is not None  # the connector chose it: d2rh on a decode instance
+    return extension.d2rh
 
 
 def test_no_device_block_until_the_host_copy_is_ready(model: Path) -> None:
@@ -197,9 +201,10 @@ def test_d_first_posts_to_the_metaserver_once_its_staging_is_planned() -> None:
     """vLLM-Ascend's layer-wise proxy in front of a D2RH decoder: D posts when its host blocks are planned."""
     proxy = "http://127.0.0.1:8000/v1/metaserver"
     posts: list[ms.Post] = []
-    sched = PDScheduler(parse_config("kv_consumer", {"d2rh": True}), block_size=16)
-    sched.d2rh = D2RHScheduler(HostPool(8), 16, 1, 30.0)
-    sched._d_first = ms.DecodeFirst(sched.cfg, SimpleNamespace(submit=posts.append))  # type: ignore[arg-type]
+    cfg = parse_config("kv_consumer", {"d2rh": True})
+    first = ms.DecodeFirst(cfg, SimpleNamespace(submit=posts.append))  # type: ignore[arg-type]
+    d2rh = D2RHExtension(D2RHScheduler(HostPool(8), 16, 1, 30.0))
+    sched = PDScheduler(cfg, block_size=16, extensions=[DecodeFirstExtension(first), d2rh])
     params = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": proxy}
     req = FakeRequest("cmpl-u-0-0123abcd", params, 40)
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from pd_connector.ascend import metaserver as ms
 from pd_connector.config import DisaggConfig, parse_config
 from pd_connector.kv_params import DecodeParams, PrefillParams, parse_kv_params
 from pd_connector.scheduler import PDScheduler
+from pd_connector.scheduling.decode_first import DecodeFirstExtension
 from tests.support.fake_scheduler import FakeBlocks, FakeRequest, meta
 from tests.support.key_files import self_signed
 from tests.support.validation_app import compat_app, post
@@ -121,9 +122,10 @@ def test_middleware_parts() -> None:
 
 
 def test_scheduler_serves_a_d_first_request_and_posts_after_alloc() -> None:
-    sched = PDScheduler(parse_config("kv_consumer", {"bootstrap_port": 18811}), block_size=16)
+    cfg = parse_config("kv_consumer", {"bootstrap_port": 18811})
     sent = Recorder()
-    sched._d_first = ms.DecodeFirst(sched.cfg, sent)  # type: ignore[arg-type]
+    first = ms.DecodeFirst(cfg, sent)  # type: ignore[arg-type]
+    sched = PDScheduler(cfg, block_size=16, extensions=[DecodeFirstExtension(first)])
     req = FakeRequest("cmpl-u-0-0123abcd", dict(D_FIRST), 40)
     assert sched.get_num_new_matched_tokens(req, 0) == (40, True)
     assert sent.posts == []  # nothing before D's blocks exist
@@ -141,16 +143,17 @@ def test_scheduler_serves_a_d_first_request_and_posts_after_alloc() -> None:
 
 
 def test_scheduler_posts_nothing_for_a_request_that_ends_before_alloc() -> None:
-    sched = PDScheduler(parse_config("kv_consumer", {}), block_size=16)
+    cfg = parse_config("kv_consumer", {})
     sent = Recorder()
-    sched._d_first = ms.DecodeFirst(sched.cfg, sent)  # type: ignore[arg-type]
+    first = ms.DecodeFirst(cfg, sent)  # type: ignore[arg-type]
+    sched = PDScheduler(cfg, block_size=16, extensions=[DecodeFirstExtension(first)])
     req = FakeRequest("r-1", dict(D_FIRST), 40)
     assert sched.get_num_new_matched_tokens(req, 0) == (40, True)
     sched.request_finished(req, [])  # aborted while it queued
-    assert sent.posts == [] and not sched._d_first._pending
+    assert sent.posts == [] and not first._pending
     cached = FakeRequest("r-2", dict(D_FIRST), 32)  # all in D's prefix cache: no load, no prefill asked
     assert sched.get_num_new_matched_tokens(cached, 32) == (0, False)
-    assert sent.posts == [] and not sched._d_first._pending
+    assert sent.posts == [] and not first._pending
 
 
 def test_scheduler_refuses_an_untrusted_metaserver(pd_logs: pytest.LogCaptureFixture) -> None:

@@ -48,7 +48,7 @@ from proxy.errors import (
     json_response,
 )
 from proxy.request.exchange import generate
-from proxy.request.failure_policy import decide
+from proxy.request.failure_policy import count_failure
 from proxy.request.incoming import backend_headers, request_id
 from proxy.request.payloads import CHAT_COMPLETIONS, COMPLETIONS
 from proxy.router_config import RouterConfig
@@ -106,12 +106,12 @@ def _routes(router: Router, gate: Gate) -> list[tuple[str, str, Handler]]:
             reply = await fetch(router.http, state, "GET", "/v1/models", config.request_timeout, None, headers)
             if isinstance(reply, Failure):
                 last = reply
-                if decide(last).mark_unhealthy:
-                    router.pool.mark_unhealthy(state, last.error.message)
+                count_failure(router, "/v1/models", last)  # counted, marked unhealthy if unreachable
                 logger.warning("rid=%s GET /v1/models: %s", rid, last.error.message)
                 continue
             if reply.status >= 500:
                 last = http_failure(state, reply.status, reply.body, reply.content_type)
+                count_failure(router, "/v1/models", last)
                 continue
             content_type = reply.content_type or "application/json"
             return passthrough_response(reply.status, reply.body, content_type, out_headers)

@@ -44,7 +44,7 @@ from proxy.upstream.calls import Failure, FailureKind, fetch
 from proxy.upstream.pool import BackendState
 
 if TYPE_CHECKING:
-    from proxy.request.exchange import Exchange
+    from proxy.request.context import RequestContext
     from proxy.router_state import Router
 
 logger = logging.getLogger("proxy")
@@ -117,7 +117,7 @@ class DrainReport:
 
 @dataclass(slots=True)
 class _Stream:
-    exchange: weakref.ref[Exchange]
+    exchange: weakref.ref[RequestContext]
     tracker: StreamTracker
 
 
@@ -168,7 +168,7 @@ class Drains:
 
     # -- the relay's side ----------------------------------------------------------------------
 
-    def track(self, exchange: Exchange, attempt: Attempt, tracker: StreamTracker) -> None:
+    def track(self, exchange: RequestContext, attempt: Attempt, tracker: StreamTracker) -> None:
         """``attempt``'s stream is relayed through ``tracker``: movable if its decoder drains."""
         streams = self._streams.get(attempt.d)
         if streams is None:

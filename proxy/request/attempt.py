@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from proxy.request.payloads import decode_body, new_room, prefill_body
+from proxy.request.payloads import decode_body, prefill_body
 from proxy.strategies.resume_body import resumable
 from proxy.upstream.calls import (
     Failure,
@@ -108,11 +108,16 @@ class Attempt:
         *,
         p_answered: bool = False,
         prefilled_tokens: int | None = None,
+        migrate_room: int | None = None,
     ) -> None:
         """``p_answered``: P already answered (the first-token path) and holds the room's KV; the
         attempt then runs D only (``p`` may then be a drained decoder holding the KV:
         :mod:`proxy.strategies.kv_move`). ``prefilled_tokens``: that KV covers only the first that many
-        tokens of D's prompt (None: all of it)."""
+        tokens of D's prompt (None: all of it). ``migrate_room``: the room D holds the request's KV
+        as if the Router aborts it (None: D is not movable by KV or the stream not resumable);
+        :meth:`proxy.request.loop.AttemptLoop.new_attempt` draws it.
+
+        Attempts are made by :class:`proxy.request.loop.AttemptLoop` alone."""
         self.router = router
         self.p_answered = p_answered
         self.prefilled_tokens = prefilled_tokens
@@ -124,7 +129,7 @@ class Attempt:
         self.state = AttemptState.WAITING
         #: D is movable by KV and the stream may be moved: the room D holds the request's KV as
         #: if the Router aborts it (a drain's move loads it from there: proxy.strategies.kv_move).
-        self.migrate_room = new_room() if d.backend.movable and resumable(call, router.config.resume_attempts) else None
+        self.migrate_room = migrate_room
         pool = router.pool
         self.p_lease = pool.lease(p, 0 if p_answered else call.tokens)
         self.d_lease = pool.lease(d)

@@ -1,11 +1,15 @@
 """One client generation request: :func:`generate` and its :class:`Exchange`.
 
-An exchange validates the body, then makes up to ``--max-retries`` :class:`proxy.request.attempt.Attempt`
-objects, one at a time, each on a P/D pair the routing policy picks (avoiding instances that
-already failed this request) with a fresh bootstrap room after the first. The first attempt that
-does not fail gives the answer: D's JSON, or D's stream relayed byte for byte. Eligible streamed
-completions take :class:`proxy.strategies.first_token.FirstTokenPath` instead (P's own first token first). Its
-``finally`` closes the current attempt and writes the request's one INFO log line.
+:func:`generate` validates the body and claims its room; the :class:`Exchange` then serves the request:
+its attempts belong to its :class:`proxy.request.loop.AttemptLoop` (rooms, counts, backoff, failures),
+a strategy runs them (:func:`proxy.strategies.two_instance.two_instance`, or
+:class:`proxy.strategies.first_token.FirstTokenPath` for eligible streamed completions: P's own first
+token first), and the exchange answers the client: D's JSON, or D's stream relayed byte for byte
+(:meth:`Exchange.relay`, which hands a cut stream to :mod:`proxy.strategies.resume`). The exchange is
+the strategies' :class:`proxy.request.context.RequestContext`; the client's answers are made in
+:meth:`Exchange.stream_response` and :meth:`Exchange.answered` alone (errors: :mod:`proxy.errors`). Its
+``finally`` closes the loop (the current attempt, the request's rooms) and writes the request's one
+INFO log line.
 
 The handler task is cancelled only by the Router's server (:mod:`proxy.server.hot_server`, or aiohttp
 for what it hands over), when the client goes away: the exchange then closes both backend
@@ -24,28 +28,25 @@ from aiohttp import web
 from pd_connector.trace import PhaseTrace
 from proxy.errors import (
     CLIENT_DISCONNECTED,
-    DECODE_FAILED,
     INTERNAL_ERROR,
-    UPSTREAM_UNAVAILABLE,
     RouterError,
     error_response,
 )
 from proxy.request.attempt import Answered, Attempt, Call, Opened
-from proxy.request.failure_policy import Tried, settle
 from proxy.request.incoming import backend_headers, read_json, request_id
-from proxy.request.payloads import check_prefill_dp_rank, estimate_prompt_tokens, new_room, resolve_room, validate_body
+from proxy.request.loop import AttemptLoop, Next
+from proxy.request.payloads import check_prefill_dp_rank, estimate_prompt_tokens, resolve_room, validate_body
 from proxy.request.progress import RequestProgress
-from proxy.request.room_release import release_attempt_room
 from proxy.router_state import Router
 from proxy.server.reply import StreamReply
 from proxy.strategies.first_token import FirstTokenPath
-from proxy.strategies.first_token_body import ineligible_reason
+from proxy.strategies.first_token_body import FirstTokenFrom, ineligible_reason
 from proxy.strategies.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
 from proxy.strategies.resume import mid_stream_error, resume_stream
 from proxy.strategies.resume_body import StreamTracker, resumable
+from proxy.strategies.two_instance import two_instance
 from proxy.upstream.calls import Failure, exception_failure, passthrough_response
 from proxy.upstream.http1 import UpstreamError
-from proxy.upstream.routing import RouteRequest
 
 logger = logging.getLogger("proxy")
 
@@ -61,8 +62,8 @@ async def generate(router: Router, request: web.Request, endpoint: str) -> web.S
         body = await read_json(request, router.config.max_body_size)
         validate_body(body, endpoint)
         check_prefill_dp_rank(body, [s.backend.dp_rank for s in router.pool.active["prefill"]])
-        room = resolve_room(body, trust_client=router.config.trust_client_room)
-        router.rooms.claim(room)
+        room = resolve_room(body, router.rooms.rng, trust_client=router.config.trust_client_room)
+        router.rooms.claim(room)  # given back when the request ends (AttemptLoop.close)
     except RouterError as error:
         logger.warning("rid=%s POST %s rejected: HTTP %d %s", rid, endpoint, error.status, error.message)
         router.metrics.error(endpoint, error.error_type)
@@ -77,10 +78,7 @@ async def generate(router: Router, request: web.Request, endpoint: str) -> web.S
         tokens,
         backend_headers(request, rid, router.config.backend_authorization),
     )
-    try:
-        return await Exchange(router, request, call, room, t0).run()
-    finally:
-        router.rooms.release(room)
+    return await Exchange(router, request, call, room, t0).run()
 
 
 class Exchange:
@@ -92,16 +90,19 @@ class Exchange:
         self.call = call
         self.endpoint = call.endpoint
         self.rid = call.rid
-        #: The request's room, attempts and first byte (shared with the first-token path and
-        #: proxy.strategies.recompute, which run attempts of this request too).
-        self.progress = RequestProgress(room)
+        #: The request's attempts, whichever strategy runs them.
+        self.loop = AttemptLoop(router, call, room, t0)
         self.t0 = t0
-        self.deadline = t0 + router.config.request_timeout
         self.out_headers = {"X-Request-Id": call.rid}
         self.status = 0
         #: The last bytes relayed to the client; a stream whose tail is ``data: [DONE]`` is complete
         #: even if the client hangs up before the Router ends the chunked body.
         self._tail = b""
+
+    @property
+    def progress(self) -> RequestProgress:
+        """The request's room, attempts and first byte (its loop's)."""
+        return self.loop.progress
 
     # -- the whole request ------------------------------------------------------------------
 
@@ -134,8 +135,7 @@ class Exchange:
                 raise
             return error_response(500, f"internal Router error: {type(exc).__name__}", INTERNAL_ERROR, self.out_headers)
         finally:
-            if self.progress.attempt is not None:
-                self.progress.attempt.close()
+            self.loop.close()
             self._log_done()
 
     def _log_done(self) -> None:
@@ -159,7 +159,9 @@ class Exchange:
             f"{self.progress.ttfb * 1000:.1f}" if self.progress.ttfb is not None else "-",
             elapsed * 1000,
             self.progress.first_token_from.value,
-            " moved=" + ">".join(self.progress.decoders) if self.progress.decoders else "",  # resumed (proxy.strategies.resume)
+            " moved=" + ">".join(self.progress.decoders)
+            if self.progress.decoders
+            else "",  # resumed (proxy.strategies.resume)
             "" if attempt is None else " | " + self._phase_trace(attempt, elapsed).line(),
         )
 
@@ -180,60 +182,12 @@ class Exchange:
         return trace
 
     async def _attempts(self) -> web.StreamResponse:
-        router = self.router
-        config = router.config
-        if config.first_token_from_prefill and ineligible_reason(self.endpoint, self.call.body) is None:
-            return await FirstTokenPath(self).run()
-        return await self.pair_attempts()
-
-    async def pair_attempts(self, start: int = 1, tried: Tried | None = None) -> web.StreamResponse:
-        """Attempts ``start``.. on P/D pairs (P and D at once), avoiding the instances that failed
-        (``tried``); each failure as :mod:`proxy.request.failure_policy` decides."""
-        router = self.router
-        config = router.config
-        pool = router.pool
-        progress = self.progress
-        tried = Tried() if tried is None else tried
-        failure: Failure | None = None
-        for number in range(start, config.max_retries + 1):
-            if number > 1:
-                router.metrics.retry(self.endpoint)
-                progress.room = new_room()
-                delay = config.retry_delay * 2 ** (number - 2)
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            route = RouteRequest(progress.room, self.call.tokens, self.call.body)
-            p = pool.pick("prefill", progress.room, tried.p, route)
-            d = pool.pick("decode", progress.room, tried.d, route)
-            if p is None or d is None:
-                missing = "prefill" if p is None else "decode"
-                return self.error(RouterError(503, f"no {missing} instance is available", UPSTREAM_UNAVAILABLE))
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            progress.attempts = number
-            progress.attempt = attempt = Attempt(router, self.call, p, d, progress.room, remaining)
-            outcome = await attempt.run()
-            if not isinstance(outcome, Failure):
-                return await self.answer(attempt, outcome)
-            failure = outcome
-            attempt.close()
-            decision = settle(router, self.endpoint, failure, tried, attempt)
-            if decision.release_room:
-                release_attempt_room(router, attempt)  # P finished, D unreachable: free the room now
-            if not decision.retry or number == config.max_retries:
-                break
-            logger.warning(
-                "rid=%s room=%s attempt %d/%d failed (%s); retrying on another pair with a fresh room",
-                self.rid,
-                self.progress.room,
-                number,
-                config.max_retries,
-                failure.error.message,
-            )
-        if failure is None:
-            return self.error(RouterError(504, "the request timed out before a backend answered", DECODE_FAILED))
-        return self.final_failure(failure)
+        """The request's strategy, then the one it hands the request to (:class:`proxy.request.loop.Next`)."""
+        if self.router.config.first_token_from_prefill and ineligible_reason(self.endpoint, self.call.body) is None:
+            got = await FirstTokenPath(self).run()
+            if got is not Next.TWO_INSTANCE:
+                return got
+        return await two_instance(self)
 
     # -- answers -------------------------------------------------------------------------------
 
@@ -249,8 +203,6 @@ class Exchange:
         error passed through where it has one)."""
         self.status = failure.passthrough[0] if failure.passthrough else failure.error.status
         self.router.metrics.error(self.endpoint, failure.error.error_type)
-        if self.progress.attempt is not None:
-            self.router.pair_refusals.note(self.progress.attempt.p, failure)
         logger.error(
             "rid=%s room=%s answering HTTP %d after %d attempt(s): %s",
             self.rid,
@@ -266,14 +218,29 @@ class Exchange:
         if isinstance(outcome, Answered):
             if self.router.config.max_recomputes and (cut := recomputed_answer(outcome.body)) is not None:
                 return await continue_answer(self, attempt, outcome, cut)
-            self.status = outcome.status
-            self.progress.ttfb = time.monotonic() - self.t0
-            return passthrough_response(outcome.status, outcome.body, outcome.content_type, self.out_headers)
+            return self.answered(outcome.status, outcome.body, outcome.content_type)
         try:
             watch = stream_watch(self, None)
             return await after_relay(self, await self.relay(attempt, outcome, transform=watch), watch)
         except ConnectionResetError:
             raise asyncio.CancelledError from None  # the client went away
+
+    def answered(self, status: int, body: bytes, content_type: str) -> web.Response:
+        """A whole answer for the client, as it is (its first byte is now)."""
+        self.status = status
+        self.first_byte()
+        return passthrough_response(status, body, content_type, self.out_headers)
+
+    def first_byte(self, source: FirstTokenFrom | None = None) -> None:
+        """The client got the answer's first byte now (``source``: who sent its first token)."""
+        if self.progress.ttfb is None:
+            self.progress.ttfb = time.monotonic() - self.t0
+        if source is not None:
+            self.progress.first_token_from = source
+
+    async def open_stream(self, response: web.StreamResponse) -> None:
+        """Send ``response``'s status and headers to the client."""
+        await response.prepare(self.request)
 
     def stream_response(self, status: int, content_type: str | None) -> web.StreamResponse:
         """The client's streamed answer (not yet prepared)."""
@@ -309,7 +276,7 @@ class Exchange:
         chunk = opened.first
         if response is None:
             response = self.stream_response(upstream.status, upstream.content_type)
-            await response.prepare(self.request)
+            await self.open_stream(response)
         while True:
             if tracker is not None:
                 chunk = tracker.feed(chunk, end=upstream.at_eof())
@@ -327,7 +294,7 @@ class Exchange:
                 await response.write(chunk)
             self._tail = (self._tail + chunk)[-64:]
             if self.progress.ttfb is None:
-                self.progress.ttfb = time.monotonic() - self.t0
+                self.first_byte()
             if eof_sent:
                 break
             try:

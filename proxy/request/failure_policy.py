@@ -1,10 +1,10 @@
 """The Router's one failure policy: what a failed backend call within an attempt leads to.
 
-Every path that calls backends (the two-instance attempts of :mod:`proxy.request.exchange`, the
-first-token path of :mod:`proxy.strategies.first_token`, the continuations of :mod:`proxy.strategies.recompute`, and
-``/v1/models`` in :mod:`proxy.app`) asks :func:`decide` and acts on its :class:`Decision`; the
-attempt loops do it through :func:`settle`, which also counts the failure and records which
-instances failed this request (:class:`Tried`). The rules:
+Every path that calls backends asks :func:`decide` and acts on its :class:`Decision`: a request's
+attempts (whichever strategy runs them) through :meth:`proxy.request.loop.AttemptLoop.fail`, which calls
+:func:`settle` (it counts the failure, marks the backend unhealthy and records which instances failed
+this request, :class:`Tried`), and ``/v1/models`` in :mod:`proxy.app` through :func:`count_failure` (the
+one place that marks a backend unhealthy, always with ``pd_router_backend_errors`` counted). The rules:
 
 - **retry** on another pair where the failure is retryable (:attr:`proxy.upstream.calls.Failure.retryable`:
   connection failures, broken connections, 5xx/408/429, empty answers, an error event first);
@@ -59,9 +59,15 @@ def decide(failure: Failure, attempt: Attempt | None = None) -> Decision:
         retry=failure.retryable,
         mark_unhealthy=connect or failure.unresponsive,
         avoid_p=by_d and failure.kind in D_LOAD_FAILURES,
-        release_room=by_d and connect and attempt is not None and attempt.holds_p_room(),
+        release_room=by_d and connect and attempt is not None and not _moves_kv(attempt) and attempt.holds_p_room(),
         same_room_other_d=by_d and connect and attempt is not None and attempt.p_answered,
     )
+
+
+def _moves_kv(attempt: Attempt) -> bool:
+    """Whether ``attempt`` loads a drained decoder's KV (its "P" is that decoder:
+    :mod:`proxy.strategies.kv_move`); its room is the decoder's own to free (``migrate_hold_s``)."""
+    return attempt.p.backend.role == "decode"
 
 
 @dataclass(slots=True)
@@ -74,14 +80,41 @@ class Tried:
     def add(self, state: BackendState) -> None:
         (self.p if state.backend.role == "prefill" else self.d).add(state)
 
+    @classmethod
+    def after_cut(cls, failure: Failure, attempt: Attempt) -> Tried:
+        """What a stream's next leg avoids after ``attempt``'s stream was cut by ``failure``: the
+        instance that failed, the attempt's decoder, and its P where D's failure is most often P's."""
+        tried = cls()
+        tried.add(failure.state)
+        tried.d.add(attempt.d)
+        if decide(failure, attempt).avoid_p:
+            tried.p.add(attempt.p)
+        return tried
 
-def settle(router: Router, endpoint: str, failure: Failure, tried: Tried, attempt: Attempt | None = None) -> Decision:
-    """Count ``failure``, mark its backend unhealthy and note the instances to avoid, as
-    :func:`decide` says; the caller retries and releases the room (its loop knows when)."""
+
+def count_failure(router: Router, endpoint: str, failure: Failure, attempt: Attempt | None = None) -> Decision:
+    """Count ``failure`` (``pd_router_backend_errors``) and mark its backend unhealthy where
+    :func:`decide` says so: every call that takes a backend out of routing goes through here."""
     decision = decide(failure, attempt)
     router.metrics.backend_error(endpoint, failure.state.backend, failure.kind.value)
     if decision.mark_unhealthy:
         router.pool.mark_unhealthy(failure.state, failure.error.message)
+    return decision
+
+
+def settle(router: Router, endpoint: str, failure: Failure, tried: Tried, attempt: Attempt | None = None) -> Decision:
+    """Count ``failure``, mark its backend unhealthy and note the instances to avoid, as
+    :func:`decide` says; the caller (:meth:`proxy.request.loop.AttemptLoop.fail`) retries and
+    releases the room.
+
+    A leg that loads a drained decoder's KV (``attempt.p`` is that decoder:
+    :mod:`proxy.strategies.kv_move`) avoids its target only where the target was unreachable: a
+    failed KV load is most often the source's doing, and the source is never avoided as a P."""
+    decision = count_failure(router, endpoint, failure, attempt)
+    if attempt is not None and _moves_kv(attempt):
+        if decision.mark_unhealthy:
+            tried.add(failure.state)
+        return decision
     tried.add(failure.state)
     if decision.avoid_p and attempt is not None:
         tried.p.add(attempt.p)

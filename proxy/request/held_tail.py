@@ -30,7 +30,7 @@ from proxy.upstream.calls import Failure, fetch
 
 if TYPE_CHECKING:
     from proxy.request.attempt import Attempt, Call
-    from proxy.request.exchange import Exchange
+    from proxy.request.context import RequestContext
     from proxy.strategies.resume_body import StreamTracker
     from proxy.upstream.pool import BackendState
 
@@ -70,7 +70,9 @@ def longest_whole(ends: list[int], texts: list[str]) -> int | None:
     return None
 
 
-async def _detokenize(ex: Exchange, state: BackendState, call: Call, ids: list[int], deadline: float) -> str | None:
+async def _detokenize(
+    ctx: RequestContext, state: BackendState, call: Call, ids: list[int], deadline: float
+) -> str | None:
     """``state``'s text of ``ids`` (None: no usable answer); sent with ``call``'s backend headers
     (its request id, trace context and the Router's key for the backends)."""
     body: dict[str, object] = {"tokens": ids}
@@ -78,7 +80,7 @@ async def _detokenize(ex: Exchange, state: BackendState, call: Call, ids: list[i
     if isinstance(model, str):
         body["model"] = model
     left = max(0.05, deadline - time.monotonic())
-    reply = await fetch(ex.router.http, state, "POST", "/detokenize", left, _ENCODER.encode(body), call.headers)
+    reply = await fetch(ctx.router.http, state, "POST", "/detokenize", left, _ENCODER.encode(body), call.headers)
     if isinstance(reply, Failure) or reply.status != 200:
         return None
     try:
@@ -88,7 +90,7 @@ async def _detokenize(ex: Exchange, state: BackendState, call: Call, ids: list[i
     return text if isinstance(text, str) else None
 
 
-async def settle_held_tail(ex: Exchange, attempt: Attempt, tracker: StreamTracker) -> None:
+async def settle_held_tail(ctx: RequestContext, attempt: Attempt, tracker: StreamTracker) -> None:
     """Lower ``tracker``'s count of the client's tokens past any whose text was still held when
     ``attempt``'s stream was cut (see the module docstring); asks ``attempt``'s decoder, then its
     prefiller, then any other healthy instance."""
@@ -97,13 +99,13 @@ async def settle_held_tail(ex: Exchange, attempt: Attempt, tracker: StreamTracke
         return
     counted = tracker.committed
     sources = [attempt.d, attempt.p]
-    sources += [s for s in ex.router.pool.all_states() if s.healthy and s not in sources]
+    sources += [s for s in ctx.router.pool.all_states() if s.healthy and s not in sources]
     deadline = time.monotonic() + TIMEOUT_S
     for state in sources:
         if time.monotonic() >= deadline:
             break
         texts = await asyncio.gather(
-            *(_detokenize(ex, state, attempt.call, window(tracker, end), deadline) for end in ends)
+            *(_detokenize(ctx, state, attempt.call, window(tracker, end), deadline) for end in ends)
         )
         if any(text is None for text in texts):
             continue
@@ -111,8 +113,8 @@ async def settle_held_tail(ex: Exchange, attempt: Attempt, tracker: StreamTracke
         if whole is None:
             logger.warning(
                 "rid=%s room=%s the last %d token(s) all end inside a character; resuming after all %d",
-                ex.rid,
-                ex.progress.room,
+                ctx.rid,
+                ctx.progress.room,
                 len(ends),
                 counted,
             )
@@ -122,8 +124,8 @@ async def settle_held_tail(ex: Exchange, attempt: Attempt, tracker: StreamTracke
                 logger.info(
                     "rid=%s room=%s %d of the client's last token(s) had no text yet (/detokenize on %s); "
                     "they are generated again",
-                    ex.rid,
-                    ex.progress.room,
+                    ctx.rid,
+                    ctx.progress.room,
                     counted - whole,
                     state.backend.name,
                 )
@@ -131,8 +133,8 @@ async def settle_held_tail(ex: Exchange, attempt: Attempt, tracker: StreamTracke
     logger.warning(
         "rid=%s room=%s no instance answered /detokenize; resuming after all %d token(s) (the last %d may "
         "have had no text yet)",
-        ex.rid,
-        ex.progress.room,
+        ctx.rid,
+        ctx.progress.room,
         counted,
         tracker.unsure,
     )

@@ -6,10 +6,11 @@ is left, or the decoder could not be reached and the request goes on elsewhere),
 one-token, non-streamed request to another decoder loads that KV, which frees it on P at once;
 nothing of its answer is used.
 
-Only where the decoder certainly never asked P for the room (:func:`release_attempt_room`, as
-:mod:`proxy.request.failure_policy` decides: D could not be connected to): a decoder that got the
+Only where the decoder certainly never asked P for the room (as :mod:`proxy.request.failure_policy`
+decides: D could not be connected to), or no decoder was asked at all: a decoder that got the
 request may have loaded the KV already, and a second load of a room P no longer holds would
-fail on that other decoder for nothing.
+fail on that other decoder for nothing. :meth:`proxy.request.loop.AttemptLoop.release_p_room` is the
+one caller; its module says when.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from proxy.upstream.pool import BackendState
 from proxy.upstream.routing import RouteRequest
 
 if TYPE_CHECKING:
-    from proxy.request.attempt import Attempt, Call
+    from proxy.request.attempt import Call
     from proxy.router_state import Router
 
 logger = logging.getLogger("proxy")
@@ -65,9 +66,3 @@ def release_room(
 
     router.keep(asyncio.get_running_loop().create_task(release()))
     return True
-
-
-def release_attempt_room(router: Router, attempt: Attempt) -> None:
-    """``attempt`` failed while P holds its room's KV and its decoder never reached P
-    (:attr:`proxy.request.failure_policy.Decision.release_room`): free the room now through another decoder."""
-    release_room(router, attempt.p, attempt.room, attempt.call, attempt.prefilled_tokens, {attempt.d})

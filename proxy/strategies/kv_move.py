@@ -14,24 +14,24 @@ a while (``migrate_hold_s``). The stream then goes on on another decoder by an o
   and computes the last prompt token itself; nothing is prefilled again.
 
 The leg is an :class:`proxy.request.attempt.Attempt` with ``p_answered`` whose "prefiller" is the drained
-decoder: it holds no lease there (the drain waits for nothing of it). A leg that fails before its
-first chunk leaves the stream to a replay leg (:mod:`proxy.strategies.resume`); the target is avoided then
-only where it was unreachable (a failed KV load is most often the source's doing).
+decoder, made and settled by the request's :class:`proxy.request.loop.AttemptLoop`: it holds no lease
+there (the drain waits for nothing of it). A leg that fails before its first chunk leaves the stream
+to a replay leg (:mod:`proxy.strategies.resume`); the target is avoided then only where it was
+unreachable (a failed KV load is most often the source's doing: :func:`proxy.request.failure_policy.settle`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 from proxy.request.attempt import Attempt, Call, Opened
-from proxy.request.failure_policy import Tried, settle
+from proxy.request.failure_policy import Tried
+from proxy.request.loop import Won
 from proxy.upstream.calls import Failure, FailureKind
-from proxy.upstream.routing import RouteRequest
 
 if TYPE_CHECKING:
-    from proxy.request.exchange import Exchange
+    from proxy.request.context import RequestContext
 
 logger = logging.getLogger("proxy")
 
@@ -56,40 +56,31 @@ def prefilled_tokens(call: Call) -> int | None:
     return len(prompt) - 1
 
 
-async def kv_leg(ex: Exchange, attempt: Attempt, call: Call, tried: Tried) -> tuple[Attempt, Opened] | None:
+async def kv_leg(ctx: RequestContext, attempt: Attempt, call: Call, tried: Tried) -> tuple[Attempt, Opened] | None:
     """Open the leg that continues ``attempt``'s cut stream on another decoder with the KV the drained
     decoder holds (``call``: :func:`proxy.strategies.resume_body.resume_call`'s); the leg and its first chunk,
     or None when no such leg opened (the caller replays; ``tried`` gains the target only where it
     was unreachable)."""
-    router = ex.router
+    loop = ctx.loop
     source = attempt.d
     room = attempt.migrate_room
     prefilled = prefilled_tokens(call)
     if room is None or prefilled is None:
         return None
-    d = router.pool.pick("decode", room, tried.d, RouteRequest(room, call.tokens, call.body))
-    remaining = ex.deadline - time.monotonic()
-    if d is None or d in tried.d or remaining <= 0:
-        logger.warning("rid=%s room=%s no decoder to move to by KV; replaying", ex.rid, room)
+    d = loop.pick("decode", call, room, tried.d)
+    if d is None or d in tried.d or loop.remaining() <= 0:
+        logger.warning("rid=%s room=%s no decoder to move to by KV; replaying", ctx.rid, room)
         return None
-    ex.progress.room = room
-    ex.progress.attempts += 1
-    new = Attempt(router, call, source, d, room, remaining, p_answered=True, prefilled_tokens=prefilled)
-    ex.progress.attempt = new
-    outcome = await new.run()
-    if isinstance(outcome, Opened):
-        return new, outcome
-    new.close()
-    if isinstance(outcome, Failure):
-        decision = settle(router, ex.endpoint, outcome, Tried(), new)
-        if decision.mark_unhealthy:
-            tried.d.add(d)
-        logger.warning(
-            "rid=%s room=%s KV leg on %s (KV from %s) failed before its first chunk (%s); replaying",
-            ex.rid,
-            room,
-            d.backend.name,
-            source.backend.name,
-            outcome.error.message,
-        )
+    loop.count()
+    got = await loop.run(loop.new_attempt(call, source, d, room, p_answered=True, prefilled_tokens=prefilled), tried)
+    if isinstance(got, Won):
+        return (got.attempt, got.outcome) if isinstance(got.outcome, Opened) else None
+    logger.warning(
+        "rid=%s room=%s KV leg on %s (KV from %s) failed before its first chunk (%s); replaying",
+        ctx.rid,
+        room,
+        d.backend.name,
+        source.backend.name,
+        got.failure.error.message,
+    )
     return None

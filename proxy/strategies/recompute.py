@@ -3,8 +3,9 @@
 vLLM-Ascend's decoders with ``recompute_scheduler_enable`` drop a request they have no KV blocks
 for and answer ``finish_reason: "stop"``, ``stop_reason: "recomputed"``; the front end is to send
 the prompt plus the text generated so far to a new prefill and decode (vLLM-Ascend's example proxy
-does, :mod:`proxy.strategies.recompute_body` says how the continuation's body is built). Here the exchange
-(both its two-instance path and the first-token path) hands such an answer to this module:
+does, :mod:`proxy.strategies.recompute_body` says how the continuation's body is built). The request's
+answer (after the two-instance path or the first-token path, through its
+:class:`proxy.request.context.RequestContext`) hands such an answer to this module:
 
 - a whole JSON answer (:func:`continue_answer`): legs are run one after another until one does not
   stop with ``recomputed``; the client gets one answer (the text of every leg, ``completion_tokens``
@@ -15,7 +16,7 @@ does, :mod:`proxy.strategies.recompute_body` says how the continuation's body is
 
 Each continuation is one INFO line with the request id; a leg runs on a pair the routing policy
 picks (another decoder than the one that cut the answer where there is one), with a fresh room,
-retried on other pairs like any attempt. After ``--max-recomputes`` continuations, or when a
+retried on other pairs like any attempt (:meth:`proxy.request.loop.AttemptLoop.pairs`). After ``--max-recomputes`` continuations, or when a
 continuation cannot be made (no token budget left, the request not continuable, no pair answered),
 the answer so far goes to the client as it is (``stop_reason: "recomputed"`` included), with a log
 line saying why.
@@ -24,15 +25,15 @@ line saying why.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from proxy.request.attempt import Answered, Attempt, Call, Opened
-from proxy.request.failure_policy import Tried, settle
-from proxy.request.payloads import estimate_prompt_tokens, new_room
+from proxy.request.failure_policy import Tried
+from proxy.request.loop import Won
+from proxy.request.payloads import estimate_prompt_tokens
 from proxy.strategies.recompute_body import (
     Progress,
     StreamWatch,
@@ -45,12 +46,10 @@ from proxy.strategies.recompute_body import (
     recomputed_answer,
     unsupported_reason,
 )
-from proxy.upstream.calls import Failure, passthrough_response
 from proxy.upstream.pool import BackendState
-from proxy.upstream.routing import RouteRequest
 
 if TYPE_CHECKING:
-    from proxy.request.exchange import Exchange
+    from proxy.request.context import RequestContext
 
 logger = logging.getLogger("proxy")
 
@@ -58,23 +57,23 @@ __all__ = ["StreamWatch", "after_relay", "continue_answer", "recomputed_answer",
 
 
 def stream_watch(
-    ex: Exchange, inner: Callable[[bytes], bytes] | None, text: str = "", tokens: int = 0
+    ctx: RequestContext, inner: Callable[[bytes], bytes] | None, text: str = "", tokens: int = 0
 ) -> Callable[[bytes], bytes] | None:
     """The relay transform of a streamed answer's first leg: ``inner`` watched for ``recomputed``
     (``text``/``tokens``: what the client already has of the answer), or ``inner`` itself when
     continuations are off (``--max-recomputes 0``) or the request cannot be continued."""
-    if ex.router.config.max_recomputes < 1 or unsupported_reason(ex.endpoint, ex.call.body) is not None:
+    if ctx.router.config.max_recomputes < 1 or unsupported_reason(ctx.endpoint, ctx.call.body) is not None:
         return inner
-    return StreamWatch(inner, Progress(), leg=0, client_usage=_client_usage(ex), text=text, tokens=tokens)
+    return StreamWatch(inner, Progress(), leg=0, client_usage=_client_usage(ctx), text=text, tokens=tokens)
 
 
-def _client_usage(ex: Exchange) -> bool:
-    options = ex.call.body.get("stream_options")
+def _client_usage(ctx: RequestContext) -> bool:
+    options = ctx.call.body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
 async def after_relay(
-    ex: Exchange, response: web.StreamResponse, transform: Callable[[bytes], bytes] | None
+    ctx: RequestContext, response: web.StreamResponse, transform: Callable[[bytes], bytes] | None
 ) -> web.StreamResponse:
     """After the relay of a leg: continue the client's stream while D cut it with ``recomputed``."""
     watch = transform
@@ -82,51 +81,51 @@ async def after_relay(
         progress = watch.progress
         progress.text += watch.text
         progress.tokens += watch.leg_tokens
-        got = await _next_leg(ex, progress, watch.leg_tokens)
+        got = await _next_leg(ctx, progress, watch.leg_tokens)
         if got is None:
             await response.write_eof(watch.held)
             return response
         attempt, outcome = got
-        if not isinstance(outcome, Opened):
-            attempt.close()
+        if not isinstance(outcome, Opened):  # closed when the request ends (AttemptLoop.close)
             logger.error(
-                "rid=%s room=%s continuation answered without a stream; the answer ends as is", ex.rid, ex.progress.room
+                "rid=%s room=%s continuation answered without a stream; the answer ends as is",
+                ctx.rid,
+                ctx.progress.room,
             )
             await response.write_eof(watch.held)
             return response
-        watch = StreamWatch(None, progress, leg=progress.continuations, client_usage=_client_usage(ex))
-        response = await ex.relay(attempt, outcome, response, watch)
+        watch = StreamWatch(None, progress, leg=progress.continuations, client_usage=_client_usage(ctx))
+        response = await ctx.relay(attempt, outcome, response, watch)
     return response
 
 
 async def continue_answer(
-    ex: Exchange, attempt: Attempt, answered: Answered, first: dict[str, Any]
+    ctx: RequestContext, attempt: Attempt, answered: Answered, first: dict[str, Any]
 ) -> web.StreamResponse:
     """D's whole answer ``first`` stopped with ``recomputed``: continue it, and answer the client
     once with every leg merged."""
     status, content_type = answered.status, answered.content_type
     progress = Progress(id=first.get("id"))
     legs = [first]
-    reason = unsupported_reason(ex.endpoint, ex.call.body)
+    reason = unsupported_reason(ctx.endpoint, ctx.call.body)
     if reason is not None:
         logger.warning(
-            "rid=%s room=%s D stopped with recomputed; passed on as is: %s", ex.rid, ex.progress.room, reason
+            "rid=%s room=%s D stopped with recomputed; passed on as is: %s", ctx.rid, ctx.progress.room, reason
         )
     while reason is None and is_recomputed(legs[-1]):
         progress.text += answer_text(legs[-1])
         tokens = answer_tokens(legs[-1])
         progress.tokens += tokens
-        got = await _next_leg(ex, progress, tokens)
+        got = await _next_leg(ctx, progress, tokens)
         if got is None:
             break
-        leg_attempt, outcome = got
+        _leg, outcome = got
         answer = parse_answer(outcome.body) if isinstance(outcome, Answered) else None
-        if answer is None:
-            leg_attempt.close()
+        if answer is None:  # the leg is closed when the request ends (AttemptLoop.close)
             logger.error(
                 "rid=%s room=%s continuation's answer is no JSON answer; the answer ends as is",
-                ex.rid,
-                ex.progress.room,
+                ctx.rid,
+                ctx.progress.room,
             )
             break
         legs.append(answer)
@@ -135,46 +134,46 @@ async def continue_answer(
         progress.text += answer_text(legs[-1])
         progress.tokens += answer_tokens(legs[-1])
     body = answered.body if len(legs) == 1 else merged_answer(legs, progress)
-    ex.status = status
-    ex.progress.ttfb = time.monotonic() - ex.t0
-    return passthrough_response(status, body, content_type, ex.out_headers)
+    return ctx.answered(status, body, content_type)
 
 
-async def _next_leg(ex: Exchange, progress: Progress, leg_tokens: int) -> tuple[Attempt, Opened | Answered] | None:
+async def _next_leg(
+    ctx: RequestContext, progress: Progress, leg_tokens: int
+) -> tuple[Attempt, Opened | Answered] | None:
     """The next leg's attempt and D's answer; None (logged) when there is none to be had."""
-    config = ex.router.config
-    cut_by = ex.progress.attempt.d if ex.progress.attempt is not None else None
+    config = ctx.router.config
+    cut_by = ctx.progress.attempt.d if ctx.progress.attempt is not None else None
     where = cut_by.backend.name if cut_by is not None else "D"
     if progress.continuations >= config.max_recomputes:
         logger.warning(
             "rid=%s room=%s %s stopped with recomputed after %d tokens; %d continuations made "
             "(--max-recomputes), the answer ends as is",
-            ex.rid,
-            ex.progress.room,
+            ctx.rid,
+            ctx.progress.room,
             where,
             progress.tokens,
             progress.continuations,
         )
         return None
-    body = continuation_body(ex.endpoint, ex.call.body, progress)
+    body = continuation_body(ctx.endpoint, ctx.call.body, progress)
     if body is None:
         logger.warning(
             "rid=%s room=%s %s stopped with recomputed after %d tokens, no token left to generate; "
             "the answer ends as is",
-            ex.rid,
-            ex.progress.room,
+            ctx.rid,
+            ctx.progress.room,
             where,
             progress.tokens,
         )
         return None
     progress.continuations += 1
-    if ex.call.stream:
+    if ctx.call.stream:
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     logger.info(
         "rid=%s room=%s %s stopped with recomputed after %d tokens (%d in all); continuation %d/%d: "
         "prompt + %d characters on a fresh pair, max_tokens %s",
-        ex.rid,
-        ex.progress.room,
+        ctx.rid,
+        ctx.progress.room,
         where,
         leg_tokens,
         progress.tokens,
@@ -183,49 +182,24 @@ async def _next_leg(ex: Exchange, progress: Progress, leg_tokens: int) -> tuple[
         len(progress.text),
         body.get("max_tokens", body.get("max_completion_tokens")),
     )
-    call = Call(ex.endpoint, ex.rid, body, ex.call.stream, estimate_prompt_tokens(body), ex.call.headers)
-    return await _run_leg(ex, call, cut_by)
+    call = Call(ctx.endpoint, ctx.rid, body, ctx.call.stream, estimate_prompt_tokens(body), ctx.call.headers)
+    return await _run_leg(ctx, call, cut_by)
 
 
-async def _run_leg(ex: Exchange, call: Call, cut_by: BackendState | None) -> tuple[Attempt, Opened | Answered] | None:
+async def _run_leg(
+    ctx: RequestContext, call: Call, cut_by: BackendState | None
+) -> tuple[Attempt, Opened | Answered] | None:
     """Attempts of one leg on pairs the routing policy picks (fresh rooms; another decoder than
     ``cut_by`` where one is left), up to ``--max-retries``; the first that does not fail."""
-    router = ex.router
-    config, pool = router.config, router.pool
     tried = Tried(d=set() if cut_by is None else {cut_by})
-    if ex.progress.attempt is not None:
-        ex.progress.attempt.close()  # the leg before: D is done, P detached
-    failure: Failure | None = None
-    for number in range(1, config.max_retries + 1):
-        ex.progress.room = new_room()
-        route = RouteRequest(ex.progress.room, call.tokens, call.body)
-        p = pool.pick("prefill", ex.progress.room, tried.p, route)
-        d = pool.pick("decode", ex.progress.room, tried.d, route)
-        remaining = ex.deadline - time.monotonic()
-        if p is None or d is None or remaining <= 0:
-            break
-        ex.progress.attempts += 1
-        ex.progress.attempt = attempt = Attempt(router, call, p, d, ex.progress.room, remaining)
-        outcome = await attempt.run()
-        if not isinstance(outcome, Failure):
-            return attempt, outcome
-        failure = outcome
-        attempt.close()
-        decision = settle(router, ex.endpoint, failure, tried, attempt)
-        if not decision.retry:
-            break
-        logger.warning(
-            "rid=%s room=%s continuation attempt %d/%d failed (%s)",
-            ex.rid,
-            ex.progress.room,
-            number,
-            config.max_retries,
-            failure.error.message,
-        )
+    tries = ctx.router.config.max_retries
+    got = await ctx.loop.pairs(call, tried, tries, retries=False, what="continuation attempt")
+    if isinstance(got, Won):
+        return got.attempt, got.outcome
     logger.error(
         "rid=%s room=%s no pair answered the continuation (%s); the answer ends as is",
-        ex.rid,
-        ex.progress.room,
-        failure.error.message if failure is not None else "no instance or no time left",
+        ctx.rid,
+        ctx.progress.room,
+        got.failure.error.message if got.failure is not None else got.why or "no instance or no time left",
     )
     return None

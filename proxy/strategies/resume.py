@@ -1,7 +1,7 @@
 """Resuming a stream its decoder cut after it started: :func:`resume_stream`.
 
 When D's stream breaks after bytes went to the client (connection lost, an error event, the pair's
-P failing), :meth:`proxy.request.exchange.Exchange.relay` hands it here before ending it with an error
+P failing), the request's relay (:meth:`proxy.request.context.RequestContext.relay`) hands it here before ending it with an error
 event. Where :func:`proxy.request.failure_policy.resume_refusal` allows it, the stream goes on on another
 decoder: a fresh room, a P/D pair the routing policy picks (not the decoder that failed, nor the
 pair's P when P failed), P prefilling the leg's prompt token ids plus the generated ids the client
@@ -30,16 +30,15 @@ from aiohttp import web
 from proxy.admin.drain import MoveMode
 from proxy.errors import DECODE_FAILED, RouterError
 from proxy.request.attempt import Attempt, Opened
-from proxy.request.failure_policy import Tried, decide, resume_refusal, settle
+from proxy.request.failure_policy import Tried, count_failure, resume_refusal
 from proxy.request.held_tail import settle_held_tail
-from proxy.request.payloads import new_room
+from proxy.request.loop import Won
 from proxy.strategies.kv_move import kv_leg, kv_movable
 from proxy.strategies.resume_body import StreamTracker, resume_call
 from proxy.upstream.calls import Failure, FailureKind
-from proxy.upstream.routing import RouteRequest
 
 if TYPE_CHECKING:
-    from proxy.request.exchange import Exchange
+    from proxy.request.context import RequestContext
 
 logger = logging.getLogger("proxy")
 
@@ -50,110 +49,90 @@ def mid_stream_error(attempt: Attempt, event: str) -> Failure:
     return Failure(attempt.d, FailureKind.ERROR_EVENT, RouterError(502, message, DECODE_FAILED), True)
 
 
-def _mark(ex: Exchange, phase: str, at: float | None = None) -> None:
+def _mark(ctx: RequestContext, phase: str, at: float | None = None) -> None:
     """A ``d_cut``/``resumed`` mark in the request's phase trace (numbered after the first)."""
-    n = ex.progress.resumes
-    ex.progress.moves.append((phase if n <= 1 else f"{phase}_{n}", time.time() if at is None else at))
+    n = ctx.progress.resumes
+    ctx.progress.moves.append((phase if n <= 1 else f"{phase}_{n}", time.time() if at is None else at))
 
 
 async def resume_stream(
-    ex: Exchange, attempt: Attempt, failure: Failure, response: web.StreamResponse, tracker: StreamTracker
+    ctx: RequestContext, attempt: Attempt, failure: Failure, response: web.StreamResponse, tracker: StreamTracker
 ) -> bool:
     """Continue the client's ``response`` after ``attempt`` failed with ``failure`` mid-stream; True
     when the stream was taken over (it is then complete, or ended by a later leg), False when it was
     not resumed (the caller ends it with the error event, as without resume). A drain's cut
     (``FailureKind.DRAIN``) tells the drain how the stream moved (:meth:`proxy.admin.drain.Drains.settled`)."""
     if failure.kind is not FailureKind.DRAIN:
-        return await _resume(ex, attempt, failure, response, tracker)
+        return await _resume(ctx, attempt, failure, response, tracker)
     try:
-        return await _resume(ex, attempt, failure, response, tracker)
+        return await _resume(ctx, attempt, failure, response, tracker)
     finally:
-        ex.router.drains.settled(attempt, MoveMode.FAILED, ex.progress.room)  # no-op once settled
+        ctx.router.drains.settled(attempt, MoveMode.FAILED, ctx.progress.room)  # no-op once settled
 
 
 async def _resume(
-    ex: Exchange, attempt: Attempt, failure: Failure, response: web.StreamResponse, tracker: StreamTracker
+    ctx: RequestContext, attempt: Attempt, failure: Failure, response: web.StreamResponse, tracker: StreamTracker
 ) -> bool:
-    router = ex.router
+    router = ctx.router
     config = router.config
     cut_at = time.monotonic()
     if tracker.finished:
         if failure.kind is FailureKind.DRAIN:
-            router.drains.settled(attempt, None, ex.progress.room)  # nothing left to move
-        # The answer's finish reason went out: only usage and [DONE] are missing.
-        attempt.close()
-        router.metrics.backend_error(ex.endpoint, failure.state.backend, failure.kind.value)
+            router.drains.settled(attempt, None, ctx.progress.room)  # nothing left to move
+        # The answer's finish reason went out: only usage and [DONE] are missing (the attempt is
+        # closed as the request ends: AttemptLoop.close).
+        router.metrics.backend_error(ctx.endpoint, failure.state.backend, failure.kind.value)
         logger.warning(
             "rid=%s room=%s stream cut after its last token (%s); the Router ends it",
-            ex.rid,
-            ex.progress.room,
+            ctx.rid,
+            ctx.progress.room,
             failure.error.message,
         )
         await response.write_eof(tracker.closing_events())
         return True
-    refusal = resume_refusal(failure, ex.progress.resumes, config.resume_attempts)
+    refusal = resume_refusal(failure, ctx.progress.resumes, config.resume_attempts)
     if refusal is None:
-        await settle_held_tail(ex, attempt, tracker)  # the client's last tokens whose text was held
+        await settle_held_tail(ctx, attempt, tracker)  # the client's last tokens whose text was held
     call = resume_call(tracker) if refusal is None else None
     if refusal is None and call is None:
         refusal = "no prompt token ids seen or no token left to generate"
     if call is None:
-        logger.warning("rid=%s room=%s stream cut, not resumed: %s", ex.rid, ex.progress.room, refusal)
+        logger.warning("rid=%s room=%s stream cut, not resumed: %s", ctx.rid, ctx.progress.room, refusal)
         return False
-    attempt.close()
-    tried = Tried()  # the decoder, and P where P failed or D's failure is most often P's, avoided
-    tried.add(failure.state)
-    tried.d.add(attempt.d)
-    if decide(failure, attempt).avoid_p:
-        tried.p.add(attempt.p)
+    # The cut attempt is closed by the next leg's (AttemptLoop.new_attempt), or by the relay's end.
+    tried = Tried.after_cut(failure, attempt)
     cut_from = attempt.d.backend.name
     if kv_movable(failure, attempt):  # a drained decoder holds the KV: move it (proxy.strategies.kv_move)
         cut_wall = time.time()
-        leg = await kv_leg(ex, attempt, call, tried)
+        leg = await kv_leg(ctx, attempt, call, tried)
         if leg is not None:
-            ex.progress.resumes += 1
-            _mark(ex, "d_cut", cut_wall)
+            ctx.progress.resumes += 1
+            _mark(ctx, "d_cut", cut_wall)
             new, outcome = leg
-            await _relay_leg(ex, attempt, failure, new, outcome, response, tracker, cut_at, MoveMode.KV)
+            await _relay_leg(ctx, attempt, failure, new, outcome, response, tracker, cut_at, MoveMode.KV)
             return True
-    while ex.progress.resumes < config.resume_attempts:
-        ex.progress.resumes += 1
-        _mark(ex, "d_cut")
-        room = ex.progress.room = new_room()
-        route = RouteRequest(room, call.tokens, call.body)
-        p = router.pool.pick("prefill", room, tried.p, route)
-        d = router.pool.pick("decode", room, tried.d, route)
-        remaining = ex.deadline - time.monotonic()
-        if p is None or d is None or d in tried.d or remaining <= 0:
-            why = "no time left" if remaining <= 0 else "no decoder left that has not failed this request"
-            logger.error("rid=%s stream cut on %s, not resumed: %s", ex.rid, cut_from, why)
+    while ctx.progress.resumes < config.resume_attempts:
+        ctx.progress.resumes += 1
+        _mark(ctx, "d_cut")
+        got = await ctx.loop.pairs(call, tried, 1, retries=False, new_decoder=True, what="resumed leg")
+        if isinstance(got, Won):
+            if not isinstance(got.outcome, Opened):  # a streamed request is always Opened
+                break
+            await _relay_leg(
+                ctx, attempt, failure, got.attempt, got.outcome, response, tracker, cut_at, MoveMode.REPLAY
+            )
+            return True
+        if got.why is not None:
+            logger.error("rid=%s stream cut on %s, not resumed: %s", ctx.rid, cut_from, got.why)
             return False
-        ex.progress.attempts += 1
-        ex.progress.attempt = new = Attempt(router, call, p, d, room, remaining)
-        outcome = await new.run()
-        if isinstance(outcome, Opened):
-            await _relay_leg(ex, attempt, failure, new, outcome, response, tracker, cut_at, MoveMode.REPLAY)
-            return True
-        new.close()
-        if not isinstance(outcome, Failure):  # a streamed request is always Opened
+        if not got.retry:
             break
-        decision = settle(router, ex.endpoint, outcome, tried, new)
-        logger.warning(
-            "rid=%s room=%s resumed leg on %s + %s failed (%s)",
-            ex.rid,
-            room,
-            p.backend.name,
-            d.backend.name,
-            outcome.error.message,
-        )
-        if not decision.retry:
-            break
-    logger.error("rid=%s stream cut on %s, not resumed: every resumed leg failed", ex.rid, cut_from)
+    logger.error("rid=%s stream cut on %s, not resumed: every resumed leg failed", ctx.rid, cut_from)
     return False
 
 
 async def _relay_leg(
-    ex: Exchange,
+    ctx: RequestContext,
     attempt: Attempt,
     failure: Failure,
     new: Attempt,
@@ -164,23 +143,23 @@ async def _relay_leg(
     mode: MoveMode,
 ) -> None:
     """The resumed leg ``new`` opened (by ``mode``): count it, log it, relay it to the client."""
-    router = ex.router
+    router = ctx.router
     call = new.call
-    settle(router, ex.endpoint, failure, Tried(), attempt)  # the cut counted (unhealthy if unreachable)
+    count_failure(router, ctx.endpoint, failure, attempt)  # the cut counted (unhealthy if unreachable)
     seconds = time.monotonic() - cut_at
     # Tokens prefilled again: none when the KV moved (the target loaded it from the drained decoder).
     replayed = 0 if mode is MoveMode.KV else call.replayed - attempt.call.replayed
-    router.metrics.resumed(ex.endpoint, failure.kind.value, replayed, seconds)
-    _mark(ex, "resumed")
-    if not ex.progress.decoders:
-        ex.progress.decoders.append(attempt.d.backend.address)
-    ex.progress.decoders.append(new.d.backend.address)
+    router.metrics.resumed(ctx.endpoint, failure.kind.value, replayed, seconds)
+    _mark(ctx, "resumed")
+    if not ctx.progress.decoders:
+        ctx.progress.decoders.append(attempt.d.backend.address)
+    ctx.progress.decoders.append(new.d.backend.address)
     if failure.kind is FailureKind.DRAIN:
         router.drains.settled(attempt, mode, new.room)
     logger.warning(
         "rid=%s room=%s stream cut on %s (%s) after %d token(s); resumed on %s + %s in %.1f ms by %s "
         "(%d token(s) prefilled again, max_tokens %s; resumed leg %d/%d)",
-        ex.rid,
+        ctx.rid,
         new.room,
         attempt.d.backend.name,
         failure.kind.value,
@@ -191,7 +170,7 @@ async def _relay_leg(
         mode.value,
         replayed,
         call.body.get("max_tokens"),
-        ex.progress.resumes,
+        ctx.progress.resumes,
         router.config.resume_attempts,
     )
-    await ex.relay(new, outcome, response, tracker=StreamTracker(call, identity=tracker.identity))
+    await ctx.relay(new, outcome, response, tracker=StreamTracker(call, identity=tracker.identity))

@@ -2,11 +2,20 @@
 
 Every client connection starts on a :class:`proxy.server.hot_connection.HotConnection`. ``POST
 /v1/completions`` and ``POST /v1/chat/completions`` (the *hot* routes) are parsed by httptools and
-served right there: the same handlers aiohttp would run (auth, request id, body limit, the
-exchange) get a :class:`proxy.server.request.RawRequest`, and their aiohttp responses are written
-through a :class:`proxy.server.request.ResponseWriter`. Any other request hands the connection,
-with the bytes of that request, to aiohttp's own protocol (``web.Server``) for the rest of its
-life, so every other route keeps aiohttp's behaviour exactly (its head was checked here first).
+served right there: the same handlers aiohttp has for them (auth, request id, body limit, the
+exchange) get a :class:`proxy.server.request.RawRequest`, and the
+:class:`proxy.server.reply.ClientReply` they answer with is framed by the connection's own
+:class:`proxy.server.request.ReplyWriter`; no aiohttp object is involved. Any other request hands
+the connection, with the bytes of that request, to aiohttp's own protocol for the rest of its life,
+so every other route keeps aiohttp's behaviour exactly (its head was checked here first).
+
+The hand-over uses aiohttp's public API only, which is why it is kept rather than re-implementing
+the other routes: ``AppRunner.server`` is a ``web.Server``, documented as a protocol factory for
+``loop.create_server``; one protocol it makes is given the transport with asyncio's own
+``transport.set_protocol`` and the ``asyncio.Protocol`` calls ``connection_made`` and
+``data_received`` (the request's bytes read so far). aiohttp's routes get the handlers'
+``ClientReply`` objects through the application's middleware (:func:`proxy.server.reply.aiohttp_replies`).
+tests/proxy/test_aiohttp_contract.py checks each of these on the aiohttp versions setup.py allows.
 
 Kept from aiohttp's server: keep-alive (75 s idle timeout), ``Expect: 100-continue``, HTTP 400
 on a malformed request, handler cancellation (a client that goes away cancels its handler task,

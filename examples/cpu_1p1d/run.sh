@@ -6,7 +6,8 @@
 #   KEEP_RUNNING=1 bash examples/cpu_1p1d/run.sh  # stay up until Ctrl-C
 #
 # Every setting can be overridden from the environment:
-#   MODEL (default: build the tiny random Llama in ./models/tiny-llama), PYTHON (.venv/bin/python),
+#   MODEL (default: SmolLM2-135M-Instruct, built offline into ./models/smollm2-135m-instruct by
+#   `python -m launch.real_model`; MODEL=tiny: a tiny random Llama in ./models/tiny-llama), PYTHON (.venv/bin/python),
 #   P_PORT 8100, BOOTSTRAP_PORT 18800, D_PORT 8200, ROUTER_PORT 8000, P_CPUS 0, D_CPUS 1, LOG_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,6 +23,9 @@ LOG_DIR=${LOG_DIR:-logs/cpu_1p1d-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$LOG_DIR"
 
 if [[ -z "${MODEL:-}" ]]; then
+    MODEL=models/smollm2-135m-instruct
+    "$PYTHON" -m launch.real_model "$MODEL" >/dev/null  # reused when built
+elif [[ "$MODEL" == tiny ]]; then
     MODEL=models/tiny-llama
     [[ -f "$MODEL/config.json" ]] || "$PYTHON" -m launch.tiny_model "$MODEL"
 fi
@@ -89,10 +93,16 @@ wait_healthy prefill "http://127.0.0.1:$P_PORT/health"
 wait_healthy decode "http://127.0.0.1:$D_PORT/health"
 wait_healthy router "http://127.0.0.1:$ROUTER_PORT/health"
 
-# One streamed completion through the Router.
+# One streamed completion through the Router: its events, then their text joined.
 curl -sN "http://127.0.0.1:$ROUTER_PORT/v1/completions" -H 'Content-Type: application/json' \
-    -d "{\"model\":\"$MODEL\",\"prompt\":\"Prefill and decode run on different instances.\",\"max_tokens\":16,\"temperature\":0,\"stream\":true}"
+    -d "{\"model\":\"$MODEL\",\"prompt\":\"The three primary colors are\",\"max_tokens\":16,\"temperature\":0,\"stream\":true}" \
+    | tee "$LOG_DIR/answer.sse"
 echo
+"$PYTHON" -c '
+import json, sys
+events = [line[6:] for line in open(sys.argv[1]) if line.startswith("data: {")]
+print("answer:", repr("".join(c.get("text") or "" for e in events for c in json.loads(e)["choices"])))
+' "$LOG_DIR/answer.sse"
 grep -h "pushed\|KV received" "$LOG_DIR/prefill.log" "$LOG_DIR/decode.log" | tail -n 2
 
 if [[ -n "${KEEP_RUNNING:-}" ]]; then

@@ -328,8 +328,7 @@ class Exchange:
         self._stream_cut(attempt, failure)
 
     def _stream_cut(self, attempt: Attempt, failure: Failure) -> None:
-        self.router.pair_refusals.note(attempt.p, failure)
-        self.router.metrics.backend_error(self.endpoint, failure.state.backend, failure.kind.value)
+        self.loop.cut(attempt, failure)
         self.router.metrics.error(self.endpoint, failure.error.error_type)
         logger.error(
             "rid=%s room=%s stream cut after it started: %s; ending it with an error event",
@@ -337,4 +336,3 @@ class Exchange:
             self.progress.room,
             failure.error.message,
         )
-        attempt.close()

@@ -16,6 +16,7 @@ strategy reaches the loop through its :class:`proxy.request.context.RequestConte
   the attempt, settles it by :mod:`proxy.request.failure_policy` (counted, its backend marked
   unhealthy, the instances to avoid noted, a decoder's refusal of the pair remembered) and
   releases P's room;
+- :meth:`AttemptLoop.cut`: an attempt whose stream began and was cut, closed and counted the same way;
 - :meth:`AttemptLoop.pairs`: attempts on P/D pairs the routing policy picks, one after the other,
   until one answers (:class:`Won`) or none is left (:class:`Lost`).
 
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proxy.request.attempt import Answered, Attempt, Call, Opened
-from proxy.request.failure_policy import Decision, Tried, settle
+from proxy.request.failure_policy import Decision, Tried, count_failure, settle
 from proxy.request.progress import RequestProgress
 from proxy.request.room_release import release_room
 from proxy.strategies.resume_body import resumable
@@ -206,6 +207,14 @@ class AttemptLoop:
         if decision.release_room and other is None:
             self.release_p_room(attempt.p, attempt.room, attempt.call, attempt.prefilled_tokens, {attempt.d})
         return Settled(attempt, failure, decision, other)
+
+    def cut(self, attempt: Attempt, failure: Failure) -> Decision:
+        """``attempt``'s stream, begun, was cut by ``failure`` (it ends, or goes on on another leg):
+        the attempt closed, the failure counted, its backend marked unhealthy where the policy says
+        so (:func:`proxy.request.failure_policy.count_failure`), a decoder's refusal remembered."""
+        attempt.close()
+        self.router.pair_refusals.note(attempt.p, failure)
+        return count_failure(self.router, self.call.endpoint, failure, attempt)
 
     def fail_call(self, failure: Failure) -> Decision:
         """A backend call of the request outside any attempt failed (the first-token path's P

@@ -30,7 +30,7 @@ from aiohttp import web
 from proxy.admin.drain import MoveMode
 from proxy.errors import DECODE_FAILED, RouterError
 from proxy.request.attempt import Attempt, Opened
-from proxy.request.failure_policy import Tried, count_failure, resume_refusal
+from proxy.request.failure_policy import Tried, resume_refusal
 from proxy.request.held_tail import settle_held_tail
 from proxy.request.loop import Won
 from proxy.strategies.kv_move import kv_leg, kv_movable
@@ -79,9 +79,8 @@ async def _resume(
     if tracker.finished:
         if failure.kind is FailureKind.DRAIN:
             router.drains.settled(attempt, None, ctx.progress.room)  # nothing left to move
-        # The answer's finish reason went out: only usage and [DONE] are missing (the attempt is
-        # closed as the request ends: AttemptLoop.close).
-        router.metrics.backend_error(ctx.endpoint, failure.state.backend, failure.kind.value)
+        # The answer's finish reason went out: only usage and [DONE] are missing.
+        ctx.loop.cut(attempt, failure)
         logger.warning(
             "rid=%s room=%s stream cut after its last token (%s); the Router ends it",
             ctx.rid,
@@ -145,7 +144,7 @@ async def _relay_leg(
     """The resumed leg ``new`` opened (by ``mode``): count it, log it, relay it to the client."""
     router = ctx.router
     call = new.call
-    count_failure(router, ctx.endpoint, failure, attempt)  # the cut counted (unhealthy if unreachable)
+    ctx.loop.cut(attempt, failure)  # the cut counted (unhealthy if unreachable)
     seconds = time.monotonic() - cut_at
     # Tokens prefilled again: none when the KV moved (the target loaded it from the drained decoder).
     replayed = 0 if mode is MoveMode.KV else call.replayed - attempt.call.replayed

@@ -1,9 +1,9 @@
 """What one client request's attempts have done so far: :class:`RequestProgress`.
 
-The exchange (:mod:`proxy.request.exchange`) makes one for each request and hands it to whatever runs
-the request's attempts (its own two-instance loop, :class:`proxy.strategies.first_token.FirstTokenPath`, the
-continuations of :mod:`proxy.strategies.recompute`); the exchange's ``finally`` closes its current attempt and
-its log line reads it, however the request ended.
+Each request's :class:`proxy.request.loop.AttemptLoop` holds one and keeps it up to date whichever strategy
+runs the request's attempts (two-instance, first-token, recompute, resume, KV move); the strategies read it
+through their :class:`proxy.request.context.RequestContext`, and the exchange's log line reads it however
+the request ended.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class RequestProgress:
     room: int
     #: Attempts made so far (the log line's ``attempts=``).
     attempts: int = 0
-    #: The current attempt (closed by the exchange when the request ends).
+    #: The current attempt (closed by the next one, or by the loop when the request ends).
     attempt: Attempt | None = None
     #: Seconds from the request's arrival to the first byte of its answer.
     ttfb: float | None = None

@@ -224,7 +224,7 @@ _EVENT = msgspec.json.Decoder(_Event)
 
 
 class StreamWatch:
-    """A relay transform (:meth:`proxy.request.exchange.Exchange.relay`) over one leg of a streamed answer.
+    """A relay transform (:meth:`proxy.request.context.RequestContext.relay`) over one leg of a streamed answer.
 
     It notes the leg's text and tokens (a token: an event whose choice has no finish reason, other than
     chat's opening role event; D's usage event, when there is one, says the exact count) and watches

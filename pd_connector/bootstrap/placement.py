@@ -7,13 +7,26 @@ this engine is and where D reaches the server.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pd_connector.config import DisaggConfig
+from typing import Any, Protocol
 
 
-def dp_rank_of(cfg: DisaggConfig, parallel_config: Any) -> int:
+class PlacementSettings(Protocol):
+    """The keys of ``DisaggConfig`` that place an instance in its deployment."""
+
+    @property
+    def dp_rank(self) -> int: ...
+
+    @property
+    def local_ip(self) -> str: ...
+
+    @property
+    def bootstrap_host(self) -> str: ...
+
+    @property
+    def start_bootstrap_server(self) -> bool: ...
+
+
+def dp_rank_of(cfg: PlacementSettings, parallel_config: Any) -> int:
     """This instance's DP rank: ``dp_rank`` if set, else vLLM's (its DP index for independent engines).
 
     vLLM runs a dense model's DP ranks as independent engines (``data_parallel_rank`` 0 of size 1);
@@ -24,7 +37,7 @@ def dp_rank_of(cfg: DisaggConfig, parallel_config: Any) -> int:
     return int(getattr(parallel_config, "data_parallel_index", parallel_config.data_parallel_rank))
 
 
-def advertised_bootstrap_host(cfg: DisaggConfig, dp_rank: int) -> str:
+def advertised_bootstrap_host(cfg: PlacementSettings, dp_rank: int) -> str:
     """Where D reaches this prefill deployment's bootstrap server, as P's answer tells it.
 
     The instance that hosts the server (DP rank 0 with ``start_bootstrap_server``) binds it on

@@ -20,17 +20,10 @@ from typing import TYPE_CHECKING, TypeVar
 from pd_connector.bootstrap.placement import advertised_bootstrap_host
 from pd_connector.bypass import BypassCounter, BypassReason, reason_for
 from pd_connector.config import DisaggConfig
-from pd_connector.kv_params import (
-    DecodeParams,
-    KVParamsError,
-    PrefillParams,
-    decode_handoff,
-    new_room,
-    parse_kv_params,
-    prefill_refused,
-)
-from pd_connector.layouts.kv_groups import decode_group_blocks, replay_needs_freed_block
+from pd_connector.kv_params import DecodeParams, PrefillParams, decode_handoff, prefill_refused
+from pd_connector.layouts.kv_groups import decode_group_blocks
 from pd_connector.metadata import PDConnectorMetadata, RecvJob, SendJob
+from pd_connector.scheduling.decisions import no_load_reason, params_of, prefilled_tokens
 from pd_connector.scheduling.extension import Finish, Match, Params, Plan, SchedulerExtension, overrides, room_release
 from pd_connector.scheduling.selection import extensions_for
 
@@ -43,32 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=SchedulerExtension)
-
-
-def _params_of(request: Request) -> PrefillParams | DecodeParams | None:
-    """Parsed kv_transfer_params; malformed ones are logged and ignored (served locally).
-
-    A P request that names no room (P-then-D proxies) gets a fresh one here; P's answer tells D.
-    """
-    try:
-        params = parse_kv_params(request.kv_transfer_params, room_optional=True)
-    except KVParamsError as exc:
-        logger.error("req=%s: ignoring malformed kv_transfer_params: %s", request.request_id, exc)
-        return None
-    if isinstance(params, PrefillParams) and params.room is None:
-        params = PrefillParams(room=new_room(), samples=params.samples)
-        logger.info(
-            "room=%d req=%s: the request named no bootstrap_room; prefill picked one", params.room, request.request_id
-        )
-    return params
-
-
-def _prefilled_tokens(request: Request, params: DecodeParams) -> int:
-    """Prompt tokens of a D request whose KV P holds: all, or ``prefilled_tokens`` when the Router
-    appended P's first token to the prompt (never more than the prompt)."""
-    if params.prefilled_tokens is None:
-        return request.num_prompt_tokens
-    return min(params.prefilled_tokens, request.num_prompt_tokens)
 
 
 class PDScheduler:
@@ -127,7 +94,7 @@ class PDScheduler:
         rid = request.request_id
         if rid not in self._parsed:
             own = next((p for e in self.extensions if (p := e.params(request)) is not None), None)
-            self._parsed[rid] = own or _params_of(request)
+            self._parsed[rid] = own or params_of(request)
         return self._parsed[rid]
 
     def on_new_request(self, request: Request) -> None:
@@ -142,7 +109,7 @@ class PDScheduler:
 
     def _covered(self, request: Request, params: DecodeParams) -> int | None:
         """D: prompt tokens whose KV (and state) P holds; None when this prompt is prefilled here."""
-        tokens: int | None = _prefilled_tokens(request, params)
+        tokens: int | None = prefilled_tokens(request, params)
         for extension in self.extensions:
             tokens = extension.prefilled(request, params, tokens)
         return tokens
@@ -168,7 +135,7 @@ class PDScheduler:
             return 0, False
         self._local_hits[rid] = num_computed_tokens
         covered = self._covered(request, params)
-        reason = self._no_load_reason(request, params, covered, num_computed_tokens)
+        reason = no_load_reason(request, params, covered, num_computed_tokens, self.sliding_windows, self.block_size)
         if reason is not None or covered is None:  # (covered None always has its reason)
             self.bypassed.record(rid, reason or BypassReason.STATE_RECOMPUTE)
             return self._free_without_load(rid, params)
@@ -176,41 +143,6 @@ class PDScheduler:
             if (taken := extension.take_load(request, params, num_computed_tokens, covered)) is not None:
                 return self._matched(rid, taken)
         return covered - num_computed_tokens, True
-
-    def _no_load_reason(
-        self, request: Request, params: DecodeParams, covered: int | None, computed: int
-    ) -> BypassReason | None:
-        """D: why nothing is loaded from P for this request (logged), or None when its load goes ahead."""
-        rid, room, prompt = request.request_id, params.room, request.num_prompt_tokens
-        if covered is None:  # recurrent state: a one-token prompt, or P's first token appended
-            appended = " with prefill's first token appended" if params.prefilled_tokens is not None else ""
-            logger.info(
-                "room=%d req=%s: recurrent-state model, %d prompt tokens%s: prefilled here; prefill told to free "
-                "the room",
-                room, rid, prompt, appended,
-            )  # fmt: skip
-            return BypassReason.STATE_RECOMPUTE
-        if covered - computed <= 0:
-            # D's own prefix cache holds all P prefilled (a continuation of the first-token path can
-            # end on a block boundary): no load, vLLM must not see finished_recving; P frees the room.
-            logger.info(
-                "room=%d req=%s: all %d prefilled tokens are in D's prefix cache; prefill told to free the room",
-                room, rid, covered,
-            )  # fmt: skip
-            return BypassReason.PREFIX_CACHED
-        # Only a load of the whole prompt makes vLLM recompute its last token (which a window may
-        # not reach); with P's first token appended, D computes that token itself.
-        if covered != prompt:
-            return None
-        window = replay_needs_freed_block(covered, self.sliding_windows, self.block_size)
-        if window is None:
-            return None
-        logger.info(
-            "room=%d req=%s: %d prompt tokens end where the %d-token window opens a block: vLLM's recompute "
-            "of the last token would read a freed block, so this prompt is prefilled here",
-            room, rid, prompt, window,
-        )  # fmt: skip
-        return BypassReason.WINDOW_RECOMPUTE
 
     def _matched(self, rid: str, match: Match) -> tuple[int | None, bool]:
         """An extension's answer; once it decided the room, the core plans no load of its own."""
@@ -303,7 +235,7 @@ class PDScheduler:
         """
         groups = [list(g) for g in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
         rid = request.request_id
-        params = self._parsed.pop(rid) if rid in self._parsed else _params_of(request)
+        params = self._parsed.pop(rid) if rid in self._parsed else params_of(request)
         # D: KV not (yet) in the request's blocks: never asked for, loading, or landed but not run since.
         kv_pending = rid not in self._recv_planned or rid in self._awaiting_kv or rid in self._kv_ready
         if self.cfg.is_decode and isinstance(params, DecodeParams) and rid not in self._recv_planned:

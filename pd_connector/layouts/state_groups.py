@@ -14,7 +14,7 @@ prompt token again over the state that already includes it applies it twice. So,
 Mooncake connector does for these models:
 
 - P drops the last prompt token when the request arrives (``truncate_for_prefill``, from the
-  connector's ``on_new_request``) and prefills ``N - 1`` tokens; its state is h(N-1), its sampled
+  connector's ``on_new_request``: scheduling.state_groups) and prefills ``N - 1`` tokens; its state is h(N-1), its sampled
   token is not the answer's first token (P's answer says so: ``PREFILL_WITHOUT_LAST_TOKEN``, and the
   Router's first-token path then lets D answer from the prompt);
 - D takes ``N - 1`` prompt tokens from P (``prefilled_tokens``) and computes the last one itself,

@@ -10,11 +10,13 @@ hooks do nothing and answer nothing.
 Three kinds of hook:
 
 - answer hooks (``params``, ``match``, ``take_load``): an extension that owns the request returns an
-  answer, any other returns None; the first answer wins.
+  answer, any other returns None; the first answer wins. ``params`` and ``match`` are asked before the
+  core looks at the request: that is how an extension that took a request over keeps it.
 - value hooks (``prefilled``, ``load_blocks``, ``finished``): they get the core's value and return it,
   changed or not (``finished``: None keeps it); each extension sees the previous one's value.
 - notices (``attach``, ``arrived``, ``decided``, ``alloc``, ``output``, ``meta``, ``busy``): every
-  extension is told.
+  extension is told (``alloc`` comes before the core's part; an extension answering True there loads
+  the request itself, ``busy``: any True keeps vLLM's engine loop stepping).
 
 Like the scheduler, an extension does no I/O on vLLM's scheduler thread (a post to a server is queued
 for a thread of its own: bootstrap.dp_rooms, ascend.metaserver).

@@ -57,6 +57,10 @@ CHATS = ["What is the capital of France?", "Say hello in Chinese with an emoji."
 #: The resumed stream: long enough that the drain lands while D still generates it.
 RESUME_TOKENS = 64
 RESUME_AFTER_CHUNKS = 4
+#: Every instance's (reference, P, D) batch bounds: vLLM's start-up profile runs one batch of
+#: max-num-batched-tokens tokens and max-num-seqs sequences through the model (on vLLM 0.23's CPU
+#: worker even with --enforce-eager), about 25 s per start at the defaults; every prompt here fits.
+SERVE_ARGS = ("--max-num-batched-tokens", "256", "--max-num-seqs", "8")
 SAMPLE = {"prompt": "Write a haiku about the sea:", "max_tokens": 16, "temperature": 0.8, "seed": 7, "n": 2}
 
 
@@ -83,7 +87,7 @@ def real_reference(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     """Every answer of one colocated `vllm serve` (CPU 0), which is stopped before P and D start."""
     with ProcessGroup(tmp_path_factory.mktemp("real-reference-logs")) as group:
         port = free_port()
-        proc = group.start("colocated", vllm_serve_cmd(real_model, port), env=vllm_env("0"))
+        proc = group.start("colocated", vllm_serve_cmd(real_model, port, extra_args=SERVE_ARGS), env=vllm_env("0"))
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(f"{url}/health", START_TIMEOUT_S, proc)
         model = str(real_model)
@@ -114,6 +118,8 @@ def real_stack(real_model: Path, real_reference: dict, tmp_path_factory: pytest.
             extra_p_config={"room_timeout_s": P_ROOM_TIMEOUT_S},
             extra_d_config={"kv_wait_timeout_s": D_KV_WAIT_TIMEOUT_S},
             timeout=START_TIMEOUT_S,
+            p_args=SERVE_ARGS,
+            d_args=SERVE_ARGS,
         )
         port = free_port()
         decoders = [(pd.host, pd.decode_port), ("localhost", pd.decode_port)]

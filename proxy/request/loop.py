@@ -20,15 +20,20 @@ strategy reaches the loop through its :class:`proxy.request.context.RequestConte
 - :meth:`AttemptLoop.pairs`: attempts on P/D pairs the routing policy picks, one after the other,
   until one answers (:class:`Won`) or none is left (:class:`Lost`).
 
-**Releasing P's room** (:meth:`AttemptLoop.release_p_room`, through :mod:`proxy.request.room_release`)
-has one rule: P's room is released as soon as P holds its KV and the Router knows that no decoder of
-this request asked, or will ask, for it. Two places know that: :meth:`AttemptLoop.fail` (the failed
-attempt's decoder could not be connected to, and the room does not go on to another decoder) and the
-first-token path once P answered and no decoder attempt took the room over (the answer was token 1
-alone, no decoder is available, or the client left first).
+**Releasing P's room** (through :mod:`proxy.request.room_release`) is the loop's alone, in one method
+(``AttemptLoop._release_p_room``), by one rule: P's KV of a room is released as soon as the Router knows
+that no decoder of this request asked, or will ask, for it:
 
-:meth:`AttemptLoop.close`, when the request ends, closes the current attempt and gives the request's
-rooms back.
+- :meth:`AttemptLoop.fail`: the failed attempt's decoder could not be connected to while P holds the
+  room's KV (:attr:`proxy.request.failure_policy.Decision.release_room`) and the room goes on to no
+  other decoder: released at once, as the request goes on on another pair;
+- :meth:`AttemptLoop.close`: P answered with the room's KV held (:meth:`AttemptLoop.p_holds`, the
+  first-token path) and no attempt took it over (:meth:`AttemptLoop.new_attempt` with that P and room):
+  the answer was token 1 alone, no decoder was available, or the client left first; released as
+  the request ends.
+
+:meth:`AttemptLoop.close`, when the request ends, also closes the current attempt and gives the
+request's rooms back.
 """
 
 from __future__ import annotations
@@ -84,6 +89,17 @@ class Settled:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldRoom:
+    """A room whose KV P holds for a decoder of this request (P answered: the first-token path)."""
+
+    p: BackendState
+    room: int
+    #: The request as P's KV covers it, and how many of its prompt tokens that KV holds.
+    call: Call
+    prefilled_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Lost:
     """:meth:`AttemptLoop.pairs` found no attempt that answered."""
 
@@ -111,6 +127,8 @@ class AttemptLoop:
         self.deadline = t0 + router.config.request_timeout
         #: The rooms this request holds in the Router's room factory (given back by :meth:`close`).
         self._rooms = [room]
+        #: P's KV of a room that no attempt took over yet (released by :meth:`close`).
+        self._held: HeldRoom | None = None
 
     # -- rooms, counts, time ------------------------------------------------------------------
 
@@ -161,9 +179,13 @@ class AttemptLoop:
         p_answered: bool = False,
         prefilled_tokens: int | None = None,
     ) -> Attempt:
-        """The request's next attempt (its current one from now on; the one before is closed)."""
+        """The request's next attempt (its current one from now on; the one before is closed). With
+        ``p_answered``, the attempt takes over P's KV of ``room`` (:meth:`p_holds`)."""
         if self.progress.attempt is not None:
             self.progress.attempt.close()
+        held = self._held
+        if p_answered and held is not None and held.p is p and held.room == room:
+            self._held = None  # the attempt holds it now (Attempt.holds_p_room)
         movable = d.backend.movable and resumable(call, self.router.config.resume_attempts)
         attempt = Attempt(
             self.router,
@@ -205,7 +227,7 @@ class AttemptLoop:
             if other is not None and other in tried.d:
                 other = None
         if decision.release_room and other is None:
-            self.release_p_room(attempt.p, attempt.room, attempt.call, attempt.prefilled_tokens, {attempt.d})
+            self._release_p_room(HeldRoom(attempt.p, attempt.room, attempt.call, attempt.prefilled_tokens), attempt.d)
         return Settled(attempt, failure, decision, other)
 
     def cut(self, attempt: Attempt, failure: Failure) -> Decision:
@@ -225,17 +247,15 @@ class AttemptLoop:
         """Whether a failure settled as ``decision`` is retried: retryable, attempts and time left."""
         return decision.retry and self.attempts_left() and self.remaining() > 0
 
-    def release_p_room(
-        self,
-        p: BackendState,
-        room: int,
-        call: Call,
-        prefilled_tokens: int | None,
-        avoid: Collection[BackendState] = (),
-    ) -> None:
-        """P holds ``room``'s KV (of ``call``, ``prefilled_tokens`` as sent) and no decoder of this
-        request will load it: a decoder not in ``avoid`` loads, and so frees, it now."""
-        release_room(self.router, p, room, call, prefilled_tokens, avoid)
+    def p_holds(self, p: BackendState, room: int, call: Call, prefilled_tokens: int | None) -> None:
+        """P answered and holds ``room``'s KV (of ``call``, ``prefilled_tokens`` of its prompt) for a
+        decoder: released when the request ends unless an attempt takes it over first."""
+        self._held = HeldRoom(p, room, call, prefilled_tokens)
+
+    def _release_p_room(self, held: HeldRoom, avoid: BackendState | None = None) -> None:
+        """No decoder of this request will load ``held``: a decoder (not ``avoid``) loads, and so
+        frees, it now. The one place the Router releases P's rooms (see the module docstring)."""
+        release_room(self.router, held.p, held.room, held.call, held.prefilled_tokens, () if avoid is None else {avoid})
 
     async def pairs(
         self,
@@ -292,9 +312,13 @@ class AttemptLoop:
     # -- the end ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """The request ended: close its current attempt and give its rooms back."""
+        """The request ended: close its current attempt, release P's KV no attempt took over, and
+        give its rooms back."""
         if self.progress.attempt is not None:
             self.progress.attempt.close()
+        if self._held is not None:
+            self._release_p_room(self._held)
+            self._held = None
         for room in self._rooms:
             self.router.rooms.release(room)
         self._rooms.clear()

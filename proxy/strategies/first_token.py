@@ -211,29 +211,23 @@ class FirstTokenPath:
         cont_body = continuation_body(call.body, first)
         cont = Call(call.endpoint, call.rid, cont_body, True, prompt_len + 1, call.headers, replayed=1)
         room = self.progress.room
-        handed_over = False  # whether a decoder attempt took P's KV of the room over
-        try:
-            if is_whole_answer(first, call.body):
-                response = ctx.stream_response(200, "text/event-stream")
-                await ctx.open_stream(response)
-                await response.write(first_chunk(first, final=True, token_ids=wants_token_ids(call.body)))
-                ctx.first_byte(FirstTokenFrom.PREFILL)
-                await response.write_eof(final_events(first, include_usage(call.body)))
-                return response
-            d = loop.pick("decode", cont, room, loop.tried.d)
-            if d is None:
-                return ctx.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
-            if self.router.pair_refusals.refused(p, d):
-                handed_over = True
-                return await self._plain_decode(p)
+        loop.p_holds(p, room, cont, prompt_len)  # released as the request ends unless D takes it over
+        if is_whole_answer(first, call.body):
             response = ctx.stream_response(200, "text/event-stream")
             await ctx.open_stream(response)
-            await response.write(first_chunk(first, final=False, token_ids=wants_token_ids(call.body)))
+            await response.write(first_chunk(first, final=True, token_ids=wants_token_ids(call.body)))
             ctx.first_byte(FirstTokenFrom.PREFILL)
-            handed_over = True
-        finally:
-            if not handed_over:  # the answer was token 1, no decoder, or the client left first
-                loop.release_p_room(p, room, cont, prompt_len)
+            await response.write_eof(final_events(first, include_usage(call.body)))
+            return response
+        d = loop.pick("decode", cont, room, loop.tried.d)
+        if d is None:
+            return ctx.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+        if self.router.pair_refusals.refused(p, d):
+            return await self._plain_decode(p)
+        response = ctx.stream_response(200, "text/event-stream")
+        await ctx.open_stream(response)
+        await response.write(first_chunk(first, final=False, token_ids=wants_token_ids(call.body)))
+        ctx.first_byte(FirstTokenFrom.PREFILL)
         attempt = loop.new_attempt(cont, p, d, room, p_answered=True, prefilled_tokens=prompt_len)
         fix = stream_watch(ctx, ContinuationFix(include_usage(call.body), wants_token_ids(call.body)), first.text, 1)
         return await self._continue(attempt, response, fix)
@@ -300,22 +294,16 @@ class FirstTokenPath:
         prompt_len = len(first.prompt_token_ids)
         cont = Call(call.endpoint, call.rid, continuation_body(call.body, first), True, prompt_len + 1, call.headers)
         room = self.progress.room
-        handed_over = False  # whether a decoder attempt took P's KV of the room over
-        try:
-            d = loop.pick("decode", call, room, loop.tried.d)
-            if d is None:
-                return ctx.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
-            if self.router.pair_refusals.refused(p, d):
-                handed_over = True
-                return await self._plain_decode(p)
-            response = ctx.stream_response(200, "text/event-stream")
-            await ctx.open_stream(response)
-            await response.write(first_chunk(first, final=False))
-            ctx.first_byte(FirstTokenFrom.PREFILL_EMPTY)
-            handed_over = True
-        finally:
-            if not handed_over:  # no decoder, or the client left first
-                loop.release_p_room(p, room, cont, prompt_len)
+        loop.p_holds(p, room, cont, prompt_len)  # released as the request ends unless D takes it over
+        d = loop.pick("decode", call, room, loop.tried.d)
+        if d is None:
+            return ctx.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
+        if self.router.pair_refusals.refused(p, d):
+            return await self._plain_decode(p)
+        response = ctx.stream_response(200, "text/event-stream")
+        await ctx.open_stream(response)
+        await response.write(first_chunk(first, final=False))
+        ctx.first_byte(FirstTokenFrom.PREFILL_EMPTY)
         attempt = loop.new_attempt(call, p, d, room, p_answered=True)
         return await self._continue(attempt, response, stream_watch(ctx, DropRepeatedFirst(), first.text, 1))
 
@@ -325,6 +313,7 @@ class FirstTokenPath:
         A retryable failure leaves the request to two-instance attempts while attempts are left."""
         ctx, loop = self.ctx, self.loop
         room = self.progress.room
+        loop.p_holds(p, room, self.call, None)  # released as the request ends unless D takes it over
         d = loop.pick("decode", self.call, room, loop.tried.d)
         if d is None:
             return ctx.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))

@@ -159,3 +159,28 @@ def test_models_marks_an_unreachable_decoder_with_the_metric(router_factory: Rou
     pattern = r"pd_router_backend_errors_total\{" + re.escape(labels) + r"\} ([0-9.]+)"
     counted = re.search(pattern, metrics)
     assert counted is not None and float(counted.group(1)) >= 1, metrics
+
+
+def test_p_kv_no_attempt_took_over_is_released_as_the_request_ends(router: Router) -> None:
+    async def main() -> None:
+        p = router.pool.active["prefill"][0]
+        loop = AttemptLoop(router, _call(), router.rooms.fresh(), time.monotonic())
+        loop.p_holds(p, loop.progress.room, loop.call, 3)  # P answered (the first-token path)
+        loop.close()  # the answer was token 1 alone: a one-token decoder request frees the room
+        assert len(router.tasks) == 1
+        for task in list(router.tasks):
+            task.cancel()
+
+    asyncio.run(main())
+
+
+def test_p_kv_an_attempt_took_over_is_not_released_by_the_loop(router: Router) -> None:
+    async def main() -> None:
+        p, d = router.pool.active["prefill"][0], router.pool.active["decode"][0]
+        loop = AttemptLoop(router, _call(), router.rooms.fresh(), time.monotonic())
+        loop.p_holds(p, loop.progress.room, loop.call, 3)
+        loop.new_attempt(loop.call, p, d, loop.progress.room, p_answered=True, prefilled_tokens=3)  # D asks for it
+        loop.close()
+        assert len(router.tasks) == 0
+
+    asyncio.run(main())

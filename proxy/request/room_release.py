@@ -9,8 +9,8 @@ nothing of its answer is used.
 Only where the decoder certainly never asked P for the room (as :mod:`proxy.request.failure_policy`
 decides: D could not be connected to), or no decoder was asked at all: a decoder that got the
 request may have loaded the KV already, and a second load of a room P no longer holds would
-fail on that other decoder for nothing. :meth:`proxy.request.loop.AttemptLoop.release_p_room` is the
-one caller; its module says when.
+fail on that other decoder for nothing. The request's :class:`proxy.request.loop.AttemptLoop` is
+the one caller; its module says when.
 """
 
 from __future__ import annotations

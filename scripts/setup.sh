@@ -69,7 +69,11 @@ log "removing torchvision, torchaudio, torchcodec if present"
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
 
 # 5. Import check.
-"$VPY" -c "import vllm, mooncake.engine, pd_connector, transformers; print('[setup] ok: vllm', vllm.__version__)"
+"$VPY" -c "
+import vllm, mooncake.engine, pd_connector, transformers, gguf, accelerate
+from launch.real_model import find_gguf
+print('[setup] ok: vllm', vllm.__version__, '; the real model builds from', find_gguf().name)
+"
 
 # 6. Second vLLM line (vLLM-Ascend 0.23 runs on vLLM 0.23.0).
 if [ "${PD_SKIP_VLLM023:-0}" = 1 ]; then

@@ -1,4 +1,4 @@
-"""D2RH mode end to end (pd_connector.d2rh.scheduler, issue 23): one P, one D with ``d2rh: true`` (vLLM-Ascend's
+"""D2RH mode end to end (pd_connector.d2rh.scheduler): one P, one D with ``d2rh: true`` (vLLM-Ascend's
 port keys given too), the Router in front; D runs without its own prefix cache, so a repeated prompt
 can only come from D's host KV pool.
 

@@ -1,4 +1,4 @@
-"""Issue 8, vLLM-Ascend 0.23 drop-in: its extra-config keys, the platform's transport, KV memory
+"""vLLM-Ascend 0.23 drop-in: its extra-config keys, the platform's transport, KV memory
 registered as vLLM-Ascend registers it (each tensor's own bytes, at most 256 regions on ascend),
 kernel blocks, and the prefill sizes D checks against P's route.
 

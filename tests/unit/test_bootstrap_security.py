@@ -1,4 +1,4 @@
-"""Issue 9, network side: the control plane binds loopback without a token, TLS on the bootstrap server,
+"""Network side of the control plane: the control plane binds loopback without a token, TLS on the bootstrap server,
 live rank entries not replaced without the token, D contacts only trusted bootstrap hosts."""
 
 from __future__ import annotations

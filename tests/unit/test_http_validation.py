@@ -73,7 +73,7 @@ def test_malformed_params_are_rejected(client: TestClient, path: str, params: An
         {"model": "m", "prompt": "no params"},
         {"model": "m", "prompt": "null params", "kv_transfer_params": None},
         {"model": "m", "kv_transfer_params": {}},
-        # Issue 8: P-then-D proxies (vLLM-Ascend's) name no room; P picks one.
+        # P-then-D proxies (vLLM-Ascend's) name no room; P picks one.
         {"model": "m", "prompt": "hi", "kv_transfer_params": {"do_remote_decode": True, "remote_host": None}},
         [{"kv_transfer_params": "not checked in a list body"}],
     ],

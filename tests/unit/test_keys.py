@@ -1,4 +1,4 @@
-"""Issue 22 item 1: keys derived from the token (HKDF-SHA256, one per purpose), signed bootstrap calls
+"""Keys derived from the token (HKDF-SHA256, one per purpose), signed bootstrap calls
 (stale, replayed, altered calls refused; bounded memory), and a loopback listener that a client names as
 bootstrap address gets neither the token nor anything that forges a frame; D does not echo its reply."""
 

@@ -122,7 +122,7 @@ def test_memory_ranges_merges_views_of_one_storage() -> None:
 
 
 def test_memory_ranges_slice_is_only_its_own_bytes() -> None:
-    # Issue 8 (vLLM-Ascend drop-in): a slice registers its own bytes, not the storage around it.
+    # vLLM-Ascend drop-in: a slice registers its own bytes, not the storage around it.
     big = torch.zeros(NB * 2, HEADS, BS, 2 * HD, dtype=F16)
     part = big[NB:]
     assert memory_ranges({"l0": part}) == [(part.data_ptr(), part.nbytes)]

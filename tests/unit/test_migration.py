@@ -1,4 +1,4 @@
-"""Moving a decoder's request with its KV (issue 24), connector side: the ``migration`` config, the
+"""Moving a decoder's request with its KV, connector side: the ``migration`` config, the
 ``migrate_room`` parameter, the D scheduler's hold of an aborted request (pd_connector.scheduling.migration), and a
 real push from a "source decoder" manager (kv_consumer with migration) to a target decoder over the
 transfer-manager rig (tests/support/transfer_rig.py: real ZMQ and bootstrap server on loopback, the

@@ -1,4 +1,4 @@
-"""Issue 8: P-then-D proxies (vLLM-Ascend's example proxy). P gets ``do_remote_decode`` and no
+"""P-then-D proxies (vLLM-Ascend's example proxy). P gets ``do_remote_decode`` and no
 room, picks one in its scheduler (no I/O), and answers with everything D needs; the proxy hands
 that answer to D as its kv_transfer_params."""
 

@@ -1,4 +1,4 @@
-"""Issue 22 item 1: frames bind sender, session, sequence and receiver; replays are refused.
+"""Frames bind sender, session, sequence and receiver; replays are refused.
 
 A captured Pong no longer keeps a dead peer alive, a captured TransferRequest is not accepted twice,
 stale and misdirected frames are refused, and P refuses a repeated claim in both transfer modes."""

@@ -147,7 +147,7 @@ def test_prefill_scheduler_never_loads(psched: PDScheduler) -> None:
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED])
 def test_prefill_finished_holds_blocks_until_sent(psched: PDScheduler, status: RequestStatus) -> None:
     req = FakeRequest("p-1", dict(P_PARAMS), 50, status)
-    # Issue 8: the answer is what D needs (P-then-D proxies pass it on), room and prefill_done included.
+    # The answer is what D needs (P-then-D proxies pass it on), room and prefill_done included.
     answer = {
         "bootstrap_room": 88,
         "prefill_done": True,

@@ -1,4 +1,4 @@
-"""Issue 21 item 4: the NHD staging buffer (transfer.staging) is allocated and registered with the KV.
+"""The NHD staging buffer (transfer.staging) is allocated and registered with the KV.
 
 - its start and size are 2 MiB-aligned, it lives on the KV's device;
 - only a prefill rank with token-major KV where mixed TP may occur gets one (the module's rule);

@@ -79,7 +79,7 @@ class DisaggConfig:
     prefill: SideSizes | None = None
     decode: SideSizes | None = None
     # HIXL channel QoS when this side initiates the transfer (0..4), merged into ASCEND_GLOBAL_RESOURCE_CONFIG
-    # when the backend uses HIXL (ascend_settings); also there: tls_config, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT.
+    # when the backend uses HIXL (ascend.settings); also there: tls_config, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT.
     qos_priority: int = ascend_settings.DEFAULT_QOS
     # Control-plane secret (pd_connector.auth): a file or an environment variable holding it.
     auth_token_file: str = ""

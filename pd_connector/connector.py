@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 def _fail_loads_by_block_in_every_group() -> None:
-    """vLLM 0.23 with several KV cache groups: make its failed-load path read every group (vllm023_hma)."""
+    """vLLM 0.23 with several KV cache groups: make its failed-load path read every group (vllm_lines.hma_023)."""
     from pd_connector.config import ConfigError
     from pd_connector.vllm_lines.hma_023 import install
 

@@ -39,7 +39,7 @@ class PeerHello(msgspec.Struct, tag="hello", frozen=True):
     token_major: bool = False  # [blocks, block_size, heads, dim] with a staging buffer (nhd_reshuffle)
     num_blocks: int = 0  # blocks of each region (P writes only inside them, transfer.write_guard); 0: not told
     region_groups: list[int] = []  # KV cache group of each region (kv_groups); empty: all group 0
-    # Global layer index of each region (pp_stages): a pipeline-parallel P stage takes its layers' regions.
+    # Global layer index of each region (layouts.pp): a pipeline-parallel P stage takes its layers' regions.
     region_layers: list[int] = []
     wire_version: int = 0  # WIRE_VERSION of the sender (0: a peer from before version 2)
 
@@ -88,7 +88,7 @@ class TransferDone(msgspec.Struct, tag="done", frozen=True):
     error: str = ""  # for logs; D decides on ``status``
     nbytes: int = -1  # OK: bytes this P rank wrote for the request (-1: not told; D refuses that)
     checksum: int | None = None  # OK, asked for (want_checksum): transfer.checksum of the bytes written
-    pp_rank: int = 0  # the P rank's pipeline stage (pp_stages): D waits for every stage it asked
+    pp_rank: int = 0  # the P rank's pipeline stage (layouts.pp): D waits for every stage it asked
 
     @property
     def ok(self) -> bool:
@@ -164,7 +164,7 @@ class RegisterRank(msgspec.Struct, frozen=True):
     num_layers: int = 0
     #: What the rank serves, in the terms that decide whether KV fits (see compat.model_fingerprint).
     model: str = ""
-    #: Pipeline parallelism (pp_stages): the rank's stage and its layers [first_layer, end_layer).
+    #: Pipeline parallelism (layouts.pp): the rank's stage and its layers [first_layer, end_layer).
     pp_size: int = 1
     pp_rank: int = 0
     first_layer: int = 0

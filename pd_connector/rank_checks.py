@@ -105,7 +105,7 @@ def current_device_index() -> int:
 def backend_config(
     cfg: DisaggConfig, pp_size: int, current_device: Callable[[], int] = current_device_index
 ) -> DisaggConfig:
-    """``cfg`` with the device name this rank's transfer engine opens with (``ascend_env.engine_device_name``)."""
+    """``cfg`` with the device name this rank's transfer engine opens with (``ascend.env.engine_device_name``)."""
     options = cfg.backend_options
     given = getattr(options, "device_name", None)
     if not isinstance(given, str):

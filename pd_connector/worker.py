@@ -83,7 +83,7 @@ def _pp_rank_and_size() -> tuple[int, int]:
 
 
 def _stage_layers(cfg: DisaggConfig, kv_caches: dict[str, Any], pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """P: this stage's layers [first, end) ((0, 0) with PP 1); D must run one stage (pp_stages)."""
+    """P: this stage's layers [first, end) ((0, 0) with PP 1); D must run one stage (layouts.pp)."""
     if pp_size <= 1:
         return 0, 0
     if not cfg.is_prefill:
@@ -140,7 +140,7 @@ class PDWorker:
         # P: no pause in idle steps while busy (back-to-back requests; pd_connector.idle_wait)
         self._idle = IdleWait(no_wait_when_busy=cfg.is_prefill and not cfg.is_decode)
         self.layers: LayerStreams | None = None  # P, transfer_mode "layer"
-        self.stage_layers = (0, 0)  # P with PP > 1: this stage's layers [first, end) (pp_stages)
+        self.stage_layers = (0, 0)  # P with PP > 1: this stage's layers [first, end) (layouts.pp)
         self.d2rh: D2RHWorker | None = None  # D, D2RH mode: the host KV pool (pd_connector.d2rh.host_kv)
         if torch.accelerator.current_accelerator() is None:
             _prepare_cpu_device()

@@ -22,7 +22,7 @@ PDConnector's D does the same, in its own protocol:
   never answers or P never pushes, D's load fails after ``kv_wait_timeout_s`` as any load does, and
   P's waiting request after ``room_timeout_s``.
 
-Mutual TLS (vLLM-Ascend's ``tls_config``, ``ascend_settings``): to an https metaserver D presents
+Mutual TLS (vLLM-Ascend's ``tls_config``, ``ascend.settings``): to an https metaserver D presents
 ``metaserver_ssl_certfile`` / ``metaserver_ssl_keyfile`` and verifies the metaserver with
 ``metaserver_ssl_ca_certs`` (empty: the system's CA store) (:func:`tls_context_of`).
 

@@ -3,7 +3,7 @@
 ``kv_connector_extra_config`` may say ``"prefill": {"dp_size": 2, "tp_size": 8, "pp_size": 2,
 "pp_layer_partition": "30,31"}`` and ``"decode": {"dp_size": 32, "tp_size": 1, "pp_size": 1}`` as
 vLLM-Ascend's MooncakeConnector takes them. PDConnector learns P's topology (its pipeline stages'
-layers included, ``pp_stages``) from P's bootstrap route, so these are checks: each rank compares
+layers included, ``layouts.pp``) from P's bootstrap route, so these are checks: each rank compares
 its own side's sizes with what it runs as, and D compares ``prefill`` with the route it reads. A
 disagreement is an error that names both values. Decode runs one pipeline stage (as in
 vLLM-Ascend, whose decode asserts ``pp_size`` 1): ``decode.pp_size`` other than 1 is refused.

@@ -69,7 +69,7 @@ class BootstrapState:
     kv_cache_dtype: str = ""
     num_layers: int = 0
     model: str = ""
-    pp_size: int = 1  # pipeline stages (pp_stages); each registers its layers
+    pp_size: int = 1  # pipeline stages (layouts.pp); each registers its layers
     rank_table: dict[tuple[int, int, int, int], RankInfo] = field(default_factory=dict)  # (dp, cp, tp, pp)
     #: pp rank -> (first_layer, end_layer, KV layers) its ranks registered
     stages: dict[int, tuple[int, int, int]] = field(default_factory=dict)

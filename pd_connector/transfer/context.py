@@ -67,9 +67,9 @@ class RankSpec:
     num_blocks: int = 0  # KV blocks of each region (0: unknown); peers' writes must stay inside them
     kv_device: str = "cpu"  # torch device type of the KV tensors (transfer.checksum reads them on "cpu")
     region_groups: tuple[int, ...] = ()  # KV cache group of each region (kv_groups); empty: all group 0
-    pp_rank: int = 0  # pipeline stage (pp_stages); a stage holds and pushes only its layers
+    pp_rank: int = 0  # pipeline stage (layouts.pp); a stage holds and pushes only its layers
     pp_size: int = 1
-    region_layers: tuple[int, ...] = ()  # global layer index of each region (pp_stages); empty: by position
+    region_layers: tuple[int, ...] = ()  # global layer index of each region (layouts.pp); empty: by position
     # vLLM's kv_transfer_config.kv_port when the user set it (user_kv_port); None: a random free ZMQ port.
     kv_port: int | None = None
 

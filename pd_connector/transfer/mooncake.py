@@ -8,7 +8,7 @@ session, ``ip:rpc_port``, as ASCII bytes.
 
 Its keys (``MooncakeOptions``): ``protocol``, ``device_name`` (the RDMA NIC), and vLLM-Ascend's
 ``use_ascend_direct`` (means protocol ``ascend``) and ``ascend_local_comm_res_path`` (the A5 HIXL
-endpoint directory, ``ascend_env``).
+endpoint directory, ``ascend.env``).
 
 Where it listens: this Mooncake version (mooncake-transfer-engine 0.3.13) binds its sockets to every
 interface whatever ``local_ip`` is: the RPC/handshake port (``findAvailableTcpPort`` binds ``INADDR_ANY``)
@@ -23,7 +23,7 @@ binding (``TransferEnginePy::batchTransferSync``) gives up on a ``batch_transfer
 transport, but the transport may still be moving that batch's bytes until its own timeout fails them:
 ``tcp`` drops a connection that made no progress for ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (``open`` sets 10
 when unset; Mooncake's own default is 30), ``ascend`` (HIXL) fails a transfer after
-``ASCEND_TRANSFER_TIMEOUT`` ms (``ascend_settings`` derives it as vLLM-Ascend does when unset), ``rdma``
+``ASCEND_TRANSFER_TIMEOUT`` ms (``ascend.settings`` derives it as vLLM-Ascend does when unset), ``rdma``
 fails a work request after the NIC's retransmits (QP timeout 14, 7 retries: about 0.5 s, inside the
 binding's bound). A batch's bound is the longer of the binding's and its transport's.
 """

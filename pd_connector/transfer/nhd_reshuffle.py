@@ -91,7 +91,7 @@ def staged_work(
     if not (spec.token_major and peer.token_major) or not dst_blocks:
         return None
     if spec.heads_outermost and peer.heads_outermost:
-        return None  # head slices are byte ranges already (tp_mapping.head_entries)
+        return None  # head slices are byte ranges already (layouts.tp.head_entries)
     plan = plan_slices(spec, spec.tp_size, peer.tp_size, peer.tp_rank, job.room)
     if not needs_staging(plan, spec.local_kv_heads, peer.local_kv_heads):
         return None

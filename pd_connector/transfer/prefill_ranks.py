@@ -2,9 +2,9 @@
 
 ``PrefillRanks.resolve`` reads the prefill deployment's route from its bootstrap server (cached; a busy or
 still-starting prefill gets a few more tries within the KV wait), checks it fits this rank (``compat``,
-``peer_sizes``, ``pp_stages``), picks the room's DP rank (the job's, the only one, or the one P registered
+``peer_sizes``, ``layouts.pp``), picks the room's DP rank (the job's, the only one, or the one P registered
 for the room; none yet: ``DpRankPending``, the load parks in ``dp_wait``) and returns the P ranks to ask:
-in every pipeline stage holding one of this rank's layers, the TP ranks ``tp_mapping.decode_contacts``
+in every pipeline stage holding one of this rank's layers, the TP ranks ``layouts.tp.decode_contacts``
 names. Each rank's route entry carries what bounds its writes (``RankInfo.batch_stall_s`` and
 ``peer_timeout_s``, from its registration): the load's wait after it stops comes from those
 (``loads.timing_of``), not from D's own transport.

@@ -168,7 +168,7 @@ class PrefillSide:
     # ------------------------------------------------------------ from D ranks
 
     def on_hello(self, hello: proto.PeerHello) -> None:
-        try:  # a pipeline stage keeps D's regions of its own layers (pp_stages)
+        try:  # a pipeline stage keeps D's regions of its own layers (layouts.pp)
             hello = localize_hello(self._spec.region_layers, self._spec.pp_size, hello)
             error = version_problem(hello) or peer_problem(self._spec, self._ctx.regions, hello)
         except PipelineError as exc:

@@ -31,14 +31,12 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.errors import DECODE_FAILED, RouterError
-from proxy.request.attempt import Attempt, AttemptState
-from proxy.strategies.kv_move import holds_kv_for_move
 from proxy.strategies.resume_body import StreamTracker, resume_call
 from proxy.upstream.calls import Failure, FailureKind, fetch
 from proxy.upstream.pool import BackendState
@@ -75,6 +73,28 @@ class MoveMode(enum.Enum):
     KV = "kv"  # another decoder loaded the stream's KV from the drained one (proxy.strategies.kv_move)
     REPLAY = "replay"  # P prefilled prompt + generated tokens again (the decoder's KV was dropped)
     FAILED = "failed"  # cut, but no decoder took the stream over (the client got an error event)
+
+
+class LegState(enum.Enum):
+    """Where a tracked stream's leg stands, as a drain sees it."""
+
+    STREAMING = "streaming"  # D's stream is open and relayed: it can be moved
+    CUT = "cut"  # its stream was cut already (by a drain, or P's failure) and the relay resumes it
+    CUT_BY_DRAIN = "cut_by_drain"  # cut by a drain already; the relay resumes it
+    ENDED = "ended"  # the leg ended cleanly (its answer is complete)
+    CLOSED = "closed"  # the leg is over otherwise (failed, closed, or not yet streaming)
+
+
+class DrainableLeg(Protocol):
+    """The one leg of a relayed stream that a drain may cut (the request's attempt, seen narrowly)."""
+
+    def leg_state(self) -> LegState:
+        """Where the leg stands."""
+        ...
+
+    def cut_for_drain(self, failure: Failure) -> None:
+        """Close D's open stream with ``failure``: the relay reads what was buffered, then resumes it."""
+        ...
 
 
 class DrainOutcome(enum.Enum):
@@ -117,8 +137,14 @@ class DrainReport:
 
 @dataclass(slots=True)
 class _Stream:
-    exchange: weakref.ref[RequestContext]
-    tracker: StreamTracker
+    """One tracked stream on a decoder: its request, its leg, the room it runs with, and the room the
+    decoder keeps its KV as if it is cut (None: it is replayed)."""
+
+    request: weakref.ref[RequestContext]
+    leg: DrainableLeg
+    rid: str
+    room: int
+    kv_room: int | None
 
 
 def held_counts(text: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -137,11 +163,11 @@ class Drains:
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        #: Per decoder: its attempts whose stream is relayed through a tracker (weakly held).
-        self._streams: dict[BackendState, weakref.WeakKeyDictionary[Attempt, _Stream]] = {}
+        #: Per decoder: its streams relayed through a tracker (weakly held by the tracker).
+        self._streams: dict[BackendState, weakref.WeakKeyDictionary[StreamTracker, _Stream]] = {}
         self._running: dict[tuple[str, str, int], asyncio.Task[DrainReport]] = {}
         #: Per draining decoder: its cut streams whose next leg has not opened (or failed) yet.
-        self._pending: dict[BackendState, weakref.WeakSet[Attempt]] = {}
+        self._pending: dict[BackendState, weakref.WeakKeyDictionary[StreamTracker, DrainableLeg]] = {}
         #: Per draining decoder: its streams moved so far, by :class:`MoveMode` value.
         self._tally: dict[BackendState, dict[str, int]] = {}
         reg = router.metrics.registry
@@ -168,74 +194,78 @@ class Drains:
 
     # -- the relay's side ----------------------------------------------------------------------
 
-    def track(self, exchange: RequestContext, attempt: Attempt, tracker: StreamTracker) -> None:
-        """``attempt``'s stream is relayed through ``tracker``: movable if its decoder drains."""
-        streams = self._streams.get(attempt.d)
+    def track(
+        self,
+        request: RequestContext,
+        d: BackendState,
+        tracker: StreamTracker,
+        leg: DrainableLeg,
+        room: int,
+        kv_room: int | None,
+    ) -> None:
+        """A leg of ``request`` on decoder ``d`` (with ``room``) is relayed through ``tracker``: movable
+        if ``d`` drains (``kv_room``: the room ``d`` keeps its KV as if it is cut; None: replayed).
+        Called by the request's relay as each leg's stream opens."""
+        streams = self._streams.get(d)
         if streams is None:
-            streams = self._streams[attempt.d] = weakref.WeakKeyDictionary()
-        streams[attempt] = _Stream(weakref.ref(exchange), tracker)
-        if attempt.d.draining:
-            self._move(attempt, streams[attempt])  # opened while its decoder drains
+            streams = self._streams[d] = weakref.WeakKeyDictionary()
+        stream = streams[tracker] = _Stream(weakref.ref(request), leg, request.rid, room, kv_room)
+        if d.draining:
+            self._move(d, tracker, stream)  # opened while its decoder drains
 
-    def _move(self, attempt: Attempt, stream: _Stream) -> bool:
-        """Close ``attempt``'s D stream with a drain failure (the relay resumes it); False when it
-        cannot move (ended, nothing to resume from, no resumed leg left)."""
-        exchange = stream.exchange()
-        opened = attempt.opened
-        if exchange is None or opened is None or attempt.state is not AttemptState.STREAMING:
+    def _move(self, d: BackendState, tracker: StreamTracker, stream: _Stream) -> bool:
+        """Cut the stream's leg with a drain failure (the relay resumes it); False when it cannot
+        move (ended, nothing to resume from, no resumed leg left)."""
+        request = stream.request()
+        state = stream.leg.leg_state()
+        if request is None or state is LegState.CUT_BY_DRAIN:
+            return request is not None
+        if state is not LegState.STREAMING or tracker.finished:
             return False
-        if attempt.late_p_failure is not None or stream.tracker.finished:
-            return attempt.late_p_failure is not None and attempt.late_p_failure.kind is FailureKind.DRAIN
-        if exchange.progress.resumes >= self.router.config.resume_attempts or resume_call(stream.tracker) is None:
+        if request.progress.resumes >= self.router.config.resume_attempts or resume_call(tracker) is None:
             return False
         if not any(s.healthy for s in self.router.pool.active["decode"]):
             return False  # nowhere to go: it finishes in place
-        name = attempt.d.backend.name
+        name = d.backend.name
         error = RouterError(503, f"{name} is draining; the stream moves to another decoder", DECODE_FAILED)
-        attempt.late_p_failure = Failure(attempt.d, FailureKind.DRAIN, error, True, detail="drain")
-        exchange.progress.moves.append(("drain", time.time()))
-        pending = self._pending.get(attempt.d)
+        request.progress.moves.append(("drain", time.time()))
+        pending = self._pending.get(d)
         if pending is None:
-            pending = self._pending[attempt.d] = weakref.WeakSet()
-        pending.add(attempt)
-        mode = MoveMode.KV if holds_kv_for_move(attempt) else MoveMode.REPLAY
+            pending = self._pending[d] = weakref.WeakKeyDictionary()
+        pending[tracker] = stream.leg
+        mode = MoveMode.KV if stream.kv_room is not None else MoveMode.REPLAY
         logger.info(
             "rid=%s room=%s moving off draining %s (%s%s)",
-            attempt.call.rid,
-            attempt.room,
+            stream.rid,
+            stream.room,
             name,
             mode.value,
-            f", migrate room {attempt.migrate_room}" if mode is MoveMode.KV else "",
+            f", migrate room {stream.kv_room}" if mode is MoveMode.KV else "",
         )
-        opened.response.close()  # the relay reads what was buffered, then resumes it elsewhere
+        stream.leg.cut_for_drain(Failure(d, FailureKind.DRAIN, error, True, detail="drain"))
         return True
 
-    def settled(self, attempt: Attempt, mode: MoveMode | None, room: int) -> None:
-        """``attempt``'s cut stream went on by ``mode`` (None: nothing was left to move), its new leg
-        with ``room``; called once per cut stream by :mod:`proxy.strategies.resume` (later calls are no-ops)."""
-        pending = self._pending.get(attempt.d)
-        if pending is None or attempt not in pending:
+    def settled(self, d: BackendState, tracker: StreamTracker, mode: MoveMode | None, rid: str, room: int) -> None:
+        """The stream relayed through ``tracker``, cut on decoder ``d``, went on by ``mode`` (None:
+        nothing was left to move), its new leg with ``room``; called once per cut stream by
+        :mod:`proxy.strategies.resume` (later calls, and calls for a stream no drain cut, are no-ops)."""
+        pending = self._pending.get(d)
+        if pending is None or tracker not in pending:
             return
-        pending.discard(attempt)
+        del pending[tracker]
         if mode is None:
             return
-        tally = self._tally.setdefault(attempt.d, {})
+        tally = self._tally.setdefault(d, {})
         tally[mode.value] = tally.get(mode.value, 0) + 1
         self.moves.labels(mode.value).inc()
         log = logger.warning if mode is MoveMode.FAILED else logger.info
-        log(
-            "rid=%s room=%s moved off draining %s by %s",
-            attempt.call.rid,
-            room,
-            attempt.d.backend.name,
-            mode.value,
-        )
+        log("rid=%s room=%s moved off draining %s by %s", rid, room, d.backend.name, mode.value)
 
     def _unsettled(self, state: BackendState) -> bool:
         """Whether a stream cut on ``state`` has not gone on yet (one that ended cleanly at the cut
         needs nothing)."""
         pending = self._pending.get(state)
-        return pending is not None and any(a.state is not AttemptState.ANSWERED for a in pending)
+        return pending is not None and any(leg.leg_state() is not LegState.ENDED for leg in pending.values())
 
     # -- the admin call ------------------------------------------------------------------------
 
@@ -264,14 +294,14 @@ class Drains:
         self._tally[state] = {}
         while (state.in_flight > 0 or self._unsettled(state)) and time.monotonic() < deadline:
             if backend.role == "decode":
-                for attempt, stream in list(self._streams.get(state, {}).items()):
-                    if id(attempt) in moved:
+                for tracker, stream in list(self._streams.get(state, {}).items()):
+                    if id(tracker) in moved:
                         continue
-                    if self._move(attempt, stream):
-                        moved.add(id(attempt))
-                        stuck.discard(id(attempt))
-                    elif attempt.state is AttemptState.STREAMING:
-                        stuck.add(id(attempt))
+                    if self._move(state, tracker, stream):
+                        moved.add(id(tracker))
+                        stuck.discard(id(tracker))
+                    elif stream.leg.leg_state() in (LegState.STREAMING, LegState.CUT):
+                        stuck.add(id(tracker))
             await asyncio.sleep(POLL_S)
         report.moved = dict(self._tally.pop(state, {}))
         report.waited = len(stuck)

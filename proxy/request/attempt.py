@@ -14,6 +14,10 @@ counts on P and D) and D's open stream, and :meth:`Attempt.close` ends all of th
 - :meth:`Attempt.close` (idempotent, synchronous) cancels what still runs and releases the
   leases. A cancelled task closes its connection when it next runs; closing a backend
   connection makes vLLM abort the request and free its KV blocks.
+
+Attempts are made, run and closed by the request's :class:`proxy.request.loop.AttemptLoop`; nothing
+else keeps one. What outlives a cut stream is a :class:`Cut`, a frozen copy of what the next leg needs
+(:mod:`proxy.strategies.resume`); a drain cuts a stream through :meth:`Attempt.cut_for_drain`.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from proxy.admin.drain import LegState
 from proxy.request.payloads import decode_body, prefill_body
-from proxy.strategies.resume_body import resumable
 from proxy.upstream.calls import (
     Failure,
+    FailureKind,
     empty_failure,
     error_event_failure,
     exception_failure,
@@ -87,6 +92,25 @@ class Answered:
 Outcome = Opened | Answered | Failure
 
 
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """An attempt whose stream began and was cut, as what comes after it needs it (the attempt itself
+    closed): :mod:`proxy.strategies.resume` continues the stream from it, :mod:`proxy.strategies.kv_move`
+    moves its KV, :mod:`proxy.request.held_tail` asks its instances. Built where the cut is seen: the
+    request's relay (:meth:`proxy.request.exchange.Exchange.relay`), or a strategy whose stream's next
+    leg failed before it opened."""
+
+    failure: Failure
+    #: The cut attempt's prefiller and decoder.
+    p: BackendState
+    d: BackendState
+    #: What the cut attempt sent (a resumed stream's call counts the tokens it replayed).
+    call: Call
+    #: The room the cut decoder holds the request's KV as, when a drain cut it and the KV moves with
+    #: the stream (:mod:`proxy.strategies.kv_move`); None: the stream is replayed.
+    kv_room: int | None
+
+
 class AttemptState(enum.Enum):
     WAITING = "waiting"  # P and D sent, D has not answered yet
     STREAMING = "streaming"  # D's stream is open and being relayed
@@ -109,13 +133,16 @@ class Attempt:
         p_answered: bool = False,
         prefilled_tokens: int | None = None,
         migrate_room: int | None = None,
+        resumable: bool = False,
     ) -> None:
         """``p_answered``: P already answered (the first-token path) and holds the room's KV; the
         attempt then runs D only (``p`` may then be a drained decoder holding the KV:
         :mod:`proxy.strategies.kv_move`). ``prefilled_tokens``: that KV covers only the first that many
         tokens of D's prompt (None: all of it). ``migrate_room``: the room D holds the request's KV
         as if the Router aborts it (None: D is not movable by KV or the stream not resumable);
-        :meth:`proxy.request.loop.AttemptLoop.new_attempt` draws it.
+        :meth:`proxy.request.loop.AttemptLoop.new_attempt` draws it. ``resumable``: the stream may
+        go on on another decoder if cut (:func:`proxy.strategies.resume_body.resumable`), so D sends its
+        token ids.
 
         Attempts are made by :class:`proxy.request.loop.AttemptLoop` alone."""
         self.router = router
@@ -130,6 +157,7 @@ class Attempt:
         #: D is movable by KV and the stream may be moved: the room D holds the request's KV as
         #: if the Router aborts it (a drain's move loads it from there: proxy.strategies.kv_move).
         self.migrate_room = migrate_room
+        self.resumable = resumable
         pool = router.pool
         self.p_lease = pool.lease(p, 0 if p_answered else call.tokens)
         self.d_lease = pool.lease(d)
@@ -189,7 +217,7 @@ class Attempt:
         state, call = self.d, self.call
         backend = state.backend
         body = decode_body(call.body, self.room, self.p.backend, self.prefilled_tokens, self.migrate_room)
-        if resumable(call, self.router.config.resume_attempts):
+        if self.resumable:
             body["return_token_ids"] = True  # stripped for the client unless it asked (proxy.strategies.resume_body)
         data = encode_json(body)
         response: Response | None = None
@@ -254,6 +282,33 @@ class Attempt:
                 self.room,
                 failure.error.message,
             )
+
+    def leg_state(self) -> LegState:
+        """Where the attempt's stream stands, as a drain sees it (:class:`proxy.admin.drain.DrainableLeg`)."""
+        if self.state is AttemptState.ANSWERED:
+            return LegState.ENDED
+        if self.state is not AttemptState.STREAMING or self.opened is None:
+            return LegState.CLOSED
+        if self.late_p_failure is None:
+            return LegState.STREAMING
+        return LegState.CUT_BY_DRAIN if self.late_p_failure.kind is FailureKind.DRAIN else LegState.CUT
+
+    def cut_for_drain(self, failure: Failure) -> None:
+        """A drain cuts the open stream with ``failure``: the relay reads what was buffered, then
+        sees ``failure`` as it would a late P failure and resumes the stream elsewhere."""
+        if self.opened is None:
+            return
+        self.late_p_failure = failure
+        self.opened.response.close()
+
+    def kv_room_after(self, failure: Failure) -> int | None:
+        """The room D keeps the request's KV as once ``failure`` cut its stream: the migrate room when
+        a drain cut a decoder that holds it (:mod:`proxy.strategies.kv_move`), else None."""
+        return self.migrate_room if failure.kind is FailureKind.DRAIN and self.holds_kv_for_move() else None
+
+    def holds_kv_for_move(self) -> bool:
+        """Whether D keeps the request's KV as the attempt's migrate room if the Router aborts it."""
+        return self.migrate_room is not None and self.d.backend.movable
 
     def holds_p_room(self) -> bool:
         """Whether P holds this attempt's room: it answered before the attempt, or its prefill here

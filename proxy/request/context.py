@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from proxy.errors import RouterError
-    from proxy.request.attempt import Answered, Attempt, Call, Opened
-    from proxy.request.loop import AttemptLoop
+    from proxy.request.attempt import Call, Cut
+    from proxy.request.loop import AttemptLoop, Won
     from proxy.request.progress import RequestProgress
     from proxy.router_state import Router
     from proxy.strategies.first_token_body import FirstTokenFrom
@@ -84,21 +84,22 @@ class RequestContext(Protocol):
         """The client's answer once no attempt is left: the last failure."""
         ...
 
-    async def answer(self, attempt: Attempt, outcome: Opened | Answered) -> web.StreamResponse:
-        """D's answer to the client: whole, or its stream relayed."""
+    async def answer(self, won: Won) -> web.StreamResponse:
+        """D's answer (of the attempt that ``won``) to the client: whole, or its stream relayed."""
         ...
 
     async def relay(
         self,
-        attempt: Attempt,
-        opened: Opened,
+        won: Won,
         response: web.StreamResponse | None = None,
         transform: Callable[[bytes], bytes] | None = None,
         tracker: StreamTracker | None = None,
     ) -> web.StreamResponse:
-        """D's stream to the client on ``response`` (a new one when None), resumed where it can be."""
+        """The stream of the attempt that ``won`` to the client on ``response`` (a new one when None),
+        resumed where it can be."""
         ...
 
-    def stream_cut(self, attempt: Attempt, failure: Failure) -> None:
-        """A stream that began ends with ``failure``: counted, logged, the attempt closed."""
+    def stream_cut(self, cut: Cut) -> None:
+        """A stream that began ends with ``cut``'s failure (its attempt closed by
+        :meth:`proxy.request.loop.AttemptLoop.cut`): counted, logged."""
         ...

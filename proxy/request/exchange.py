@@ -32,9 +32,9 @@ from proxy.errors import (
     RouterError,
     error_response,
 )
-from proxy.request.attempt import Answered, Attempt, Call, Opened
+from proxy.request.attempt import Answered, Attempt, Call, Cut, Opened
 from proxy.request.incoming import backend_headers, read_json, request_id
-from proxy.request.loop import AttemptLoop, Next
+from proxy.request.loop import AttemptLoop, Next, Won
 from proxy.request.payloads import check_prefill_dp_rank, estimate_prompt_tokens, resolve_room, validate_body
 from proxy.request.progress import RequestProgress
 from proxy.router_state import Router
@@ -43,7 +43,7 @@ from proxy.strategies.first_token import FirstTokenPath
 from proxy.strategies.first_token_body import FirstTokenFrom, ineligible_reason
 from proxy.strategies.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
 from proxy.strategies.resume import mid_stream_error, resume_stream
-from proxy.strategies.resume_body import StreamTracker, resumable
+from proxy.strategies.resume_body import StreamTracker
 from proxy.strategies.two_instance import two_instance
 from proxy.upstream.calls import Failure, exception_failure, passthrough_response
 from proxy.upstream.http1 import UpstreamError
@@ -141,7 +141,7 @@ class Exchange:
     def _log_done(self) -> None:
         elapsed = time.monotonic() - self.t0
         self.router.metrics.request_done(self.endpoint, self.status, self.progress.ttfb, elapsed)
-        attempt = self.progress.attempt
+        attempt = self.loop.current
         if not logger.isEnabledFor(logging.INFO):
             return  # nor build the phase trace
         # One line a request (its phase trace, pd_connector.trace's summary, at its end): logging
@@ -213,15 +213,16 @@ class Exchange:
         )
         return failure.response(self.out_headers)
 
-    async def answer(self, attempt: Attempt, outcome: Opened | Answered) -> web.StreamResponse:
+    async def answer(self, won: Won) -> web.StreamResponse:
         """D's answer to the client: a whole JSON answer as it is, a stream through :meth:`relay`."""
+        outcome = won.outcome
         if isinstance(outcome, Answered):
             if self.router.config.max_recomputes and (cut := recomputed_answer(outcome.body)) is not None:
-                return await continue_answer(self, attempt, outcome, cut)
+                return await continue_answer(self, outcome, cut)
             return self.answered(outcome.status, outcome.body, outcome.content_type)
         try:
             watch = stream_watch(self, None)
-            return await after_relay(self, await self.relay(attempt, outcome, transform=watch), watch)
+            return await after_relay(self, await self.relay(won, transform=watch), watch)
         except ConnectionResetError:
             raise asyncio.CancelledError from None  # the client went away
 
@@ -254,22 +255,26 @@ class Exchange:
 
     async def relay(
         self,
-        attempt: Attempt,
-        opened: Opened,
+        won: Won,
         response: web.StreamResponse | None = None,
         transform: Callable[[bytes], bytes] | None = None,
         tracker: StreamTracker | None = None,
     ) -> web.StreamResponse:
-        """Send D's stream to the client (unchanged, or through ``transform``) on ``response``
-        (prepared already, or a new one); if P or D fails, resume it on another decoder
-        (:mod:`proxy.strategies.resume`, through ``tracker``: a resumed leg's, else one made here for a
-        resumable request) or end it with an error event. A :class:`proxy.strategies.recompute.StreamWatch`
-        transform that saw ``recomputed`` leaves it open."""
+        """Send the stream of the attempt that ``won`` to the client (unchanged, or through
+        ``transform``) on ``response`` (prepared already, or a new one); if P or D fails, the loop
+        closes the attempt (:meth:`proxy.request.loop.AttemptLoop.cut`) and the stream is resumed on
+        another decoder (:mod:`proxy.strategies.resume`, through ``tracker``: a resumed leg's, else one
+        made here for a resumable request) or ended with an error event. A
+        :class:`proxy.strategies.recompute.StreamWatch` transform that saw ``recomputed`` leaves it open."""
+        attempt, opened = won.attempt, won.outcome
+        if not isinstance(opened, Opened):
+            raise TypeError(f"relay of an attempt with no open stream: {type(opened).__name__}")
         watch = transform if isinstance(transform, StreamWatch) else None
-        if tracker is None and resumable(attempt.call, self.router.config.resume_attempts):
+        if tracker is None and attempt.resumable:
             tracker = StreamTracker(attempt.call)
-        if tracker is not None:
-            self.router.drains.track(self, attempt, tracker)  # movable if its decoder drains (proxy.admin.drain)
+        if tracker is not None:  # movable if its decoder drains (proxy.admin.drain)
+            kv_room = attempt.migrate_room if attempt.holds_kv_for_move() else None
+            self.router.drains.track(self, attempt.d, tracker, attempt, attempt.room, kv_room)
         upstream = opened.response
         failure: Failure | None = None
         eof_sent = False
@@ -282,7 +287,7 @@ class Exchange:
                 chunk = tracker.feed(chunk, end=upstream.at_eof())
                 if tracker.error is not None:
                     await response.write(transform(chunk) if transform is not None else chunk)
-                    failure = mid_stream_error(attempt, tracker.error)
+                    failure = mid_stream_error(attempt.d, tracker.error)
                     break
             if transform is not None:
                 chunk = transform(chunk)
@@ -309,30 +314,28 @@ class Exchange:
         elif attempt.late_p_failure is not None:
             failure = attempt.late_p_failure
         if failure is None:
-            attempt.finish()
-            self.router.pair_refusals.clear(attempt.p, attempt.d)
+            self.loop.finished(attempt)
             if watch is not None and watch.recomputed:
                 watch.held_open = True
                 return response  # proxy.strategies.recompute continues it
         else:
-            if tracker is not None and await resume_stream(self, attempt, failure, response, tracker):
+            cut = Cut(failure, attempt.p, attempt.d, attempt.call, attempt.kv_room_after(failure))
+            self.loop.cut(attempt)
+            if tracker is not None and await resume_stream(self, cut, response, tracker):
                 return response  # continued on another decoder (its relay ended the stream)
-            self._stream_cut(attempt, failure)
+            self.stream_cut(cut)
             await response.write(failure.error.to_sse())
         if not eof_sent:
             await response.write_eof()
         return response
 
-    def stream_cut(self, attempt: Attempt, failure: Failure) -> None:
-        """A stream that began ends with ``failure``: counted, logged, the attempt closed."""
-        self._stream_cut(attempt, failure)
-
-    def _stream_cut(self, attempt: Attempt, failure: Failure) -> None:
-        self.loop.cut(attempt, failure)
-        self.router.metrics.error(self.endpoint, failure.error.error_type)
+    def stream_cut(self, cut: Cut) -> None:
+        """A stream that began ends with ``cut``'s failure: counted, logged."""
+        self.loop.count_cut(cut)
+        self.router.metrics.error(self.endpoint, cut.failure.error.error_type)
         logger.error(
             "rid=%s room=%s stream cut after it started: %s; ending it with an error event",
             self.rid,
             self.progress.room,
-            failure.error.message,
+            cut.failure.error.message,
         )

@@ -58,10 +58,15 @@ def decide(failure: Failure, attempt: Attempt | None = None) -> Decision:
     return Decision(
         retry=failure.retryable,
         mark_unhealthy=connect or failure.unresponsive,
-        avoid_p=by_d and failure.kind in D_LOAD_FAILURES,
+        avoid_p=attempt is not None and _avoid_p(failure, attempt.d),
         release_room=by_d and connect and attempt is not None and not _moves_kv(attempt) and attempt.holds_p_room(),
         same_room_other_d=by_d and connect and attempt is not None and attempt.p_answered,
     )
+
+
+def _avoid_p(failure: Failure, d: BackendState) -> bool:
+    """Whether ``failure`` is decoder ``d``'s of a kind most often its P's doing (P is avoided too)."""
+    return failure.state is d and failure.kind in D_LOAD_FAILURES
 
 
 def _moves_kv(attempt: Attempt) -> bool:
@@ -81,14 +86,14 @@ class Tried:
         (self.p if state.backend.role == "prefill" else self.d).add(state)
 
     @classmethod
-    def after_cut(cls, failure: Failure, attempt: Attempt) -> Tried:
-        """What a stream's next leg avoids after ``attempt``'s stream was cut by ``failure``: the
-        instance that failed, the attempt's decoder, and its P where D's failure is most often P's."""
+    def after_cut(cls, failure: Failure, p: BackendState, d: BackendState) -> Tried:
+        """What a stream's next leg avoids after the stream of the pair ``p``/``d`` was cut by
+        ``failure``: the instance that failed, the decoder, and P where D's failure is most often P's."""
         tried = cls()
         tried.add(failure.state)
-        tried.d.add(attempt.d)
-        if decide(failure, attempt).avoid_p:
-            tried.p.add(attempt.p)
+        tried.d.add(d)
+        if _avoid_p(failure, d):
+            tried.p.add(p)
         return tried
 
 

@@ -29,7 +29,7 @@ import msgspec
 from proxy.upstream.calls import Failure, fetch
 
 if TYPE_CHECKING:
-    from proxy.request.attempt import Attempt, Call
+    from proxy.request.attempt import Call, Cut
     from proxy.request.context import RequestContext
     from proxy.strategies.resume_body import StreamTracker
     from proxy.upstream.pool import BackendState
@@ -90,22 +90,22 @@ async def _detokenize(
     return text if isinstance(text, str) else None
 
 
-async def settle_held_tail(ctx: RequestContext, attempt: Attempt, tracker: StreamTracker) -> None:
+async def settle_held_tail(ctx: RequestContext, cut: Cut, tracker: StreamTracker) -> None:
     """Lower ``tracker``'s count of the client's tokens past any whose text was still held when
-    ``attempt``'s stream was cut (see the module docstring); asks ``attempt``'s decoder, then its
+    the stream was cut (``cut``; see the module docstring); asks the cut decoder, then its
     prefiller, then any other healthy instance."""
     ends = candidate_ends(tracker)
     if not ends:
         return
     counted = tracker.committed
-    sources = [attempt.d, attempt.p]
+    sources = [cut.d, cut.p]
     sources += [s for s in ctx.router.pool.all_states() if s.healthy and s not in sources]
     deadline = time.monotonic() + TIMEOUT_S
     for state in sources:
         if time.monotonic() >= deadline:
             break
         texts = await asyncio.gather(
-            *(_detokenize(ctx, state, attempt.call, window(tracker, end), deadline) for end in ends)
+            *(_detokenize(ctx, state, cut.call, window(tracker, end), deadline) for end in ends)
         )
         if any(text is None for text in texts):
             continue

@@ -16,7 +16,8 @@ strategy reaches the loop through its :class:`proxy.request.context.RequestConte
   the attempt, settles it by :mod:`proxy.request.failure_policy` (counted, its backend marked
   unhealthy, the instances to avoid noted, a decoder's refusal of the pair remembered) and
   releases P's room;
-- :meth:`AttemptLoop.cut`: an attempt whose stream began and was cut, closed and counted the same way;
+- :meth:`AttemptLoop.cut`: an attempt whose stream began and was cut, closed (what comes after it gets
+  a narrow :class:`proxy.request.attempt.Cut`), counted by :meth:`AttemptLoop.count_cut`;
 - :meth:`AttemptLoop.pairs`: attempts on P/D pairs the routing policy picks, one after the other,
   until one answers (:class:`Won`) or none is left (:class:`Lost`).
 
@@ -46,7 +47,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from proxy.request.attempt import Answered, Attempt, Call, Opened
+from proxy.request.attempt import Answered, Attempt, Call, Cut, Opened
 from proxy.request.failure_policy import Decision, Tried, count_failure, settle
 from proxy.request.progress import RequestProgress
 from proxy.request.room_release import release_room
@@ -70,10 +71,28 @@ class Next(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Won:
-    """An attempt that did not fail: D's open stream or whole answer."""
+    """An attempt that did not fail: D's open stream or whole answer. A strategy hands it on as it
+    is (:meth:`proxy.request.context.RequestContext.answer`, :meth:`~proxy.request.context.RequestContext.relay`);
+    what it may read of the attempt is below."""
 
     attempt: Attempt
     outcome: Opened | Answered
+
+    @property
+    def p(self) -> BackendState:
+        return self.attempt.p
+
+    @property
+    def d(self) -> BackendState:
+        return self.attempt.d
+
+    @property
+    def room(self) -> int:
+        return self.attempt.room
+
+    @property
+    def call(self) -> Call:
+        return self.attempt.call
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +116,8 @@ class HeldRoom:
     #: The request as P's KV covers it, and how many of its prompt tokens that KV holds.
     call: Call
     prefilled_tokens: int | None
+    #: A decoder that failed to load it (another one is asked to, and so frees it).
+    failed_d: BackendState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +141,10 @@ class AttemptLoop:
     def __init__(self, router: Router, call: Call, room: int, t0: float) -> None:
         self.router = router
         self.call = call
-        #: The request's current room and attempt, attempts made, first byte (its log line reads it).
+        #: The request's current room, attempts made, first byte (its log line reads it).
         self.progress = RequestProgress(room)
+        #: The request's current attempt (closed by the next one, or by :meth:`close`).
+        self.current: Attempt | None = None
         #: The instances that failed this request (routing avoids them on its retries).
         self.tried = Tried()
         self.deadline = t0 + router.config.request_timeout
@@ -181,12 +204,13 @@ class AttemptLoop:
     ) -> Attempt:
         """The request's next attempt (its current one from now on; the one before is closed). With
         ``p_answered``, the attempt takes over P's KV of ``room`` (:meth:`p_holds`)."""
-        if self.progress.attempt is not None:
-            self.progress.attempt.close()
+        if self.current is not None:
+            self.current.close()
         held = self._held
         if p_answered and held is not None and held.p is p and held.room == room:
             self._held = None  # the attempt holds it now (Attempt.holds_p_room)
-        movable = d.backend.movable and resumable(call, self.router.config.resume_attempts)
+        resumes = resumable(call, self.router.config.resume_attempts)
+        movable = d.backend.movable and resumes
         attempt = Attempt(
             self.router,
             call,
@@ -197,9 +221,10 @@ class AttemptLoop:
             p_answered=p_answered,
             prefilled_tokens=prefilled_tokens,
             migrate_room=self.next_room() if movable else None,
+            resumable=resumes,
         )
         self.progress.room = room
-        self.progress.attempt = attempt
+        self.current = attempt
         return attempt
 
     async def run(self, attempt: Attempt, tried: Tried | None = None, *, same_room: bool = False) -> Won | Settled:
@@ -227,16 +252,31 @@ class AttemptLoop:
             if other is not None and other in tried.d:
                 other = None
         if decision.release_room and other is None:
-            self._release_p_room(HeldRoom(attempt.p, attempt.room, attempt.call, attempt.prefilled_tokens), attempt.d)
+            held = HeldRoom(attempt.p, attempt.room, attempt.call, attempt.prefilled_tokens, attempt.d)
+            self._release_p_room(held)
         return Settled(attempt, failure, decision, other)
 
-    def cut(self, attempt: Attempt, failure: Failure) -> Decision:
-        """``attempt``'s stream, begun, was cut by ``failure`` (it ends, or goes on on another leg):
-        the attempt closed, the failure counted, its backend marked unhealthy where the policy says
-        so (:func:`proxy.request.failure_policy.count_failure`), a decoder's refusal remembered."""
+    def current_decoder(self) -> BackendState | None:
+        """The decoder of the request's current attempt (None: no attempt was made)."""
+        return self.current.d if self.current is not None else None
+
+    def finished(self, attempt: Attempt) -> None:
+        """``attempt``'s stream ended cleanly: its connection back to the pool, and the pair known to
+        work (a decoder's earlier refusal of it forgotten)."""
+        attempt.finish()
+        self.router.pair_refusals.clear(attempt.p, attempt.d)
+
+    def cut(self, attempt: Attempt) -> None:
+        """``attempt``'s stream, begun, was cut: the attempt closed (what comes after it gets a
+        :class:`proxy.request.attempt.Cut`; counted by :meth:`count_cut`)."""
         attempt.close()
-        self.router.pair_refusals.note(attempt.p, failure)
-        return count_failure(self.router, self.call.endpoint, failure, attempt)
+
+    def count_cut(self, cut: Cut) -> None:
+        """A cut stream's failure counted, its backend marked unhealthy where the policy says so
+        (:func:`proxy.request.failure_policy.count_failure`), a decoder's refusal of the pair remembered;
+        once the stream ended, or went on on another leg."""
+        self.router.pair_refusals.note(cut.p, cut.failure)
+        count_failure(self.router, self.call.endpoint, cut.failure)
 
     def fail_call(self, failure: Failure) -> Decision:
         """A backend call of the request outside any attempt failed (the first-token path's P
@@ -252,10 +292,11 @@ class AttemptLoop:
         decoder: released when the request ends unless an attempt takes it over first."""
         self._held = HeldRoom(p, room, call, prefilled_tokens)
 
-    def _release_p_room(self, held: HeldRoom, avoid: BackendState | None = None) -> None:
-        """No decoder of this request will load ``held``: a decoder (not ``avoid``) loads, and so
+    def _release_p_room(self, held: HeldRoom) -> None:
+        """No decoder of this request will load ``held``: a decoder (not ``held.failed_d``) loads, and so
         frees, it now. The one place the Router releases P's rooms (see the module docstring)."""
-        release_room(self.router, held.p, held.room, held.call, held.prefilled_tokens, () if avoid is None else {avoid})
+        avoid = () if held.failed_d is None else {held.failed_d}
+        release_room(self.router, held.p, held.room, held.call, held.prefilled_tokens, avoid)
 
     async def pairs(
         self,
@@ -314,8 +355,8 @@ class AttemptLoop:
     def close(self) -> None:
         """The request ended: close its current attempt, release P's KV no attempt took over, and
         give its rooms back."""
-        if self.progress.attempt is not None:
-            self.progress.attempt.close()
+        if self.current is not None:
+            self.current.close()
         if self._held is not None:
             self._release_p_room(self._held)
             self._held = None

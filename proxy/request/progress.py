@@ -9,24 +9,18 @@ the request ended.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from proxy.strategies.first_token_body import FirstTokenFrom
-
-if TYPE_CHECKING:
-    from proxy.request.attempt import Attempt
 
 
 @dataclass(slots=True)
 class RequestProgress:
-    """The request's current room and attempt, how many attempts it made, and its first byte."""
+    """The request's current room, how many attempts it made, and its first byte."""
 
     #: The bootstrap room of the current attempt (a fresh one on each retry).
     room: int
     #: Attempts made so far (the log line's ``attempts=``).
     attempts: int = 0
-    #: The current attempt (closed by the next one, or by the loop when the request ends).
-    attempt: Attempt | None = None
     #: Seconds from the request's arrival to the first byte of its answer.
     ttfb: float | None = None
     #: Who sent the client's first token.

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from proxy.errors import UPSTREAM_UNAVAILABLE, RouterError
-from proxy.request.attempt import Attempt, Call, Opened
+from proxy.request.attempt import Call, Cut, Opened
 from proxy.request.loop import Next, Won
 from proxy.strategies.first_token_body import (
     ContinuationFix,
@@ -66,6 +66,18 @@ class PrefillAnswer:
 
     p: BackendState
     first: FirstToken | None
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    """D's continuation after P's first token: D loads P's KV of ``room`` (the first
+    ``prefilled_tokens`` of ``call``'s prompt; None: all of it)."""
+
+    call: Call
+    p: BackendState
+    d: BackendState
+    room: int
+    prefilled_tokens: int | None
 
 
 class FirstTokenPath:
@@ -228,26 +240,28 @@ class FirstTokenPath:
         await ctx.open_stream(response)
         await response.write(first_chunk(first, final=False, token_ids=wants_token_ids(call.body)))
         ctx.first_byte(FirstTokenFrom.PREFILL)
-        attempt = loop.new_attempt(cont, p, d, room, p_answered=True, prefilled_tokens=prompt_len)
         fix = stream_watch(ctx, ContinuationFix(include_usage(call.body), wants_token_ids(call.body)), first.text, 1)
-        return await self._continue(attempt, response, fix)
+        return await self._continue(Leg(cont, p, d, room, prompt_len), response, fix)
 
     async def _continue(
-        self, attempt: Attempt, response: web.StreamResponse, fix: Callable[[bytes], bytes] | None
+        self, leg: Leg, response: web.StreamResponse, fix: Callable[[bytes], bytes] | None
     ) -> web.StreamResponse:
-        """D's continuation: relayed on success; retried while D sent nothing: on another decoder
-        with the same room where D never reached P, else as a P+D attempt on a fresh pair."""
+        """D's continuation (``leg``: D loads P's KV of its room): relayed on success; retried while D
+        sent nothing: on another decoder with the same room where D never reached P, else as a P+D
+        attempt on a fresh pair."""
         ctx, loop = self.ctx, self.loop
+        call, p, d, room = leg.call, leg.p, leg.d, leg.room
+        attempt = loop.new_attempt(call, p, d, room, p_answered=True, prefilled_tokens=leg.prefilled_tokens)
         while True:
             got = await loop.run(attempt, same_room=True)
             if isinstance(got, Won):
                 if isinstance(got.outcome, Opened):
                     try:
-                        return await after_relay(ctx, await ctx.relay(attempt, got.outcome, response, fix), fix)
+                        return await after_relay(ctx, await ctx.relay(got, response, fix), fix)
                     except ConnectionResetError:
                         raise asyncio.CancelledError from None  # the client went away
                 error = RouterError(502, "decoder sent no stream", "decode_failed")  # a stream is always Opened
-                got = loop.fail(attempt, Failure(attempt.d, FailureKind.EMPTY, error, False), same_room=True)
+                got = loop.fail(attempt, Failure(d, FailureKind.EMPTY, error, False), same_room=True)
             failure = got.failure
             if not loop.may_retry(got.decision):
                 break
@@ -257,31 +271,30 @@ class FirstTokenPath:
                 logger.warning(
                     "rid=%s room=%s %s unreachable after the first token (%s); the same room on %s",
                     ctx.rid,
-                    attempt.room,
-                    attempt.d.backend.name,
+                    room,
+                    d.backend.name,
                     failure.error.message,
                     got.same_room_d.backend.name,
                 )
-                attempt = loop.new_attempt(
-                    attempt.call, attempt.p, got.same_room_d, attempt.room,
-                    p_answered=True, prefilled_tokens=attempt.prefilled_tokens,
-                )  # fmt: skip
+                d = got.same_room_d
+                attempt = loop.new_attempt(call, p, d, room, p_answered=True, prefilled_tokens=leg.prefilled_tokens)
                 continue
-            room = loop.next_room()
-            p = loop.pick("prefill", attempt.call, room, loop.tried.p)
-            d = loop.pick("decode", attempt.call, room, loop.tried.d)
-            if p is None or d is None:
+            fresh = loop.next_room()
+            next_p = loop.pick("prefill", call, fresh, loop.tried.p)
+            next_d = loop.pick("decode", call, fresh, loop.tried.d)
+            if next_p is None or next_d is None:
                 break
             logger.warning(
                 "rid=%s room=%s decode after the first token failed (%s); retrying the continuation on %s + %s",
                 ctx.rid,
-                room,
+                fresh,
                 failure.error.message,
-                p.backend.name,
-                d.backend.name,
+                next_p.backend.name,
+                next_d.backend.name,
             )
-            attempt = loop.new_attempt(attempt.call, p, d, room)
-        ctx.stream_cut(attempt, failure)
+            p, d, room = next_p, next_d, fresh
+            attempt = loop.new_attempt(call, p, d, room)
+        ctx.stream_cut(Cut(failure, p, d, call, None))  # the last attempt closed by loop.fail
         await response.write(failure.error.to_sse())
         await response.write_eof()
         return response
@@ -304,8 +317,9 @@ class FirstTokenPath:
         await ctx.open_stream(response)
         await response.write(first_chunk(first, final=False))
         ctx.first_byte(FirstTokenFrom.PREFILL_EMPTY)
-        attempt = loop.new_attempt(call, p, d, room, p_answered=True)
-        return await self._continue(attempt, response, stream_watch(ctx, DropRepeatedFirst(), first.text, 1))
+        return await self._continue(
+            Leg(call, p, d, room, None), response, stream_watch(ctx, DropRepeatedFirst(), first.text, 1)
+        )
 
     async def _plain_decode(self, p: BackendState) -> web.StreamResponse | Next:
         """D serves the client's own request from P's KV, its answer or error going to the client as
@@ -319,7 +333,7 @@ class FirstTokenPath:
             return ctx.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
         got = await loop.run(loop.new_attempt(self.call, p, d, room, p_answered=True))
         if isinstance(got, Won):
-            return await ctx.answer(got.attempt, got.outcome)
+            return await ctx.answer(got)
         if not got.decision.retry or not loop.attempts_left():
             return ctx.final_failure(got.failure)
         return Next.TWO_INSTANCE

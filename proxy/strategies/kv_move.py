@@ -2,7 +2,7 @@
 
 A decoder the Router knows the bootstrap port of (``--decoder-bootstrap-ports``, ``/instances/add``
 with ``bootstrap_port``: :attr:`proxy.router_config.Backend.movable`) gets a fresh ``migrate_room``
-in every resumable request (:class:`proxy.request.attempt.Attempt`). When a drain closes such a stream
+in every resumable request's attempt (:meth:`proxy.request.loop.AttemptLoop.new_attempt`). When a drain closes such a stream
 (:mod:`proxy.admin.drain`), vLLM aborts the request there and the connector holds its KV as that room for
 a while (``migrate_hold_s``). The stream then goes on on another decoder by an ordinary D-only leg:
 
@@ -13,8 +13,9 @@ a while (``migrate_hold_s``). The stream then goes on on another decoder by an o
   samples the next one). The target loads those blocks from the drained decoder (a D -> D push)
   and computes the last prompt token itself; nothing is prefilled again.
 
-The leg is an :class:`proxy.request.attempt.Attempt` with ``p_answered`` whose "prefiller" is the drained
-decoder, made and settled by the request's :class:`proxy.request.loop.AttemptLoop`: it holds no lease
+The leg is an attempt with ``p_answered`` whose "prefiller" is the drained decoder (the
+:class:`proxy.request.attempt.Cut`'s ``d``), made and settled by the request's
+:class:`proxy.request.loop.AttemptLoop`: it holds no lease
 there (the drain waits for nothing of it). A leg that fails before its first chunk leaves the stream
 to a replay leg (:mod:`proxy.strategies.resume`); the target is avoided then only where it was
 unreachable (a failed KV load is most often the source's doing: :func:`proxy.request.failure_policy.settle`).
@@ -25,26 +26,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from proxy.request.attempt import Attempt, Call, Opened
+from proxy.request.attempt import Call, Cut, Opened
 from proxy.request.failure_policy import Tried
 from proxy.request.loop import Won
-from proxy.upstream.calls import Failure, FailureKind
 
 if TYPE_CHECKING:
     from proxy.request.context import RequestContext
 
 logger = logging.getLogger("proxy")
-
-
-def holds_kv_for_move(attempt: Attempt) -> bool:
-    """Whether ``attempt``'s decoder keeps the request's KV as the attempt's migrate room if it is cut."""
-    return attempt.migrate_room is not None and attempt.d.backend.movable
-
-
-def kv_movable(failure: Failure, attempt: Attempt) -> bool:
-    """Whether ``attempt``'s stream, cut by ``failure``, moves with its KV: a drain cut it and its
-    decoder holds the request's KV as the attempt's migrate room."""
-    return failure.kind is FailureKind.DRAIN and holds_kv_for_move(attempt)
 
 
 def prefilled_tokens(call: Call) -> int | None:
@@ -56,14 +45,13 @@ def prefilled_tokens(call: Call) -> int | None:
     return len(prompt) - 1
 
 
-async def kv_leg(ctx: RequestContext, attempt: Attempt, call: Call, tried: Tried) -> tuple[Attempt, Opened] | None:
-    """Open the leg that continues ``attempt``'s cut stream on another decoder with the KV the drained
-    decoder holds (``call``: :func:`proxy.strategies.resume_body.resume_call`'s); the leg and its first chunk,
-    or None when no such leg opened (the caller replays; ``tried`` gains the target only where it
-    was unreachable)."""
+async def kv_leg(ctx: RequestContext, cut: Cut, call: Call, tried: Tried) -> Won | None:
+    """Open the leg that continues ``cut``'s stream on another decoder with the KV the drained
+    decoder holds as ``cut.kv_room`` (``call``: :func:`proxy.strategies.resume_body.resume_call`'s);
+    the leg that opened its stream, or None when none did (the caller replays; ``tried`` gains the
+    target only where it was unreachable)."""
     loop = ctx.loop
-    source = attempt.d
-    room = attempt.migrate_room
+    source, room = cut.d, cut.kv_room
     prefilled = prefilled_tokens(call)
     if room is None or prefilled is None:
         return None
@@ -74,7 +62,7 @@ async def kv_leg(ctx: RequestContext, attempt: Attempt, call: Call, tried: Tried
     loop.count()
     got = await loop.run(loop.new_attempt(call, source, d, room, p_answered=True, prefilled_tokens=prefilled), tried)
     if isinstance(got, Won):
-        return (got.attempt, got.outcome) if isinstance(got.outcome, Opened) else None
+        return got if isinstance(got.outcome, Opened) else None
     logger.warning(
         "rid=%s room=%s KV leg on %s (KV from %s) failed before its first chunk (%s); replaying",
         ctx.rid,

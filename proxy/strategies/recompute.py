@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from proxy.request.attempt import Answered, Attempt, Call, Opened
+from proxy.request.attempt import Answered, Call, Opened
 from proxy.request.failure_policy import Tried
 from proxy.request.loop import Won
 from proxy.request.payloads import estimate_prompt_tokens
@@ -85,8 +85,7 @@ async def after_relay(
         if got is None:
             await response.write_eof(watch.held)
             return response
-        attempt, outcome = got
-        if not isinstance(outcome, Opened):  # closed when the request ends (AttemptLoop.close)
+        if not isinstance(got.outcome, Opened):  # closed when the request ends (AttemptLoop.close)
             logger.error(
                 "rid=%s room=%s continuation answered without a stream; the answer ends as is",
                 ctx.rid,
@@ -95,13 +94,11 @@ async def after_relay(
             await response.write_eof(watch.held)
             return response
         watch = StreamWatch(None, progress, leg=progress.continuations, client_usage=_client_usage(ctx))
-        response = await ctx.relay(attempt, outcome, response, watch)
+        response = await ctx.relay(got, response, watch)
     return response
 
 
-async def continue_answer(
-    ctx: RequestContext, attempt: Attempt, answered: Answered, first: dict[str, Any]
-) -> web.StreamResponse:
+async def continue_answer(ctx: RequestContext, answered: Answered, first: dict[str, Any]) -> web.StreamResponse:
     """D's whole answer ``first`` stopped with ``recomputed``: continue it, and answer the client
     once with every leg merged."""
     status, content_type = answered.status, answered.content_type
@@ -119,7 +116,7 @@ async def continue_answer(
         got = await _next_leg(ctx, progress, tokens)
         if got is None:
             break
-        _leg, outcome = got
+        outcome = got.outcome
         answer = parse_answer(outcome.body) if isinstance(outcome, Answered) else None
         if answer is None:  # the leg is closed when the request ends (AttemptLoop.close)
             logger.error(
@@ -137,12 +134,10 @@ async def continue_answer(
     return ctx.answered(status, body, content_type)
 
 
-async def _next_leg(
-    ctx: RequestContext, progress: Progress, leg_tokens: int
-) -> tuple[Attempt, Opened | Answered] | None:
-    """The next leg's attempt and D's answer; None (logged) when there is none to be had."""
+async def _next_leg(ctx: RequestContext, progress: Progress, leg_tokens: int) -> Won | None:
+    """The next leg's attempt that answered; None (logged) when there is none to be had."""
     config = ctx.router.config
-    cut_by = ctx.progress.attempt.d if ctx.progress.attempt is not None else None
+    cut_by = ctx.loop.current_decoder()
     where = cut_by.backend.name if cut_by is not None else "D"
     if progress.continuations >= config.max_recomputes:
         logger.warning(
@@ -186,16 +181,14 @@ async def _next_leg(
     return await _run_leg(ctx, call, cut_by)
 
 
-async def _run_leg(
-    ctx: RequestContext, call: Call, cut_by: BackendState | None
-) -> tuple[Attempt, Opened | Answered] | None:
+async def _run_leg(ctx: RequestContext, call: Call, cut_by: BackendState | None) -> Won | None:
     """Attempts of one leg on pairs the routing policy picks (fresh rooms; another decoder than
     ``cut_by`` where one is left), up to ``--max-retries``; the first that does not fail."""
     tried = Tried(d=set() if cut_by is None else {cut_by})
     tries = ctx.router.config.max_retries
     got = await ctx.loop.pairs(call, tried, tries, retries=False, what="continuation attempt")
     if isinstance(got, Won):
-        return got.attempt, got.outcome
+        return got
     logger.error(
         "rid=%s room=%s no pair answered the continuation (%s); the answer ends as is",
         ctx.rid,

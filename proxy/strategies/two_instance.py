@@ -28,7 +28,7 @@ async def two_instance(ctx: RequestContext) -> web.StreamResponse:
     tries = ctx.router.config.max_retries - loop.progress.attempts
     got = await loop.pairs(ctx.call, loop.tried, tries, first_room=loop.progress.room if first else None)
     if isinstance(got, Won):
-        return await ctx.answer(got.attempt, got.outcome)
+        return await ctx.answer(got)
     if got.missing is not None:
         return ctx.error(RouterError(503, got.why or "", UPSTREAM_UNAVAILABLE))
     if got.failure is None:

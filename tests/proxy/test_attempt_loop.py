@@ -77,7 +77,7 @@ def test_every_room_of_a_request_is_held_until_it_ends(router: Router) -> None:
         p, d = router.pool.active["prefill"][0], router.pool.active["decode"][0]
         attempt = loop.new_attempt(loop.call, p, d, retry_room)  # not run
         assert attempt.migrate_room is not None  # a resumable stream on a decoder movable by KV
-        assert loop.progress.attempt is attempt and loop.progress.room == retry_room
+        assert loop.current is attempt and loop.progress.room == retry_room
         for room in (first, retry_room, attempt.migrate_room):
             with pytest.raises(RouterError, match="in use"):
                 router.rooms.claim(room)
@@ -127,12 +127,11 @@ def test_a_kv_legs_target_is_avoided_only_where_unreachable() -> None:
 def test_a_cut_stream_avoids_its_decoder_and_p_where_d_failed_for_p() -> None:
     p = BackendState(Backend("prefill", "p", 8100, 18800))
     d = BackendState(Backend("decode", "d", 8200))
-    attempt = cast(Any, FakeAttempt(p, d))
-    tried = Tried.after_cut(_failure(d, FailureKind.ERROR_EVENT), attempt)
+    tried = Tried.after_cut(_failure(d, FailureKind.ERROR_EVENT), p, d)
     assert tried.d == {d} and tried.p == {p}
-    tried = Tried.after_cut(_failure(p, FailureKind.DISCONNECT), attempt)  # P failed while D streamed
+    tried = Tried.after_cut(_failure(p, FailureKind.DISCONNECT), p, d)  # P failed while D streamed
     assert tried.p == {p} and tried.d == {d}
-    tried = Tried.after_cut(_failure(d, FailureKind.DISCONNECT), attempt)
+    tried = Tried.after_cut(_failure(d, FailureKind.DISCONNECT), p, d)
     assert tried.p == set() and tried.d == {d}
 
 

@@ -15,13 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from proxy.errors import RouterError
     from proxy.request.attempt import Call, Cut
     from proxy.request.loop import AttemptLoop, Won
     from proxy.request.progress import RequestProgress
     from proxy.router_state import Router
+    from proxy.server.reply import BodyReply, ClientReply, StreamReply
     from proxy.strategies.first_token_body import FirstTokenFrom
     from proxy.strategies.resume_body import StreamTracker
     from proxy.upstream.calls import Failure
@@ -60,11 +59,11 @@ class RequestContext(Protocol):
 
     # -- the client's answer ------------------------------------------------------------------
 
-    def stream_response(self, status: int, content_type: str | None) -> web.StreamResponse:
+    def stream_response(self, status: int, content_type: str | None) -> ClientReply:
         """The client's streamed answer, not yet opened."""
         ...
 
-    async def open_stream(self, response: web.StreamResponse) -> None:
+    async def open_stream(self, response: StreamReply) -> None:
         """Send ``response``'s status and headers to the client."""
         ...
 
@@ -72,29 +71,29 @@ class RequestContext(Protocol):
         """The client got the answer's first byte now (``source``: who sent its first token)."""
         ...
 
-    def answered(self, status: int, body: bytes, content_type: str) -> web.Response:
+    def answered(self, status: int, body: bytes, content_type: str) -> BodyReply:
         """A whole answer for the client, as it is."""
         ...
 
-    def error(self, error: RouterError) -> web.Response:
+    def error(self, error: RouterError) -> BodyReply:
         """The client's answer for a Router-side error (counted and logged)."""
         ...
 
-    def final_failure(self, failure: Failure) -> web.Response:
+    def final_failure(self, failure: Failure) -> BodyReply:
         """The client's answer once no attempt is left: the last failure."""
         ...
 
-    async def answer(self, won: Won) -> web.StreamResponse:
+    async def answer(self, won: Won) -> ClientReply:
         """D's answer (of the attempt that ``won``) to the client: whole, or its stream relayed."""
         ...
 
     async def relay(
         self,
         won: Won,
-        response: web.StreamResponse | None = None,
+        response: StreamReply | None = None,
         transform: Callable[[bytes], bytes] | None = None,
         tracker: StreamTracker | None = None,
-    ) -> web.StreamResponse:
+    ) -> ClientReply:
         """The stream of the attempt that ``won`` to the client on ``response`` (a new one when None),
         resumed where it can be."""
         ...

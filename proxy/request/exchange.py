@@ -38,7 +38,7 @@ from proxy.request.loop import AttemptLoop, Next, Won
 from proxy.request.payloads import check_prefill_dp_rank, estimate_prompt_tokens, resolve_room, validate_body
 from proxy.request.progress import RequestProgress
 from proxy.router_state import Router
-from proxy.server.reply import StreamReply
+from proxy.server.reply import BodyReply, ClientReply, StreamReply
 from proxy.strategies.first_token import FirstTokenPath
 from proxy.strategies.first_token_body import FirstTokenFrom, ineligible_reason
 from proxy.strategies.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
@@ -54,7 +54,7 @@ logger = logging.getLogger("proxy")
 CLIENT_CLOSED_REQUEST = 499
 
 
-async def generate(router: Router, request: web.Request, endpoint: str) -> web.StreamResponse:
+async def generate(router: Router, request: web.Request, endpoint: str) -> ClientReply:
     """Serve ``POST /v1/completions`` and ``POST /v1/chat/completions``."""
     t0 = time.monotonic()
     rid = request_id(request)
@@ -111,7 +111,7 @@ class Exchange:
         """Whether the client already has the stream's final ``data: [DONE]`` event."""
         return self._tail.rstrip().endswith(b"data: [DONE]")
 
-    async def run(self) -> web.StreamResponse:
+    async def run(self) -> ClientReply:
         try:
             return await self._attempts()
         except asyncio.CancelledError:
@@ -181,7 +181,7 @@ class Exchange:
         trace.mark("done", received + elapsed)
         return trace
 
-    async def _attempts(self) -> web.StreamResponse:
+    async def _attempts(self) -> ClientReply:
         """The request's strategy, then the one it hands the request to (:class:`proxy.request.loop.Next`)."""
         if self.router.config.first_token_from_prefill and ineligible_reason(self.endpoint, self.call.body) is None:
             got = await FirstTokenPath(self).run()
@@ -191,14 +191,14 @@ class Exchange:
 
     # -- answers -------------------------------------------------------------------------------
 
-    def error(self, error: RouterError) -> web.Response:
+    def error(self, error: RouterError) -> BodyReply:
         """The client's answer for a Router-side error (counted and logged)."""
         self.status = error.status
         self.router.metrics.error(self.endpoint, error.error_type)
         logger.error("rid=%s room=%s answering HTTP %d: %s", self.rid, self.progress.room, error.status, error.message)
         return error.to_response(self.out_headers)
 
-    def final_failure(self, failure: Failure) -> web.Response:
+    def final_failure(self, failure: Failure) -> BodyReply:
         """The client's answer once no attempt is left: the last failure (a backend's own HTTP
         error passed through where it has one)."""
         self.status = failure.passthrough[0] if failure.passthrough else failure.error.status
@@ -213,7 +213,7 @@ class Exchange:
         )
         return failure.response(self.out_headers)
 
-    async def answer(self, won: Won) -> web.StreamResponse:
+    async def answer(self, won: Won) -> ClientReply:
         """D's answer to the client: a whole JSON answer as it is, a stream through :meth:`relay`."""
         outcome = won.outcome
         if isinstance(outcome, Answered):
@@ -226,7 +226,7 @@ class Exchange:
         except ConnectionResetError:
             raise asyncio.CancelledError from None  # the client went away
 
-    def answered(self, status: int, body: bytes, content_type: str) -> web.Response:
+    def answered(self, status: int, body: bytes, content_type: str) -> BodyReply:
         """A whole answer for the client, as it is (its first byte is now)."""
         self.status = status
         self.first_byte()
@@ -239,11 +239,11 @@ class Exchange:
         if source is not None:
             self.progress.first_token_from = source
 
-    async def open_stream(self, response: web.StreamResponse) -> None:
+    async def open_stream(self, response: StreamReply) -> None:
         """Send ``response``'s status and headers to the client."""
         await response.prepare(self.request)
 
-    def stream_response(self, status: int, content_type: str | None) -> web.StreamResponse:
+    def stream_response(self, status: int, content_type: str | None) -> ClientReply:
         """The client's streamed answer (not yet prepared)."""
         self.status = status
         headers = {
@@ -256,10 +256,10 @@ class Exchange:
     async def relay(
         self,
         won: Won,
-        response: web.StreamResponse | None = None,
+        response: StreamReply | None = None,
         transform: Callable[[bytes], bytes] | None = None,
         tracker: StreamTracker | None = None,
-    ) -> web.StreamResponse:
+    ) -> ClientReply:
         """Send the stream of the attempt that ``won`` to the client (unchanged, or through
         ``transform``) on ``response`` (prepared already, or a new one); if P or D fails, the loop
         closes the attempt (:meth:`proxy.request.loop.AttemptLoop.cut`) and the stream is resumed on

@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from proxy.errors import UPSTREAM_UNAVAILABLE, RouterError
 from proxy.request.attempt import Call, Cut, Opened
 from proxy.request.loop import Next, Won
@@ -55,6 +53,7 @@ from proxy.upstream.pool import BackendState
 
 if TYPE_CHECKING:
     from proxy.request.context import RequestContext
+    from proxy.server.reply import ClientReply, StreamReply
 
 logger = logging.getLogger("proxy")
 
@@ -95,7 +94,7 @@ class FirstTokenPath:
         #: The request's room, attempts and first byte (the exchange's log line reads them).
         self.progress = ctx.progress
 
-    async def run(self) -> web.StreamResponse | Next:
+    async def run(self) -> ClientReply | Next:
         ctx = self.ctx
         got = await self._first_token()
         if not isinstance(got, PrefillAnswer):
@@ -126,7 +125,7 @@ class FirstTokenPath:
 
     # -- 1. P's first token --------------------------------------------------------------------
 
-    async def _first_token(self) -> PrefillAnswer | web.StreamResponse:
+    async def _first_token(self) -> PrefillAnswer | ClientReply:
         ctx, loop, call = self.ctx, self.loop, self.call
         config = self.router.config
         failure: Failure | None = None
@@ -217,7 +216,7 @@ class FirstTokenPath:
 
     # -- 2 and 3. token 1 to the client, then D ------------------------------------------------
 
-    async def _stream(self, p: BackendState, first: FirstToken) -> web.StreamResponse | Next:
+    async def _stream(self, p: BackendState, first: FirstToken) -> ClientReply | Next:
         ctx, call, loop = self.ctx, self.call, self.loop
         prompt_len = len(first.prompt_token_ids)
         cont_body = continuation_body(call.body, first)
@@ -243,9 +242,7 @@ class FirstTokenPath:
         fix = stream_watch(ctx, ContinuationFix(include_usage(call.body), wants_token_ids(call.body)), first.text, 1)
         return await self._continue(Leg(cont, p, d, room, prompt_len), response, fix)
 
-    async def _continue(
-        self, leg: Leg, response: web.StreamResponse, fix: Callable[[bytes], bytes] | None
-    ) -> web.StreamResponse:
+    async def _continue(self, leg: Leg, response: StreamReply, fix: Callable[[bytes], bytes] | None) -> ClientReply:
         """D's continuation (``leg``: D loads P's KV of its room): relayed on success; retried while D
         sent nothing: on another decoder with the same room where D never reached P, else as a P+D
         attempt on a fresh pair."""
@@ -299,7 +296,7 @@ class FirstTokenPath:
         await response.write_eof()
         return response
 
-    async def _empty_first_then_decode(self, p: BackendState, first: FirstToken) -> web.StreamResponse | Next:
+    async def _empty_first_then_decode(self, p: BackendState, first: FirstToken) -> ClientReply | Next:
         """Token 1 has no text yet: its empty chunk goes to the client at once (as one instance
         sends it), then D answers the client's own request from P's KV; D's own first token, the
         same empty chunk again, is dropped (:class:`proxy.strategies.first_token_body.DropRepeatedFirst`)."""
@@ -321,7 +318,7 @@ class FirstTokenPath:
             Leg(call, p, d, room, None), response, stream_watch(ctx, DropRepeatedFirst(), first.text, 1)
         )
 
-    async def _plain_decode(self, p: BackendState) -> web.StreamResponse | Next:
+    async def _plain_decode(self, p: BackendState) -> ClientReply | Next:
         """D serves the client's own request from P's KV, its answer or error going to the client as
         it is: P's answer had no token ids, token 1 may be a partial character, or D refused this pair.
         A retryable failure leaves the request to two-instance attempts while attempts are left."""

@@ -28,8 +28,6 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from proxy.request.attempt import Answered, Call, Opened
 from proxy.request.failure_policy import Tried
 from proxy.request.loop import Won
@@ -50,6 +48,7 @@ from proxy.upstream.pool import BackendState
 
 if TYPE_CHECKING:
     from proxy.request.context import RequestContext
+    from proxy.server.reply import ClientReply, StreamReply
 
 logger = logging.getLogger("proxy")
 
@@ -73,8 +72,8 @@ def _client_usage(ctx: RequestContext) -> bool:
 
 
 async def after_relay(
-    ctx: RequestContext, response: web.StreamResponse, transform: Callable[[bytes], bytes] | None
-) -> web.StreamResponse:
+    ctx: RequestContext, response: StreamReply, transform: Callable[[bytes], bytes] | None
+) -> ClientReply:
     """After the relay of a leg: continue the client's stream while D cut it with ``recomputed``."""
     watch = transform
     while isinstance(watch, StreamWatch) and watch.held_open:
@@ -98,7 +97,7 @@ async def after_relay(
     return response
 
 
-async def continue_answer(ctx: RequestContext, answered: Answered, first: dict[str, Any]) -> web.StreamResponse:
+async def continue_answer(ctx: RequestContext, answered: Answered, first: dict[str, Any]) -> ClientReply:
     """D's whole answer ``first`` stopped with ``recomputed``: continue it, and answer the client
     once with every leg merged."""
     status, content_type = answered.status, answered.content_type

@@ -25,8 +25,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from proxy.admin.drain import MoveMode
 from proxy.errors import DECODE_FAILED, RouterError
 from proxy.request.attempt import Cut, Opened
@@ -40,6 +38,7 @@ from proxy.upstream.pool import BackendState
 
 if TYPE_CHECKING:
     from proxy.request.context import RequestContext
+    from proxy.server.reply import StreamReply
 
 logger = logging.getLogger("proxy")
 
@@ -56,7 +55,7 @@ def _mark(ctx: RequestContext, phase: str, at: float | None = None) -> None:
     ctx.progress.moves.append((phase if n <= 1 else f"{phase}_{n}", time.time() if at is None else at))
 
 
-async def resume_stream(ctx: RequestContext, cut: Cut, response: web.StreamResponse, tracker: StreamTracker) -> bool:
+async def resume_stream(ctx: RequestContext, cut: Cut, response: StreamReply, tracker: StreamTracker) -> bool:
     """Continue the client's ``response`` after its leg was cut (``cut``, the leg's attempt closed)
     mid-stream; True when the stream was taken over (it is then complete, or ended by a later leg),
     False when it was not resumed (the caller ends it with the error event, as without resume). A
@@ -70,7 +69,7 @@ async def resume_stream(ctx: RequestContext, cut: Cut, response: web.StreamRespo
         ctx.router.drains.settled(cut.d, tracker, MoveMode.FAILED, ctx.rid, ctx.progress.room)  # no-op once settled
 
 
-async def _resume(ctx: RequestContext, cut: Cut, response: web.StreamResponse, tracker: StreamTracker) -> bool:
+async def _resume(ctx: RequestContext, cut: Cut, response: StreamReply, tracker: StreamTracker) -> bool:
     router = ctx.router
     config = router.config
     failure = cut.failure
@@ -129,7 +128,7 @@ async def _relay_leg(
     ctx: RequestContext,
     cut: Cut,
     leg: Won,
-    response: web.StreamResponse,
+    response: StreamReply,
     tracker: StreamTracker,
     cut_at: float,
     mode: MoveMode,
@@ -166,4 +165,8 @@ async def _relay_leg(
         ctx.progress.resumes,
         router.config.resume_attempts,
     )
-    await ctx.relay(leg, response, tracker=StreamTracker(call, identity=tracker.identity))
+    await ctx.relay(
+        leg,
+        response,
+        tracker=StreamTracker(call, identity=tracker.identity, ids_ahead=tracker.ids_sent_beyond_committed()),
+    )

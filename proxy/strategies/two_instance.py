@@ -12,16 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from proxy.errors import DECODE_FAILED, UPSTREAM_UNAVAILABLE, RouterError
 from proxy.request.loop import Won
 
 if TYPE_CHECKING:
     from proxy.request.context import RequestContext
+    from proxy.server.reply import ClientReply
 
 
-async def two_instance(ctx: RequestContext) -> web.StreamResponse:
+async def two_instance(ctx: RequestContext) -> ClientReply:
     """The rest of the request's attempts on P/D pairs; the client's answer."""
     loop = ctx.loop
     first = loop.progress.attempts == 0

@@ -77,8 +77,11 @@ class StreamTracker:
     created and model (None on a first leg: taken from its first event).
     """
 
-    def __init__(self, call: Call, *, identity: Identity | None = None) -> None:
+    def __init__(self, call: Call, *, identity: Identity | None = None, ids_ahead: int = 0) -> None:
         self.call = call
+        #: Leading token ids of this leg the client has already (a resumed leg generates held-back
+        #: tokens again: their text is new to the client, their ids are not); not sent a second time.
+        self.ids_ahead = ids_ahead if wants_token_ids(call.body) else 0
         self.replayed = call.replayed
         self.identity = identity
         self.resumed = identity is not None
@@ -196,6 +199,10 @@ class StreamTracker:
                 choice["prompt_token_ids"] = None
         if not self.keep_ids and "token_ids" in choice:
             choice["token_ids"] = None
+        elif self.ids_ahead and steps:
+            skip = min(self.ids_ahead, len(steps))
+            self.ids_ahead -= skip
+            choice["token_ids"] = steps[skip:]
 
     def _commit(self, steps: int) -> None:
         """Every token so far is the client's: the event that sent text named ``steps`` of them
@@ -210,6 +217,12 @@ class StreamTracker:
         those are generated again on a resumed leg (:func:`proxy.request.held_tail.settle_held_tail`)."""
         self.committed = min(end, self.committed)
         self.unsure = 0
+
+    def ids_sent_beyond_committed(self) -> int:
+        """Token ids the client has past the committed tokens (those of held-back text, sent with
+        their events): the next leg generates them again and must not send their ids twice."""
+        had = len(self.generated) + self.ids_ahead  # ids_ahead left: the client had those too
+        return max(0, had - self.committed) if self.keep_ids else 0
 
     @property
     def sent_tokens(self) -> int:

@@ -174,6 +174,33 @@ def test_resumed_leg_reads_as_the_first() -> None:
     assert events[1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 10, "total_tokens": 12}
 
 
+def _ids(out: bytes) -> list[int]:
+    return [t for e in sse_events(out) for c in json.loads(e)["choices"] for t in c.get("token_ids") or []]
+
+
+def test_held_back_ids_reach_a_client_asking_for_them_once() -> None:
+    """Ids of tokens whose text was held at the cut went out with their events; the resumed leg
+    generates those tokens again (their text is new to the client) but does not send their ids twice,
+    across a second cut too."""
+    first = StreamTracker(_call(return_token_ids=True))
+    got = _ids(first.feed(_tok("a", 7, first=True) + _tok("", 8) + _tok("\ufffd", 9)))
+    assert got == [7, 8, 9] and first.committed == 1
+    call = resume_call(first)
+    assert call is not None and call.body["prompt"] == [1, 2, 7]
+    second = StreamTracker(call, identity=first.identity, ids_ahead=first.ids_sent_beyond_committed())
+    prompt = {"prompt_token_ids": [1, 2, 7]}
+    # The new decoder generates 8 again, then cuts before 9's text is whole.
+    got += _ids(second.feed(_ev({"id": "x", "choices": [{"text": "", "token_ids": [8], **prompt}]})))
+    assert got == [7, 8, 9] and second.ids_ahead == 1
+    call = resume_call(second)
+    assert call is not None and call.body["prompt"] == [1, 2, 7]
+    third = StreamTracker(call, identity=first.identity, ids_ahead=second.ids_sent_beyond_committed())
+    got += _ids(third.feed(_ev({"id": "y", "choices": [{"text": "bc", "token_ids": [8, 9, 10], **prompt}]})))
+    assert got == [7, 8, 9, 10]
+    # A client that did not ask for ids has none to skip.
+    assert StreamTracker(_call(), ids_ahead=3).ids_ahead == 0
+
+
 @pytest.mark.parametrize(
     ("body", "ok"),
     [({}, True), ({"n": 2}, False), ({"stop": ["x"]}, False), ({"echo": True}, False), ({"stream": False}, False)],

@@ -157,7 +157,9 @@ def _interleaved_vs(interleaved: dict[str, Any] | None, name: str) -> dict[str, 
     return summary if summary and not summary.get("error") else None
 
 
-def _colocated_ttft(low_ours: dict[str, Any], low_coloc: dict[str, Any], pairs: dict[str, Any] | None) -> dict[str, Any]:
+def _colocated_ttft(
+    low_ours: dict[str, Any], low_coloc: dict[str, Any], pairs: dict[str, Any] | None
+) -> dict[str, Any]:
     """The colocated TTFT criterion: from the interleaved pairs' bucket medians, else the trace's p50s."""
     trace_buckets = {label: b["ttft_ms_p50"] for label, b in bucket_ratios(low_ours, low_coloc).items()}
     trace_value, trace_why = _worst_bucket(trace_buckets, "TTFT p50 ratio")

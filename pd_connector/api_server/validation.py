@@ -247,7 +247,9 @@ class KVParamsValidationMiddleware:
             await _send_error(send, error_body(problem), 400)
             return
         if b'"metaserver"' in raw and (trusted := trusted_of_app(scope)) is not None:
-            problem = refusal(raw, trusted)  # D first: post only to trusted metaservers (pd_connector.ascend.metaserver)
+            problem = refusal(
+                raw, trusted
+            )  # D first: post only to trusted metaservers (pd_connector.ascend.metaserver)
             if problem is not None:
                 logger.warning("rejected %s: %s", scope.get("path"), problem)
                 await _send_error(send, error_body(problem, METASERVER_STATUS, METASERVER_TYPE), METASERVER_STATUS)

@@ -107,4 +107,6 @@ class RankContext:
     outbox: Outbox
     traces: TraceBook  # this side's phase traces (pd_connector.trace); logged by TP rank 0 only
     reshuffle: NhdReshuffle | None = None  # token-major KV with a staging buffer (mixed TP on NHD)
-    device: DeviceSync = NO_DEVICE  # the KV's device: events, streams, thread binding (pd_connector.transfer.device_sync)
+    device: DeviceSync = (
+        NO_DEVICE  # the KV's device: events, streams, thread binding (pd_connector.transfer.device_sync)
+    )

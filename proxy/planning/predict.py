@@ -1,0 +1,153 @@
+"""Predict one request's TTFT and D's TPOT for each path it could take, from live signals.
+
+Paths (``Path``):
+
+- ``PD``: a prefill instance P computes the prompt (less what P's prefix cache holds) and
+  pushes the whole prompt's KV to the decode instance D;
+- ``LOCAL``: D prefills the request itself, in its own steps, beside its running decodes;
+- ``DELTA``: as PD, but the part of the prompt D already holds in its prefix cache is not pushed.
+
+Equations (ms; ``m`` the StepModel of the instance named, ``B`` its token budget):
+
+- P wait: ``m_P.drain_ms(queued + in_flight, B_P)``; own: ``m_P.chunked_prefill_ms(L - cached_P, cached_P, B_P)``;
+- PD / DELTA: TTFT = P wait + P own (+ push + one D step when the first token comes from D);
+  D's first gap (token 1 -> 2) = push of ``L`` (PD) or ``L - cached_D`` (DELTA) tokens + one D step;
+- LOCAL: TTFT = residual of D's current step (half a step) + ``m_D.drain_ms(D's queued prefill tokens)``
+  + ``m_D.chunked_prefill_ms(L - cached_D, cached_D, B_D, batch, context)``, all beside D's batch;
+  the running requests each wait the prefill's extra step time (``stall_ms``).
+
+``Prediction.tpot_ms`` is the mean TPOT D's requests see over the next ``horizon_tokens`` tokens:
+one decode step (``recent_itl_ms`` scaled by the model's step ratio when given) plus the
+stall or first gap spread over the horizon. Every call is pure O(1) arithmetic.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from proxy.planning.step_model import StepModel, TransferModel
+
+
+class Path(enum.Enum):
+    PD = "pd"
+    LOCAL = "local"
+    DELTA = "delta"
+
+
+@dataclass(frozen=True)
+class PrefillerLoad:
+    """A P instance's live load: prompt tokens waiting and being computed."""
+
+    queued_tokens: int = 0
+    in_flight_tokens: int = 0
+    budget: int = 2048  # --max-num-batched-tokens
+
+
+@dataclass(frozen=True)
+class DecoderLoad:
+    """A D instance's live load."""
+
+    running_batch: int = 0
+    context_tokens: int = 0
+    queued_prefill_tokens: int = 0  # local prefills waiting on D
+    recent_itl_ms: float | None = None
+    budget: int = 2048
+
+
+@dataclass(frozen=True)
+class RequestView:
+    prompt_tokens: int
+    cached_on_p: int = 0
+    cached_on_d: int = 0
+    horizon_tokens: int = 64  # expected output tokens, to spread one-off gaps over
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens <= 0:
+            raise ValueError(f"RequestView: prompt_tokens={self.prompt_tokens} must be positive")
+        for name in ("cached_on_p", "cached_on_d"):
+            value = getattr(self, name)
+            if not 0 <= value <= self.prompt_tokens:
+                raise ValueError(f"RequestView: {name}={value} outside 0..prompt_tokens={self.prompt_tokens}")
+
+
+@dataclass(frozen=True)
+class PairState:
+    """What the Router knows about one candidate (P, D) pair and the request."""
+
+    request: RequestView
+    p: PrefillerLoad
+    d: DecoderLoad
+
+
+@dataclass(frozen=True)
+class Prediction:
+    path: Path
+    ttft_ms: float
+    tpot_ms: float  # mean TPOT of D's requests over the horizon
+    stall_ms: float  # extra time D's running requests wait (LOCAL) or the first gap (PD, DELTA)
+
+
+@dataclass
+class PathModel:
+    """The models of a P and a D, and whether the first token comes from P (the first-token path)."""
+
+    p_model: StepModel
+    d_model: StepModel
+    transfer: TransferModel
+    first_token_from_p: bool = True
+
+    def d_step_ms(self, d: DecoderLoad, extra_requests: int, extra_context: int) -> float:
+        model_now = self.d_model.decode_step_ms(d.running_batch, d.context_tokens)
+        model_next = self.d_model.decode_step_ms(d.running_batch + extra_requests, d.context_tokens + extra_context)
+        if d.recent_itl_ms is not None and d.running_batch > 0 and model_now > 0:
+            return d.recent_itl_ms * model_next / model_now
+        return model_next
+
+    def predict(self, path: Path, state: PairState) -> Prediction:
+        req, p, d = state.request, state.p, state.d
+        prompt = req.prompt_tokens
+        horizon = max(1, req.horizon_tokens)
+        step_d = self.d_step_ms(d, 1, prompt)
+        if path is Path.LOCAL:
+            uncached = prompt - req.cached_on_d
+            residual = 0.5 * self.d_model.decode_step_ms(d.running_batch, d.context_tokens) if d.running_batch else 0.0
+            wait = self.d_model.drain_ms(d.queued_prefill_tokens, d.budget, d.running_batch, d.context_tokens)
+            own = self.d_model.chunked_prefill_ms(
+                uncached, req.cached_on_d, d.budget, d.running_batch, d.context_tokens
+            )
+            ttft = residual + wait + own
+            # the running batch's extra wait: the prefill steps less the decode steps they replace
+            steps = -(-uncached // max(1, d.budget - d.running_batch)) if uncached > 0 else 0
+            stall = (
+                max(0.0, own - steps * self.d_model.decode_step_ms(d.running_batch, d.context_tokens))
+                if d.running_batch
+                else 0.0
+            )
+            return Prediction(path, ttft, step_d + stall / horizon, stall)
+        uncached_p = prompt - req.cached_on_p
+        wait_p = self.p_model.drain_ms(p.queued_tokens + p.in_flight_tokens, p.budget)
+        own_p = self.p_model.chunked_prefill_ms(uncached_p, req.cached_on_p, p.budget)
+        pushed = prompt if path is Path.PD else prompt - req.cached_on_d
+        gap = self.transfer.push_ms(pushed) + step_d
+        ttft = wait_p + own_p + (0.0 if self.first_token_from_p else gap)
+        tpot = step_d + (gap - step_d) / horizon if self.first_token_from_p else step_d
+        return Prediction(path, ttft, tpot, gap)
+
+    def choose(self, state: PairState, tpot_slo_ms: float | None = None) -> Prediction:
+        """Lowest predicted TTFT among the paths whose TPOT meets ``tpot_slo_ms``.
+
+        DELTA stands in for PD when D holds part of the prompt (it pushes less). When no path
+        meets the TPOT SLO, the remote path (it keeps D's batch free of prefill) is chosen.
+        """
+        remote = Path.DELTA if state.request.cached_on_d > 0 else Path.PD
+        options = [self.predict(remote, state), self.predict(Path.LOCAL, state)]
+        fitting = [o for o in options if tpot_slo_ms is None or o.tpot_ms <= tpot_slo_ms]
+        if not fitting:
+            return options[0]
+        return min(fitting, key=lambda o: o.ttft_ms)
+
+
+def predict_ttft(path: Path, state: PairState, models: PathModel) -> float:
+    """Predicted TTFT in ms of the request in ``state`` taking ``path``."""
+    return models.predict(path, state).ttft_ms

@@ -60,7 +60,7 @@ class RequestView:
     prompt_tokens: int
     cached_on_p: int = 0
     cached_on_d: int = 0
-    horizon_tokens: int = 64  # expected output tokens, to spread one-off gaps over
+    horizon_tokens: int = 64  # expected output tokens after the first: one-off gaps spread over them
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0:

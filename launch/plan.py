@@ -118,6 +118,7 @@ class Job:
     policy_cfg: PolicyConfig
     slo_ttft_ms: float
     slo_tpot_ms: float
+    closed_loop: int = 0
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -125,7 +126,9 @@ def run_job(job: Job) -> dict[str, Any]:
     sim = Simulator(
         p=t.p, d=t.d, c=t.c, policy=job.policy, models=job.models, instance=job.instance, policy_cfg=job.policy_cfg
     )
-    return summarize(t, job.policy, sim.run(job.trace, job.slo_ttft_ms, job.slo_tpot_ms), len(job.trace))
+    return summarize(
+        t, job.policy, sim.run(job.trace, job.slo_ttft_ms, job.slo_tpot_ms, job.closed_loop), len(job.trace)
+    )
 
 
 def recommend(rows: list[dict[str, Any]], attainment: float) -> dict[str, Any] | None:
@@ -177,6 +180,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=1.0, help="generated trace: requests per second")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write-trace", help="also write the trace used here to this JSONL file")
+    ap.add_argument(
+        "--closed-loop",
+        type=int,
+        default=0,
+        metavar="N",
+        help="ignore arrival times: N requests in flight, the next one sent at each first token",
+    )
     ap.add_argument("--calibration", help="JSON with StepModel / TransferModel dumps (see the module doc)")
     ap.add_argument("--max-instances", type=int, default=4)
     ap.add_argument("--policies", default=",".join(p.value for p in Policy), help="comma-separated")
@@ -217,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     pcfg = PolicyConfig(args.threshold_tokens, args.threshold_ratio, args.non_cached_tokens, args.slo_tpot_ms)
     frozen = tuple(trace)
     jobs = [
-        Job(t, pol, frozen, models, inst, pcfg, args.slo_ttft_ms, args.slo_tpot_ms)
+        Job(t, pol, frozen, models, inst, pcfg, args.slo_ttft_ms, args.slo_tpot_ms, args.closed_loop)
         for t in topologies(args.max_instances)
         for pol in (policies if not t.c else [Policy.ALWAYS_LOCAL])
     ]
@@ -227,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = [run_job(j) for j in jobs]
     out: dict[str, Any] = {
-        "trace": {**source, "requests": len(trace), "span_s": round(trace[-1].arrival_s - trace[0].arrival_s, 3)},
+        "trace": {
+            **source,
+            "requests": len(trace),
+            "span_s": round(trace[-1].arrival_s - trace[0].arrival_s, 3),
+            "closed_loop": args.closed_loop or None,
+        },
         "models": {
             "p": models.p.to_dict(),
             "d": models.d.to_dict(),

@@ -209,6 +209,7 @@ class Instance:
 
     def _prefilled(self, r: Req, now: float) -> None:
         r.first_t = now
+        self.sim.first_token(now)
         self.remember(r)
         if r.output == 1:
             self.sim.finish(r, now)
@@ -264,6 +265,7 @@ class Simulator:
         self.events: list[tuple[float, int, int, object, int]] = []
         self.seq = 0
         self.done: list[Req] = []
+        self.pending: deque[TraceRequest] = deque()
         self.paths: dict[str, int] = {}
 
     def push(self, t: float, kind: _Event, obj: object, version: int) -> None:
@@ -274,9 +276,25 @@ class Simulator:
         r.finish_t = now
         self.done.append(r)
 
-    def run(self, trace: Sequence[TraceRequest], slo_ttft_ms: float, slo_tpot_ms: float) -> RunResult:
-        for t in trace:
-            self.push(t.arrival_s * 1e3, _Event.ARRIVAL, Req(t), 0)
+    def first_token(self, now: float) -> None:
+        """Closed loop: a first token lets the next request of the trace in."""
+        if self.pending:
+            r = Req(self.pending.popleft())
+            r.arrival = now
+            self.push(now, _Event.ARRIVAL, r, 0)
+
+    def run(
+        self, trace: Sequence[TraceRequest], slo_ttft_ms: float, slo_tpot_ms: float, closed_loop: int = 0
+    ) -> RunResult:
+        """Replay ``trace``; with ``closed_loop`` N, arrival times are ignored: N requests start at 0
+        and each next one arrives when a request's first token does (the closed-loop benchmark's
+        load, ``benchmarks/serving_closed.py``)."""
+        self.pending = deque(trace[closed_loop:] if closed_loop > 0 else ())
+        for t in trace[:closed_loop] if closed_loop > 0 else trace:
+            r = Req(t)
+            if closed_loop > 0:
+                r.arrival = 0.0
+            self.push(r.arrival, _Event.ARRIVAL, r, 0)
         events = self.events
         while events:
             now, _, kind, obj, version = heapq.heappop(events)

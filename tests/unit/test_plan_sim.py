@@ -79,6 +79,20 @@ def test_adaptive_goes_local_where_the_model_says() -> None:
     assert ttft[Policy.ADAPTIVE] < ttft[Policy.ALWAYS_PD]
 
 
+def test_closed_loop_sends_the_next_request_at_each_first_token() -> None:
+    trace = [TraceRequest(99.0, 700, 16) for _ in range(6)]
+    one = Simulator(p=1, d=1, models=MODELS, instance=InstanceConfig(budget=BUDGET))
+    one.run(trace, 1e9, 1e9, closed_loop=1)
+    alone = MODELS.p.chunked_prefill_ms(700, 0, BUDGET)
+    starts = sorted(r.arrival for r in one.done)
+    assert starts == pytest.approx([i * alone for i in range(6)])  # P idle at each arrival
+    assert all(r.first_t - r.arrival == pytest.approx(alone) for r in one.done)
+    four = Simulator(p=1, d=1, models=MODELS, instance=InstanceConfig(budget=BUDGET)).run(
+        trace, 1e9, 1e9, closed_loop=4
+    )
+    assert statistics.median(four.ttft_ms) > 2 * alone  # four prompts share P
+
+
 def test_threshold_and_non_cached_rules() -> None:
     sim = Simulator(p=1, d=1, policy=Policy.THRESHOLD, models=MODELS)
     p, d = sim.ps[0], sim.ds[0]

@@ -230,17 +230,31 @@ class FirstTokenPath:
             ctx.first_byte(FirstTokenFrom.PREFILL)
             await response.write_eof(final_events(first, include_usage(call.body)))
             return response
-        d = loop.pick("decode", cont, room, loop.tried.d)
+        token_1 = first_chunk(first, final=False, token_ids=wants_token_ids(call.body))
+        opened = await self._token_1_then_decoder(p, cont, room, token_1, FirstTokenFrom.PREFILL)
+        if not isinstance(opened, tuple):
+            return opened
+        d, response = opened
+        fix = stream_watch(ctx, ContinuationFix(include_usage(call.body), wants_token_ids(call.body)), first.text, 1)
+        return await self._continue(Leg(cont, p, d, room, prompt_len), response, fix)
+
+    async def _token_1_then_decoder(
+        self, p: BackendState, pick_for: Call, room: int, token_1: bytes, source: FirstTokenFrom
+    ) -> tuple[BackendState, StreamReply] | ClientReply | Next:
+        """The decoder that continues after token 1 (picked for ``pick_for``), and the client's stream
+        opened with ``token_1``'s chunk; or the answer instead: 503 with no decoder, D serving the
+        client's own request when it refused this pair (:meth:`_plain_decode`)."""
+        ctx, loop = self.ctx, self.loop
+        d = loop.pick("decode", pick_for, room, loop.tried.d)
         if d is None:
             return ctx.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
         if self.router.pair_refusals.refused(p, d):
             return await self._plain_decode(p)
         response = ctx.stream_response(200, "text/event-stream")
         await ctx.open_stream(response)
-        await response.write(first_chunk(first, final=False, token_ids=wants_token_ids(call.body)))
-        ctx.first_byte(FirstTokenFrom.PREFILL)
-        fix = stream_watch(ctx, ContinuationFix(include_usage(call.body), wants_token_ids(call.body)), first.text, 1)
-        return await self._continue(Leg(cont, p, d, room, prompt_len), response, fix)
+        await response.write(token_1)
+        ctx.first_byte(source)
+        return d, response
 
     async def _continue(self, leg: Leg, response: StreamReply, fix: Callable[[bytes], bytes] | None) -> ClientReply:
         """D's continuation (``leg``: D loads P's KV of its room): relayed on success; retried while D
@@ -305,15 +319,12 @@ class FirstTokenPath:
         cont = Call(call.endpoint, call.rid, continuation_body(call.body, first), True, prompt_len + 1, call.headers)
         room = self.progress.room
         loop.p_holds(p, room, cont, prompt_len)  # released as the request ends unless D takes it over
-        d = loop.pick("decode", call, room, loop.tried.d)
-        if d is None:
-            return ctx.error(RouterError(503, "no decode instance is available", UPSTREAM_UNAVAILABLE))
-        if self.router.pair_refusals.refused(p, d):
-            return await self._plain_decode(p)
-        response = ctx.stream_response(200, "text/event-stream")
-        await ctx.open_stream(response)
-        await response.write(first_chunk(first, final=False))
-        ctx.first_byte(FirstTokenFrom.PREFILL_EMPTY)
+        opened = await self._token_1_then_decoder(
+            p, call, room, first_chunk(first, final=False), FirstTokenFrom.PREFILL_EMPTY
+        )
+        if not isinstance(opened, tuple):
+            return opened
+        d, response = opened
         return await self._continue(
             Leg(call, p, d, room, None), response, stream_watch(ctx, DropRepeatedFirst(), first.text, 1)
         )

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.access.flags import add_security_flags, security_from_args
+from proxy.planning.flags import add_path_flags, path_config_from_args
 from proxy.router_config import ROUTING_POLICIES, Backend, RouterConfig
 from proxy.upstream.routing import RoutingOptions, describe
 
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"how P and D are chosen: {policies} (default: %(default)s)",
     )
     _add_cache_aware_flags(parser)
+    add_path_flags(parser)
     add(
         "--max-retries",
         type=int,
@@ -389,6 +391,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         log_level=args.log_level,
         trust_client_room=args.trust_client_room,
         first_token_from_prefill=args.first_token_from_prefill,
+        paths=path_config_from_args(args, parser),
         workers=args.workers,
         max_recomputes=args.max_recomputes,
         resume_attempts=args.resume_attempts,

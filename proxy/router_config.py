@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.planning.flags import PathConfig
 from proxy.upstream.routing import POLICIES, RoutingOptions
 
 Role = Literal["prefill", "decode"]
@@ -174,6 +175,8 @@ class RouterConfig:
     #: Streamed completions get P's own first token at once (:mod:`proxy.strategies.first_token`); D then
     #: loads P's KV and decodes the rest (``--first-token-from-prefill``, on by default).
     first_token_from_prefill: bool = True
+    #: Where each request prefills (``--path-policy`` and its tuning: :mod:`proxy.planning.live`).
+    paths: PathConfig = PathConfig()
     #: Router processes sharing the port (``--workers``, :mod:`proxy.server.workers`).
     workers: int = 1
     #: Continuations of an answer a decoder cut with ``stop_reason: "recomputed"`` (vLLM-Ascend's

@@ -19,6 +19,8 @@ Names (``backend`` = ``host:port``, ``role`` = ``prefill``/``decode``, ``endpoin
   another decoder (:mod:`proxy.strategies.resume`), ``reason`` the failure's ``kind``;
   ``pd_router_resume_replayed_tokens_total{endpoint}``: generated tokens prefilled again for them;
   ``pd_router_resume_seconds{endpoint}``: histogram, from the cut to the resumed leg's first chunk;
+- ``pd_router_path_total{path,reason}``: requests by the path ``--path-policy`` chose (``pd``, ``delta``:
+  P prefills and pushes the KV; ``local``: D prefills) and why (:mod:`proxy.planning.path_policy`);
 - ``pd_router_auth_refused_total{endpoint,reason}``: calls refused by :mod:`proxy.access.api_keys`,
   ``reason`` one of ``missing``, ``wrong``, ``not_loopback``;
 - ``pd_router_time_to_first_byte_seconds{endpoint}`` and
@@ -148,6 +150,12 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        self.paths = Counter(
+            "pd_router_path",
+            "Requests by the prefill path chosen (pd, delta, local) and the policy's reason",
+            ["path", "reason"],
+            registry=reg,
+        )
         self.auth_refusals = Counter(
             "pd_router_auth_refused",
             "Calls refused for a missing or wrong API key / admin token, or a non-loopback admin caller",
@@ -206,6 +214,10 @@ class RouterMetrics:
         self._child(self.resumes, endpoint, reason).inc()
         self._child(self.replayed, endpoint).inc(replayed)
         self._child(self.resume_time, endpoint).observe(seconds)
+
+    def path(self, path: str, reason: str) -> None:
+        """Count one request's path choice."""
+        self._child(self.paths, path, reason).inc()
 
     def auth_refused(self, endpoint: str, reason: str) -> None:
         """Count one call refused by :mod:`proxy.access.api_keys`."""

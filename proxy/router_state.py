@@ -12,6 +12,7 @@ from aiohttp import web
 from proxy.access.tls import client_context
 from proxy.admin.drain import Drains
 from proxy.admin.instances import Membership
+from proxy.planning.live import ModelSet, PathChooser
 from proxy.request.rooms_in_flight import RoomsInUse
 from proxy.router_config import RouterConfig
 from proxy.router_metrics import RouterMetrics
@@ -36,6 +37,10 @@ class Router:
         tls_out = config.backend_tls is not None
         self.pool = BackendPool(config.prefillers, config.decoders, config.routing, config.routing_options, tls=tls_out)
         self.metrics = RouterMetrics(self.pool)
+        #: Each request's path: P prefills and pushes, or D prefills (``--path-policy``).
+        paths = config.paths
+        self.paths = PathChooser(paths.policy, paths.options, ModelSet.load(paths.model_file), self.metrics)
+        self.pool.on_remove.append(self.paths.forget)
         #: Every call to a backend (P and D requests, health checks, models, admin calls).
         tls = client_context(config.backend_tls) if config.backend_tls else None
         self.http = Http1Pool(config.connect_timeout, ssl_context=tls)

@@ -1,10 +1,18 @@
-"""Fixtures shared by every test: the tiny offline model."""
+"""Fixtures shared by every test: the tiny offline model.
+
+Routers the tests start choose every request's path as ``always-pd`` (P prefills, the KV is pushed)
+unless a test names ``--path-policy``: the suites check the transfer path; the path choice has its
+own tests (``tests/proxy/test_path_choice.py``, ``tests/e2e/test_path_policy.py``).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("PD_ROUTER_PATH_POLICY", "always-pd")  # proxy.planning.flags.PATH_POLICY_ENV
 
 
 @pytest.fixture(scope="session")

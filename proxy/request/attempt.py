@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from proxy.admin.drain import LegState
-from proxy.request.payloads import decode_body, prefill_body
+from proxy.request.payloads import decode_body, local_body, prefill_body
 from proxy.upstream.calls import (
     Failure,
     FailureKind,
@@ -134,6 +134,7 @@ class Attempt:
         prefilled_tokens: int | None = None,
         migrate_room: int | None = None,
         resumable: bool = False,
+        local: bool = False,
     ) -> None:
         """``p_answered``: P already answered (the first-token path) and holds the room's KV; the
         attempt then runs D only (``p`` may then be a drained decoder holding the KV:
@@ -142,7 +143,9 @@ class Attempt:
         as if the Router aborts it (None: D is not movable by KV or the stream not resumable);
         :meth:`proxy.request.loop.AttemptLoop.new_attempt` draws it. ``resumable``: the stream may
         go on on another decoder if cut (:func:`proxy.strategies.resume_body.resumable`), so D sends its
-        token ids.
+        token ids. ``local``: D prefills the request itself (``--path-policy``), an ordinary vLLM
+        request with no ``kv_transfer_params``; P (``p``: the prefiller routing picked, or D itself when
+        there is none) is not asked.
 
         Attempts are made by :class:`proxy.request.loop.AttemptLoop` alone."""
         self.router = router
@@ -158,8 +161,12 @@ class Attempt:
         #: if the Router aborts it (a drain's move loads it from there: proxy.strategies.kv_move).
         self.migrate_room = migrate_room
         self.resumable = resumable
+        self.local = local
         pool = router.pool
-        self.p_lease = pool.lease(p, 0 if p_answered else call.tokens)
+        #: P had nothing else in flight: its answer time is its prefill time (the path model's sample).
+        self.p_idle = p.in_flight == 0
+        self.p_lease = pool.lease(p, 0 if p_answered or local else call.tokens)
+        self.sent_at = 0.0
         self.d_lease = pool.lease(d)
         self.opened: Opened | None = None
         #: P's failure while D's stream was relayed (the stream then ends with P's error).
@@ -179,16 +186,17 @@ class Attempt:
         metrics, endpoint = router.metrics, self.call.endpoint
         loop = asyncio.get_running_loop()
         self._settled = settled = loop.create_future()
+        self.sent_at = time.monotonic()
         metrics.backend_request(endpoint, self.d.backend)
         # D's request first (as both go out in the same loop turn, D's answer is the critical path).
         self.d_task = d_task = loop.create_task(self._decode())
         p_task: asyncio.Task[Failure | None] | None = None
-        if not self.p_answered:
+        if not self.p_answered and not self.local:
             metrics.backend_request(endpoint, self.p.backend)
             self.p_task = p_task = loop.create_task(self._prefill())
             p_task.add_done_callback(self._prefill_done)
         else:
-            self.p_lease.release()  # P answered already
+            self.p_lease.release()  # P answered already, or D prefills
         try:
             await settled  # a cancellation here is the caller's own (the client went away)
         finally:
@@ -211,12 +219,18 @@ class Attempt:
             return reply
         if reply.status >= 300:
             return http_failure(state, reply.status, reply.body, reply.content_type)
-        return refused_failure(state, reply.body)
+        refused = refused_failure(state, reply.body)
+        if refused is None and self.p_idle:
+            self.router.paths.observe_prefill(state, call.tokens, (time.monotonic() - self.sent_at) * 1000)
+        return refused
 
     async def _decode(self) -> Outcome:
         state, call = self.d, self.call
         backend = state.backend
-        body = decode_body(call.body, self.room, self.p.backend, self.prefilled_tokens, self.migrate_room)
+        if self.local:
+            body = local_body(call.body)
+        else:
+            body = decode_body(call.body, self.room, self.p.backend, self.prefilled_tokens, self.migrate_room)
         if self.resumable:
             body["return_token_ids"] = True  # stripped for the client unless it asked (proxy.strategies.resume_body)
         data = encode_json(body)
@@ -315,6 +329,8 @@ class Attempt:
         ended well (not cancelled: a cancelled P request is aborted, which frees its KV)."""
         if self.p_answered:
             return True
+        if self.local:
+            return False
         task = self.p_task
         if task is None or not task.done() or task.cancelled() or task.exception() is not None:
             return False

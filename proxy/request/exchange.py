@@ -32,6 +32,7 @@ from proxy.errors import (
     RouterError,
     error_response,
 )
+from proxy.planning.live import Decided
 from proxy.request.attempt import Answered, Attempt, Call, Cut, Opened
 from proxy.request.incoming import backend_headers, read_json, request_id
 from proxy.request.loop import AttemptLoop, Next, Won
@@ -41,6 +42,7 @@ from proxy.router_state import Router
 from proxy.server.reply import BodyReply, ClientReply, StreamReply
 from proxy.strategies.first_token import FirstTokenPath
 from proxy.strategies.first_token_body import FirstTokenFrom, ineligible_reason
+from proxy.strategies.local import local_prefill
 from proxy.strategies.recompute import StreamWatch, after_relay, continue_answer, recomputed_answer, stream_watch
 from proxy.strategies.resume import mid_stream_error, resume_stream
 from proxy.strategies.resume_body import StreamTracker
@@ -98,6 +100,8 @@ class Exchange:
         #: The last bytes relayed to the client; a stream whose tail is ``data: [DONE]`` is complete
         #: even if the client hangs up before the Router ends the chunked body.
         self._tail = b""
+        #: The request's path choice (``--path-policy``), once made.
+        self.decided: Decided | None = None
 
     @property
     def progress(self) -> RequestProgress:
@@ -147,12 +151,14 @@ class Exchange:
         # One line a request (its phase trace, pd_connector.trace's summary, at its end): logging
         # is a large share of the Router's time per request.
         logger.info(
-            "rid=%s room=%s POST %s stream=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f first=%s%s%s",
+            "rid=%s room=%s POST %s stream=%s path=%s P=%s D=%s status=%d attempts=%d ttfb_ms=%s total_ms=%.1f "
+            "first=%s%s%s",
             self.rid,
             self.progress.room,
             self.endpoint,
             self.call.stream,
-            attempt.p.backend.address if attempt else "-",
+            self._path_text(),
+            attempt.p.backend.address if attempt and not attempt.local else "-",
             attempt.d.backend.address if attempt else "-",
             self.status,
             self.progress.attempts,
@@ -164,6 +170,18 @@ class Exchange:
             else "",  # resumed (proxy.strategies.resume)
             "" if attempt is None else " | " + self._phase_trace(attempt, elapsed).line(),
         )
+
+    def _path_text(self) -> str:
+        """The path and why, with the predicted TTFT when the policy predicted one (``pd(policy)``,
+        ``local(lower_ttft) predicted_ttft_ms=41.2``)."""
+        decided = self.decided
+        if decided is None:
+            return "-"
+        choice = decided.choice
+        text = f"{choice.path.value}({choice.reason})"
+        if choice.predicted_ttft_ms is not None:
+            text += f" predicted_ttft_ms={choice.predicted_ttft_ms:.1f}"
+        return text
 
     def _phase_trace(self, attempt: Attempt, elapsed: float) -> PhaseTrace:
         """The request's phases as the Router saw them (pd_connector.trace's summary line)."""
@@ -182,12 +200,34 @@ class Exchange:
         return trace
 
     async def _attempts(self) -> ClientReply:
-        """The request's strategy, then the one it hands the request to (:class:`proxy.request.loop.Next`)."""
-        if self.router.config.first_token_from_prefill and ineligible_reason(self.endpoint, self.call.body) is None:
+        """The request's path (``--path-policy``), its strategy, then the one it hands the request to
+        (:class:`proxy.request.loop.Next`)."""
+        first_token = (
+            self.router.config.first_token_from_prefill and ineligible_reason(self.endpoint, self.call.body) is None
+        )
+        self.decided = decided = self._decide(first_token)
+        if decided.choice.local:
+            got = await local_prefill(self, decided)
+            if got is not Next.TWO_INSTANCE:
+                return got
+            first_token = False
+        elif decided.d is not None:
+            self.router.paths.sent(decided, decided.p, decided.d)
+        if first_token:
             got = await FirstTokenPath(self).run()
             if got is not Next.TWO_INSTANCE:
                 return got
         return await two_instance(self)
+
+    def _decide(self, first_token: bool) -> Decided:
+        """Where the request prefills, for the pair routing picks (:mod:`proxy.planning.live`)."""
+        paths = self.router.paths
+        if paths.name == "always-pd":
+            return paths.pd_only()
+        loop, room = self.loop, self.progress.room
+        p = loop.pick("prefill", self.call, room, ())
+        d = loop.pick("decode", self.call, room, ())
+        return paths.decide(self.call.body, self.call.tokens, p, d, first_token_from_p=first_token)
 
     # -- answers -------------------------------------------------------------------------------
 

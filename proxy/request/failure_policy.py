@@ -72,7 +72,7 @@ def _avoid_p(failure: Failure, d: BackendState) -> bool:
 def _moves_kv(attempt: Attempt) -> bool:
     """Whether ``attempt`` loads a drained decoder's KV (its "P" is that decoder:
     :mod:`proxy.strategies.kv_move`); its room is the decoder's own to free (``migrate_hold_s``)."""
-    return attempt.p.backend.role == "decode"
+    return attempt.p.backend.role == "decode" and not attempt.local
 
 
 @dataclass(slots=True)

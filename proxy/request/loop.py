@@ -201,16 +201,18 @@ class AttemptLoop:
         *,
         p_answered: bool = False,
         prefilled_tokens: int | None = None,
+        local: bool = False,
     ) -> Attempt:
         """The request's next attempt (its current one from now on; the one before is closed). With
-        ``p_answered``, the attempt takes over P's KV of ``room`` (:meth:`p_holds`)."""
+        ``p_answered``, the attempt takes over P's KV of ``room`` (:meth:`p_holds`); ``local``: D
+        prefills the request itself (:mod:`proxy.strategies.local`)."""
         if self.current is not None:
             self.current.close()
         held = self._held
         if p_answered and held is not None and held.p is p and held.room == room:
             self._held = None  # the attempt holds it now (Attempt.holds_p_room)
         resumes = resumable(call, self.router.config.resume_attempts)
-        movable = d.backend.movable and resumes
+        movable = d.backend.movable and resumes and not local
         attempt = Attempt(
             self.router,
             call,
@@ -222,6 +224,7 @@ class AttemptLoop:
             prefilled_tokens=prefilled_tokens,
             migrate_room=self.next_room() if movable else None,
             resumable=resumes,
+            local=local,
         )
         self.progress.room = room
         self.current = attempt

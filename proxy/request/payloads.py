@@ -221,6 +221,15 @@ def prefill_body(body: dict[str, Any], room: int) -> dict[str, Any]:
     return out
 
 
+def local_body(body: dict[str, Any]) -> dict[str, Any]:
+    """Body for D prefilling the request itself (``--path-policy``): the client's request as an ordinary
+    vLLM request, without the Router's room and without ``kv_transfer_params``."""
+    out = dict(body)  # shallow: only top-level keys are removed
+    out.pop(ROOM_KEY, None)
+    out.pop(KV_KEY, None)
+    return out
+
+
 def decode_body(
     body: dict[str, Any],
     room: int,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -164,7 +165,9 @@ class FirstTokenPath:
     async def _prefill(self, p: BackendState, timeout: float) -> Reply | Failure:
         router, call = self.router, self.call
         router.metrics.backend_request(call.endpoint, p.backend)
+        idle = p.in_flight == 0  # P's answer time is then its prefill time (the path model's sample)
         lease = router.pool.lease(p, call.tokens)
+        sent = time.monotonic()
         data = encode_json(prefill_first_body(call.body, self.progress.room))
         nominal = router.config.request_timeout
         task = asyncio.get_running_loop().create_task(
@@ -184,6 +187,8 @@ class FirstTokenPath:
         if reply.status >= 300:
             return http_failure(p, reply.status, reply.body, reply.content_type)
         refused = refused_failure(p, reply.body)
+        if refused is None and idle:
+            router.paths.observe_prefill(p, call.tokens, (time.monotonic() - sent) * 1000)
         return reply if refused is None else refused
 
     async def _watch(self, p: BackendState, task: asyncio.Task[Reply | Failure]) -> Failure | None:

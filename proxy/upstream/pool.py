@@ -15,7 +15,7 @@ Everything here runs on the Router's one event loop, so plain attributes need no
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -123,6 +123,8 @@ class BackendPool:
         self.draining: dict[tuple[str, str, int], BackendState] = {}
         for backend in (*prefillers, *decoders):
             self.active[backend.role].append(BackendState(backend))
+        #: Called with an instance taken out of routing (what others keep about it is dropped).
+        self.on_remove: list[Callable[[BackendState], None]] = []
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -213,6 +215,8 @@ class BackendPool:
         state.draining = True
         if isinstance(self.policy, PoolPolicy):
             self.policy.forget(state)
+        for forget in self.on_remove:
+            forget(state)
         if state.in_flight == 0:
             logger.info("%s removed from the pool", state.backend.name)
             return True

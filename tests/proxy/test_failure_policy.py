@@ -35,6 +35,7 @@ class FakeAttempt:
     d: BackendState
     p_answered: bool = False
     p_holds_room: bool = True
+    local: bool = False
 
     def holds_p_room(self) -> bool:
         return self.p_holds_room

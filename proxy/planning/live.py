@@ -1,0 +1,211 @@
+"""The Router's per-request path choice from live signals: :class:`PathChooser`.
+
+For each request the Router asks :meth:`PathChooser.decide` where it prefills, before any
+backend call. The chooser reads, with no I/O:
+
+- P's load: its prompt tokens queued and in flight (the pool's leases, ``in_flight_tokens``);
+- D's load: its requests in flight (the running batch), the prompt tokens of requests it is
+  prefilling itself that have not answered yet, and its recent inter-token latency (measured
+  on the streams the Router relays);
+- the prompt's cached part on P and on D: an approximate prefix index per instance
+  (:class:`proxy.upstream.prefix_tree.PrefixTree`) of the prompts each was sent;
+- a step-time model per instance (:class:`proxy.planning.step_model.StepModel`, from
+  ``--path-model`` or the defaults) refitted as the Router runs: a prefill answered by an
+  instance that had nothing else in flight is a clean sample of its prefill time;
+- the KV push model (:class:`proxy.planning.step_model.TransferModel`).
+
+It hands them to the ``--path-policy`` (:mod:`proxy.planning.path_policy`) and counts the
+decision (``pd_router_path_total{path,reason}``). A decision is a few dictionary reads, two
+prefix-tree walks of the prompt and O(1) arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.planning.path_policy import PATH_POLICIES, PathChoice, PathOptions
+from proxy.planning.predict import DecoderLoad, PairState, Path, PathModel, PrefillerLoad, RequestView
+from proxy.planning.step_model import PrefillSample, StepModel, TransferModel
+from proxy.upstream.pool import BackendState
+from proxy.upstream.prefix_tree import PrefixTree, prompt_key
+
+logger = logging.getLogger("proxy")
+
+#: Output tokens assumed for a request that names no ``max_tokens`` (the horizon a stall spreads over).
+DEFAULT_HORIZON = 16
+#: Weight of a new inter-token latency measurement in D's running average.
+ITL_WEIGHT = 0.2
+#: Characters of prompts remembered per instance (its prefix index's bound).
+INDEX_CHARS = 4 * 1024 * 1024
+
+
+@dataclass
+class ModelSet:
+    """Step-time models per role and the push model (``--path-model FILE``: ``launch.plan``'s calibration)."""
+
+    p: StepModel = field(default_factory=StepModel)
+    d: StepModel = field(default_factory=StepModel)
+    transfer: TransferModel = field(default_factory=TransferModel)
+
+    @classmethod
+    def load(cls, path: str | None) -> ModelSet:
+        """The models of ``path`` (``{"step": {...}, "p": {...}, "d": {...}, "transfer": {...}}``), or defaults."""
+        if path is None:
+            return cls()
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--path-model {path}: {exc}") from None
+        return cls.from_dict(data, path)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "--path-model") -> ModelSet:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: a JSON object is expected")
+        unknown = set(data) - {"step", "p", "d", "c", "transfer"}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: step, p, d, c, transfer)")
+        step = dict(data.get("step") or {})
+
+        def role(key: str) -> StepModel:
+            return StepModel.from_dict({**step, **dict(data.get(key) or {})})
+
+        return cls(role("p"), role("d"), TransferModel.from_dict(dict(data.get("transfer") or {})))
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """One request's path choice, with what the chooser needs to account for it afterwards."""
+
+    choice: PathChoice
+    p: BackendState | None
+    d: BackendState | None
+    key: str
+    tokens: int
+
+
+class PathChooser:
+    """Decides each request's path (``--path-policy``) and keeps the live signals it reads."""
+
+    def __init__(self, policy: str, options: PathOptions, models: ModelSet, metrics: Any = None) -> None:
+        if policy not in PATH_POLICIES:
+            raise ValueError(f"--path-policy {policy!r}: unknown (choose from {', '.join(PATH_POLICIES)})")
+        self.name = policy
+        self.policy = PATH_POLICIES[policy]
+        self.options = options
+        self.defaults = models
+        self.metrics = metrics
+        self._models: dict[BackendState, StepModel] = {}
+        self._index: dict[BackendState, PrefixTree] = {}
+        #: D: prompt tokens of local prefills sent and not answered yet.
+        self._local_pending: dict[BackendState, int] = {}
+        #: D: running average of the inter-token latency of the streams relayed from it (ms).
+        self._itl: dict[BackendState, float] = {}
+
+    # -- the decision --------------------------------------------------------------------------
+
+    def decide(
+        self,
+        body: Mapping[str, Any],
+        tokens: int,
+        p: BackendState | None,
+        d: BackendState | None,
+        *,
+        first_token_from_p: bool,
+    ) -> Decided:
+        """Where a request (``body``, ~``tokens`` prompt tokens) prefills, given the pair routing picked."""
+        if d is None:
+            return self._count(Decided(PathChoice(Path.PD, "no_decoder"), p, d, "", tokens))
+        key = prompt_key(body)
+        if p is None:
+            return self._count(Decided(PathChoice(Path.LOCAL, "no_prefiller"), p, d, key, tokens))
+        prompt = max(1, tokens)
+        state = PairState(
+            RequestView(prompt, self._cached(p, key, prompt), self._cached(d, key, prompt), _horizon(body)),
+            PrefillerLoad(0, p.in_flight_tokens),
+            DecoderLoad(d.in_flight, 0, self._local_pending.get(d, 0), self._itl.get(d)),
+        )
+        model = PathModel(self.model(p), self.model(d), self.defaults.transfer, first_token_from_p)
+        return self._count(Decided(self.policy(state, self.options, model), p, d, key, tokens))
+
+    def pd_only(self) -> Decided:
+        """The decision of ``always-pd`` (counted), made without reading any signal."""
+        return self._count(Decided(PathChoice(Path.PD, "policy"), None, None, "", 0))
+
+    def _count(self, decided: Decided) -> Decided:
+        if self.metrics is not None:
+            self.metrics.path(decided.choice.path.value, decided.choice.reason)
+        return decided
+
+    def _cached(self, state: BackendState, key: str, prompt: int) -> int:
+        """Prompt tokens ``state``'s prefix cache may hold (its index's match, in proportion), below the prompt."""
+        tree = self._index.get(state)
+        if tree is None or not key:
+            return 0
+        matched = tree.match(key)
+        return min(prompt - 1, int(prompt * matched / len(key))) if matched else 0
+
+    def model(self, state: BackendState) -> StepModel:
+        """``state``'s own step-time model (a copy of its role's default until refitted)."""
+        model = self._models.get(state)
+        if model is None:
+            base = self.defaults.p if state.backend.role == "prefill" else self.defaults.d
+            model = self._models[state] = StepModel.from_dict({**base.to_dict(), "quadratic": base.quadratic})
+        return model
+
+    # -- what the Router tells it --------------------------------------------------------------
+
+    def sent(self, decided: Decided, p: BackendState | None, d: BackendState) -> None:
+        """The request went out: D (and, remote, P) will hold its prompt in their prefix caches."""
+        if not decided.key:
+            return
+        self._tree(d).insert(decided.key)
+        if decided.choice.local:
+            self._local_pending[d] = self._local_pending.get(d, 0) + decided.tokens
+        elif p is not None and p.backend.role == "prefill":
+            self._tree(p).insert(decided.key)
+
+    def local_answered(self, decided: Decided, d: BackendState) -> None:
+        """D's local prefill of ``decided`` ended (its first byte came, or it failed)."""
+        left = self._local_pending.get(d, 0) - decided.tokens
+        if left > 0:
+            self._local_pending[d] = left
+        else:
+            self._local_pending.pop(d, None)
+
+    def observe_prefill(self, state: BackendState, tokens: int, ms: float) -> None:
+        """``state`` prefilled ``tokens`` prompt tokens in ``ms`` with nothing else in flight."""
+        if tokens > 0 and ms > 0:
+            self.model(state).observe_prefill(PrefillSample(tokens, ms))
+
+    def observe_itl(self, d: BackendState, ms: float) -> None:
+        """A stream relayed from ``d`` had a mean inter-token latency of ``ms``."""
+        if ms <= 0:
+            return
+        old = self._itl.get(d)
+        self._itl[d] = ms if old is None else (1 - ITL_WEIGHT) * old + ITL_WEIGHT * ms
+
+    def forget(self, state: BackendState) -> None:
+        """``state`` left the pool."""
+        for table in (self._models, self._index, self._local_pending, self._itl):
+            table.pop(state, None)  # type: ignore[attr-defined]
+
+    def _tree(self, state: BackendState) -> PrefixTree:
+        tree = self._index.get(state)
+        if tree is None:
+            tree = self._index[state] = PrefixTree(INDEX_CHARS)
+        return tree
+
+
+def _horizon(body: Mapping[str, Any]) -> int:
+    """Output tokens after the first the request asks for (the gap of a path spreads over them)."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value - 1
+    return DEFAULT_HORIZON

@@ -26,6 +26,9 @@ the lowest rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
     python benchmarks/serving.py --closed-loop-only   # only the closed-loop phase (serving_closed.py): it
                                                       # judges pd against `colocated` and `colocated_p` (one
                                                       # instance on P's cores: PD's own tax)
+    python benchmarks/serving.py --policies-only      # only the path-policy phase (serving_policies.py): the
+                                                      # Router's five --path-policy choices on one 1P1D pair
+                                                      # vs colocated (~30 min; --quick ~5 min)
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.serving_closed import bench_closed_loop  # noqa: E402
 from benchmarks.serving_interleaved import PAUSE_S, run_interleaved, summarize  # noqa: E402
+from benchmarks.serving_policies import add_arguments as add_policy_arguments  # noqa: E402
+from benchmarks.serving_policies import bench_policies, finish_arguments  # noqa: E402
 from benchmarks.serving_report import LATENCY_KEYS, acceptance, ratios  # noqa: E402
 from benchmarks.serving_systems import PD_TRANSFER_MODE, STARTERS, SYSTEMS, mooncake_patches  # noqa: E402
 from benchmarks.serving_trace import RunStats, TraceRequest, bucket_labels, check_edges, make_trace, run_trace  # noqa: E402
@@ -124,7 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="PDConnector transfer modes the closed-loop phase runs pd with (each judged against both baselines)",
     )
     p.add_argument("--closed-loop-only", action="store_true", help="run only the closed-loop phase")
+    add_policy_arguments(p)
     args = p.parse_args(argv)
+    finish_arguments(args, p)
     if args.closed_loop is None:
         args.closed_loop = 4 if args.quick else 16
     args.rates = args.rates or ([0.25, 0.5] if args.quick else [0.1, 0.3, 0.6])
@@ -339,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     all_traces = traces(args)
     PD_TRANSFER_MODE["mode"] = args.pd_transfer_mode
     started = time.monotonic()
-    if args.closed_loop_only:
+    if args.closed_loop_only or args.policies_only:
         args.systems = []
+    if args.policies_only:
+        args.closed_loop = args.interleaved = 0
     systems = {name: bench_system(name, model, args, all_traces, log_dir) for name in args.systems}
     report: dict[str, Any] = {
         "model": model,
@@ -369,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                 report[key] = ratios(systems["pd"], systems[other])
     if args.interleaved and "pd" in args.systems and len(args.systems) > 1:
         report["interleaved_low_load"] = bench_interleaved(model, args, log_dir)
-    report["acceptance"] = {} if args.closed_loop_only else acceptance(systems, report.get("interleaved_low_load"))
+    only = args.closed_loop_only or args.policies_only
+    report["acceptance"] = {} if only else acceptance(systems, report.get("interleaved_low_load"))
     if args.closed_loop:
         report["closed_loop"] = closed = bench_closed(model, args, log_dir)
         # judged in the connector's default transfer_mode (the phase that chose that default)
@@ -382,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
             report["acceptance"][key] = closed_verdict(mode, judged)
         flags = [c.get("pass") for c in report["acceptance"].values() if isinstance(c, dict)]
         report["acceptance"]["all_pass"] = bool(flags) and all(f is True for f in flags)
+    if args.policies or args.policies_only:
+        report["path_policies"] = phase = bench_policies(model, args, SERVE_ARGS, log_dir, say)
+        if args.policies_only:
+            report["acceptance"] = phase["acceptance"]
+        else:
+            report["acceptance"]["path_policies"] = phase["acceptance"]
+            flags = [c.get("pass", c.get("all_pass")) for c in report["acceptance"].values() if isinstance(c, dict)]
+            report["acceptance"]["all_pass"] = bool(flags) and all(f is True for f in flags)
     if "vllm_mooncake" in systems and "error" in systems["vllm_mooncake"]:
         report["vllm_mooncake"] = {"error": systems["vllm_mooncake"]["error"]}
     if systems:

@@ -50,8 +50,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.serving_closed import bench_closed_loop  # noqa: E402
 from benchmarks.serving_interleaved import PAUSE_S, run_interleaved, summarize  # noqa: E402
-from benchmarks.serving_policies import add_arguments as add_policy_arguments  # noqa: E402
-from benchmarks.serving_policies import bench_policies, finish_arguments  # noqa: E402
+from benchmarks.serving_policies import bench_policies  # noqa: E402
+from benchmarks.serving_policies_workloads import add_arguments as add_policy_arguments  # noqa: E402
+from benchmarks.serving_policies_workloads import finish_arguments  # noqa: E402
 from benchmarks.serving_report import LATENCY_KEYS, acceptance, ratios  # noqa: E402
 from benchmarks.serving_systems import PD_TRANSFER_MODE, STARTERS, SYSTEMS, mooncake_patches  # noqa: E402
 from benchmarks.serving_trace import RunStats, TraceRequest, bucket_labels, check_edges, make_trace, run_trace  # noqa: E402

@@ -17,10 +17,11 @@ Workloads, per variant:
 
 1. the closed loop of `serving_closed.py` (each client's next request as soon as its previous
    first token came) at every (length, concurrency) of `LENGTHS` x `CONCURRENCY`;
-2. paced traces (`serving_trace.py`'s client): Poisson at each of `--policies-rates`, prompts
-   stratified over 64-2000 tokens, and a bursty trace whose bursts of `BURST_SIZE` requests
-   arrive at once and share a `SHARED_TOKENS`-token prefix (`UNIQUE_TOKENS` own tokens each; the
-   bursts take turns over a few such prefixes, so later bursts find them cached).
+2. paced traces (`serving_trace.py`'s client): Poisson at a low-load and a near-saturation rate
+   (given, or fractions of always-pd's capacity measured at the start: `measure_capacity`),
+   prompts stratified over 64-2000 tokens, and a bursty trace whose bursts of requests arrive at
+   once and share a long prefix, the bursts taking turns over a few such prefixes (later bursts
+   find theirs cached). The shapes: `serving_policies_workloads.py`.
 
 Per variant and workload: TTFT and TPOT p50/p99, goodput (requests/s meeting both SLOs) for the
 traces, and the Router's `pd_router_path_total` counted during the workload. Judging and
@@ -32,7 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
+import statistics
 import subprocess
 import sys
 import time
@@ -46,14 +47,25 @@ import httpx
 from benchmarks.serving_closed import CONCURRENCY, LENGTHS, closed_loop, prompts_for
 from benchmarks.serving_policies_report import (
     COLOCATED,
-    POLICIES,
     acceptance,
     counts_delta,
     path_counts,
     path_totals,
     summarize,
 )
-from benchmarks.serving_trace import PROMPT_TOKEN_IDS, Result, RunStats, TraceRequest, make_trace, ms, percentile
+from benchmarks.serving_policies_workloads import (
+    BURST_GAP_S,
+    BURST_SIZE,
+    FALLBACK_RATES,
+    POISSON_EDGES,
+    PROBE_PROMPTS,
+    SHARED_TOKENS,
+    UNIQUE_TOKENS,
+    closed_point,
+    make_traces,
+    rates_from_capacity,
+)
+from benchmarks.serving_trace import RunStats, TraceRequest, make_trace, ms
 from benchmarks.serving_trace import run_trace as run_paced
 from launch.processes import (
     ManagedProcess,
@@ -65,109 +77,10 @@ from launch.processes import (
     wait_http_ok,
 )
 
-POISSON_EDGES = [64, 500, 1000, 1500, 2000]
-BURST_SIZE = 4
-SHARED_TOKENS = 1500
-UNIQUE_TOKENS = 100
-BURST_GAP_S = 5.0
 #: Pause after each closed-loop point and trace (vLLM's CPU workers spin about a second after work).
 QUIET_S = 1.0
 
 Say = Callable[[str], None]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The phase's flags on `serving.py`'s parser."""
-    p.add_argument("--policies", action="store_true", help="also run the path-policy phase (serving_policies.py)")
-    p.add_argument("--policies-only", action="store_true", help="run only the path-policy phase")
-    p.add_argument("--policies-repeats", type=int, default=2, help="rounds of the path-policy phase (default 2)")
-    p.add_argument(
-        "--policies-list", nargs="+", choices=POLICIES, default=list(POLICIES), help="Router path policies to compare"
-    )
-    p.add_argument(
-        "--policies-rates",
-        type=float,
-        nargs="+",
-        help="Poisson rates (req/s) of the phase's paced traces (default 0.3 1.5: the higher near always-pd's "
-        "saturation on one P core; quick 0.5 1.5)",
-    )
-    p.add_argument(
-        "--policies-requests",
-        type=int,
-        help="closed-loop requests per (length, concurrency) point and requests per Poisson trace "
-        "(default 8 and 16; quick 2 and 4)",
-    )
-    p.add_argument(
-        "--policies-bursts", type=int, help=f"bursts of {BURST_SIZE} in the bursty trace (default 4; quick 2)"
-    )
-
-
-def finish_arguments(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
-    """Defaults that depend on --quick, and range checks naming the flag."""
-    args.policies_rates = args.policies_rates or ([0.5, 1.5] if args.quick else [0.3, 1.5])
-    if args.policies_requests is None:
-        args.closed_requests, args.trace_requests = (2, 4) if args.quick else (8, 16)
-    else:
-        args.closed_requests = args.trace_requests = args.policies_requests
-    args.policies_bursts = args.policies_bursts or (2 if args.quick else 4)
-    if args.policies_repeats < 1 or args.closed_requests < 1 or args.policies_bursts < 1:
-        p.error(
-            f"--policies-repeats {args.policies_repeats}, --policies-requests {args.policies_requests} and "
-            f"--policies-bursts {args.policies_bursts} must be >= 1"
-        )
-    if any(rate <= 0 for rate in args.policies_rates):
-        p.error(f"--policies-rates {args.policies_rates} must be > 0")
-
-
-def bursty_trace(
-    bursts: int,
-    seed: int,
-    output_tokens: int,
-    *,
-    size: int = BURST_SIZE,
-    shared: int = SHARED_TOKENS,
-    unique: int = UNIQUE_TOKENS,
-    gap_s: float = BURST_GAP_S,
-    prefixes: int | None = None,
-) -> list[TraceRequest]:
-    """`bursts` bursts of `size` requests sent together every `gap_s`; a burst's prompts start
-    with one of `prefixes` shared `shared`-token prefixes (taken in turn; default half as many as
-    bursts) and end in `unique` tokens of their own."""
-    rng = random.Random(f"bursty:{seed}")
-    count = prefixes or max(1, bursts // 2)
-    docs = [[rng.choice(PROMPT_TOKEN_IDS) for _ in range(shared)] for _ in range(count)]
-    trace = []
-    for b in range(bursts):
-        for _ in range(size):
-            tail = [rng.choice(PROMPT_TOKEN_IDS) for _ in range(unique)]
-            trace.append(TraceRequest(at_s=b * gap_s, prompt=docs[b % count] + tail, max_tokens=output_tokens))
-    return trace
-
-
-def make_traces(args: argparse.Namespace) -> dict[str, tuple[float, list[TraceRequest]]]:
-    """Name -> (nominal rate, trace); the same for every variant."""
-    out: dict[str, tuple[float, list[TraceRequest]]] = {}
-    for rate in args.policies_rates:
-        trace = make_trace(rate, args.trace_requests, args.seed + 7, POISSON_EDGES, args.output_tokens)
-        out[f"poisson_{rate:g}rps"] = (rate, trace)
-    bursty = bursty_trace(args.policies_bursts, args.seed, args.output_tokens)
-    out["bursty_shared_prefix"] = (BURST_SIZE / BURST_GAP_S, bursty)
-    return out
-
-
-def closed_point(results: Sequence[Result], skip: int) -> dict[str, Any]:
-    """TTFT and TPOT p50/p99 of a closed-loop point's results after the first `skip`."""
-    kept = [r for r in results[skip:] if not r.error]
-    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in kept if r.output_tokens > 1]
-    ttfts = [r.ttft_s for r in kept]
-    return {
-        "requests": len(results),
-        "counted": len(kept),
-        "failed": sum(1 for r in results if r.error),
-        "errors": sorted({r.error for r in results if r.error})[:3],
-        "ttft_ms": {"p50": ms(percentile(ttfts, 0.5)), "p99": ms(percentile(ttfts, 0.99))},
-        "tpot_ms": {"p50": ms(percentile(tpots, 0.5)), "p99": ms(percentile(tpots, 0.99))},
-    }
 
 
 class Target:
@@ -269,6 +182,24 @@ def _warm(url: str, model: str, args: argparse.Namespace) -> None:
             raise RuntimeError(f"warm-up request of {length} tokens failed: {result.error}")
 
 
+def measure_capacity(url: str, model: str, args: argparse.Namespace, say: Say) -> dict[str, Any]:
+    """always-pd's capacity: `PROBE_PROMPTS` prompts of the Poisson traces' lengths, one at a time
+    (each sent at the previous one's first token): 1 / their mean TTFT (P is busy about that long
+    per prompt; a slight underestimate, as the TTFT also holds the Router hop and D's first step)."""
+    prompts = [r.prompt for r in make_trace(1.0, PROBE_PROMPTS, args.seed + 11, POISSON_EDGES, 4)]
+    results = asyncio.run(closed_loop(url, model, prompts, 1, 4))
+    ttfts = [r.ttft_s for r in results if not r.error]
+    if len(ttfts) < len(results):
+        raise RuntimeError(f"capacity probe: {len(results) - len(ttfts)} request(s) failed: {results[0].error}")
+    mean = statistics.fmean(ttfts)
+    out = {"prompts": len(prompts), "mean_prompt_tokens": round(statistics.fmean(map(len, prompts)))}
+    out.update(mean_ttft_ms=ms(mean), capacity_rps=round(1.0 / mean, 3), rates_rps=rates_from_capacity(1.0 / mean))
+    say(
+        f"policies: always-pd capacity {out['capacity_rps']}/s (mean TTFT {out['mean_ttft_ms']} ms): rates {out['rates_rps']}"
+    )
+    return out
+
+
 def _error(label: str, exc: BaseException, say: Say) -> str:
     text = f"{type(exc).__name__}: {exc}"[:2000]
     say(f"policies {label}: failed: {text[:600]}")
@@ -290,10 +221,14 @@ def run_pd_block(
             stack = start_pd_stack(
                 group, model, p_args=serve_args, d_args=serve_args, p_cpus=args.p_cpus, d_cpus=args.d_cpus,
                 timeout=args.start_timeout, extra_p_config=mode, extra_d_config=mode,
+                router_args=policy_args("always-pd", ctx["router_flags"], args.slo_tpot_ms),
             )  # fmt: skip
             stack.prefill.drain = stack.decode.drain = None  # each Router here is stopped before P and D
             say(f"policies: P and D up after {time.monotonic() - t0:.1f} s")
             _warm(stack.router_url, model, args)
+            if ctx["traces"] is None:
+                ctx["calibration"] = measure_capacity(stack.router_url, model, args, say)
+                ctx["traces"] = make_traces(args, ctx["calibration"]["rates_rps"])
         except Exception as exc:  # noqa: BLE001 - every policy of this round reports it
             return {policy: {"error": _error("P and D", exc, say)} for policy in policies}
         router: ManagedProcess = stack.router
@@ -350,8 +285,9 @@ def bench_policies(
 ) -> dict[str, Any]:
     """Every round (module docstring); the phase's JSON, `acceptance` included."""
     started = time.monotonic()
-    traces = make_traces(args)
-    ctx = {"say": say, "traces": traces, "router_flags": router_flags()}
+    ctx: dict[str, Any] = {"say": say, "router_flags": router_flags(), "calibration": None, "traces": None}
+    if args.policies_rates:
+        ctx["traces"] = make_traces(args, args.policies_rates)
     previous = os.environ.get("VLLM_SERVER_DEV_MODE")
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # P's and D's /reset_prefix_cache
     rounds: list[dict[str, Any]] = []
@@ -365,6 +301,8 @@ def bench_policies(
                 if part == "pd":
                     rnd.update(run_pd_block(policies, model, args, serve_args, ctx))
                 else:
+                    if ctx["traces"] is None:  # P and D failed before the capacity probe
+                        ctx["traces"] = make_traces(args, FALLBACK_RATES)
                     rnd[COLOCATED] = run_colocated(model, args, serve_args, ctx)
             rounds.append(rnd)
     finally:
@@ -384,9 +322,10 @@ def bench_policies(
             "counted": "each point sends requests_per_point + concurrency prompts; the first <concurrency> "
             "(the loop filling up) are not counted",
         },
+        "rates": "given (--policies-rates)" if args.policies_rates else ctx["calibration"] or "fallback",
         "traces": {
             name: {"rate_rps": round(rate, 3), "requests": len(trace), "span_s": round(trace[-1].at_s, 1)}
-            for name, (rate, trace) in traces.items()
+            for name, (rate, trace) in (ctx["traces"] or {}).items()
         },
         "bursty": {
             "burst_size": BURST_SIZE,

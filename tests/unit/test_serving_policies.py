@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.serving_policies import bursty_trace, closed_point, policy_args
+from benchmarks.serving_policies import policy_args
 from benchmarks.serving_policies_report import (
     acceptance,
     by_path,
@@ -15,6 +15,7 @@ from benchmarks.serving_policies_report import (
     path_totals,
     summarize,
 )
+from benchmarks.serving_policies_workloads import bursty_trace, closed_point, rates_from_capacity, trace_size
 from benchmarks.serving_trace import Result
 
 METRICS = """\
@@ -186,3 +187,11 @@ def test_policy_args_follow_the_router_flags() -> None:
     assert policy_args("always-pd", set(), 50.0) == []
     with pytest.raises(ValueError, match="no --path-policy"):
         policy_args("always-local", set(), 50.0)
+
+
+def test_trace_size_and_rates_from_capacity() -> None:
+    assert trace_size(0.5, 16, span_s=10.0) == 16  # the least count wins at a low rate
+    assert trace_size(4.5, 16, span_s=10.0) == 48  # 10 s of arrivals at 4.5/s, rounded up to whole rounds of 4 buckets
+    assert trace_size(1.0, 5, span_s=1.0) == 8
+    assert rates_from_capacity(5.0) == [1.25, 4.5]
+    assert rates_from_capacity(0.1) == [0.05, 0.09]

@@ -67,6 +67,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks import path_decision  # noqa: E402
 from benchmarks.router_backend import run, serve_backend  # noqa: E402
 from benchmarks.router_targets import installed, targets  # noqa: E402
 from launch import ascend_peers  # noqa: E402
@@ -423,6 +424,8 @@ def main() -> int:
                 "zero_failed": all(r["failed"] == 0 for r in results.values()),
             },
         }
+        report["path_decision"] = path_decision.run(prompts=200, calls=1000)
+        report["targets_met"]["path_decision_p50_us<200"] = report["path_decision"]["within_bar"]
         print(json.dumps(report, indent=2))
         return 0
     finally:

@@ -74,8 +74,14 @@ def targets(
     ours = [sys.executable, "-m", "proxy", *listen, "--port", str(ports["router"]), *instances]
     out = [
         # The fake backend's P answer names no token ids (the first-token path would fall back to
-        # P, then D, one after the other): the Router's own relay is measured, P and D at once.
-        Target("router", [*ours, "--workers", str(router_workers), "--no-first-token-from-prefill"], "/health"),
+        # P, then D, one after the other): the Router's own relay is measured, P and D at once. Every
+        # request goes to P and D, as with the other routers (a path decision's own cost is measured
+        # in-process: benchmarks/path_decision.py, the report's ``path_decision``).
+        Target(
+            "router",
+            [*ours, "--workers", str(router_workers), "--no-first-token-from-prefill", "--path-policy", "always-pd"],
+            "/health",
+        ),
         Target(
             "ascend_proxy",
             [sys.executable, str(ascend_proxy), *listen, "--port", str(ports["ascend_proxy"]), *instances],

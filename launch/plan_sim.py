@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from launch.plan_trace import TraceRequest
+from proxy.planning.path_policy import PATH_POLICIES, PathOptions
 from proxy.planning.predict import DecoderLoad, PairState, Path, PathModel, PrefillerLoad, RequestView
 from proxy.planning.step_model import StepModel, TransferModel
 
@@ -66,6 +67,7 @@ class PolicyConfig:
     threshold_ratio: float = 0.7  # ... and uncached / prompt < this
     non_cached_tokens: int = 512  # llm-d: disaggregate when non-cached tokens exceed this
     tpot_slo_ms: float = 50.0  # adaptive: paths predicted over this TPOT are ruled out
+    local_margin: float = 0.1  # adaptive: D prefills only when it beats P's TTFT by this fraction
 
 
 @dataclass
@@ -257,6 +259,14 @@ class Simulator:
         self.models = models or Models()
         cfg = instance or InstanceConfig()
         self.policy, self.pcfg = policy, policy_cfg or PolicyConfig()
+        pcfg = self.pcfg
+        self.options = PathOptions(
+            threshold_tokens=pcfg.threshold_tokens,
+            threshold_ratio=pcfg.threshold_ratio,
+            non_cached_tokens=pcfg.non_cached_tokens,
+            tpot_slo_ms=pcfg.tpot_slo_ms,
+            local_margin=pcfg.local_margin,
+        )
         self.ps = [Instance(self, Role.P, i, self.models.p, cfg) for i in range(p)]
         self.ds = [Instance(self, Role.D, i, self.models.d, cfg) for i in range(d)]
         self.cs = [Instance(self, Role.C, i, self.models.c, cfg) for i in range(c)]
@@ -350,25 +360,15 @@ class Simulator:
         return self.local_model.predict(Path.LOCAL, state).ttft_ms
 
     def choose(self, r: Req, p: Instance, d: Instance) -> Path:
+        """The path the Router's policy (``proxy.planning.path_policy``, the same table) picks for ``r``."""
         cached_d = min(d.cached_tokens(r), r.prompt - 1)
-        remote = Path.DELTA if cached_d else Path.PD
-        uncached = r.prompt - cached_d
-        pol, cfg = self.policy, self.pcfg
-        if pol is Policy.ALWAYS_PD:
-            return Path.PD
-        if pol is Policy.ALWAYS_LOCAL:
-            return Path.LOCAL
-        if pol is Policy.THRESHOLD:
-            local = uncached < cfg.threshold_tokens and uncached / r.prompt < cfg.threshold_ratio
-            return Path.LOCAL if local else remote
-        if pol is Policy.NON_CACHED:
-            return remote if uncached > cfg.non_cached_tokens else Path.LOCAL
+        cached_p = min(p.cached_tokens(r), r.prompt - 1)
         state = PairState(
-            RequestView(r.prompt, min(p.cached_tokens(r), r.prompt - 1), cached_d, max(1, r.output - 1)),
+            RequestView(r.prompt, cached_p, cached_d, max(1, r.output - 1)),
             PrefillerLoad(p.queued_tokens, 0, p.cfg.budget),
             _decoder_load(d),
         )
-        return self.path_model.choose(state, cfg.tpot_slo_ms).path
+        return PATH_POLICIES[self.policy.value](state, self.options, self.path_model).path
 
 
 def _decoder_load(inst: Instance) -> DecoderLoad:

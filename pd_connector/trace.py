@@ -9,7 +9,7 @@ of the phases it sees for one request, keyed by its bootstrap room:
   allocated the blocks for the load), asked_p (the request went to every P rank), kv_ready
   (every P rank reported done), scheduled (D's scheduler scheduled the request after its KV
   arrived: its first token comes out of that step);
-- ``router``: received, p_answered, d_first_byte, done.
+- ``router``: received, path_pd | path_delta | path_local (the path chosen), p_answered, d_first_byte, done.
 
 The summary line, one per request and side (the ``TRACE_RE`` below parses it)::
 
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 PHASES: dict[str, tuple[str, ...]] = {
     "prefill": ("received", "prefill_done", "d_asked", "push_started", "push_done"),
     "decode": ("received", "admitted", "asked_p", "kv_ready", "scheduled"),
-    "router": ("received", "p_answered", "d_first_byte", "done"),
+    "router": ("received", "path_pd", "path_delta", "path_local", "p_answered", "d_first_byte", "done"),
 }
 
 TRACE_RE = re.compile(

@@ -102,6 +102,7 @@ class Exchange:
         self._tail = b""
         #: The request's path choice (``--path-policy``), once made.
         self.decided: Decided | None = None
+        self._decided_at = 0.0
 
     @property
     def progress(self) -> RequestProgress:
@@ -190,6 +191,8 @@ class Exchange:
             "router", attempt.room, self.rid, outcome="ok" if self.status < 300 else f"http_{self.status}"
         )
         trace.mark("received", received)
+        if self.decided is not None:  # path_pd, path_delta or path_local (--path-policy)
+            trace.mark(f"path_{self.decided.choice.path.value}", self._decided_at)
         if attempt.p_answered_at is not None:
             trace.mark("p_answered", attempt.p_answered_at)
         for phase, at in self.progress.moves:  # a stream resumed on another decoder (proxy.strategies.resume)
@@ -206,6 +209,7 @@ class Exchange:
             self.router.config.first_token_from_prefill and ineligible_reason(self.endpoint, self.call.body) is None
         )
         self.decided = decided = self._decide(first_token)
+        self._decided_at = time.time()
         if decided.choice.local:
             got = await local_prefill(self, decided)
             if got is not Next.TWO_INSTANCE:
@@ -322,7 +326,9 @@ class Exchange:
         if response is None:
             response = self.stream_response(upstream.status, upstream.content_type)
             await self.open_stream(response)
+        chunks, opened_at = 0, time.monotonic()  # D's inter-token latency, for the path choice
         while True:
+            chunks += 1
             if tracker is not None:
                 chunk = tracker.feed(chunk, end=upstream.at_eof())
                 if tracker.error is not None:
@@ -354,6 +360,8 @@ class Exchange:
         elif attempt.late_p_failure is not None:
             failure = attempt.late_p_failure
         if failure is None:
+            if chunks > 2:
+                self.router.paths.observe_itl(attempt.d, (time.monotonic() - opened_at) * 1000 / (chunks - 1))
             self.loop.finished(attempt)
             if watch is not None and watch.recomputed:
                 watch.held_open = True

@@ -175,7 +175,8 @@ def test_always_local_sends_d_an_ordinary_request_and_p_nothing(
     assert d["body"]["max_tokens"] == 8 and d["body"].get("stream", False) is stream
     assert 'pd_router_path_total{path="local",reason="policy"}' in metrics
     log = router.proc.log_text()
-    assert f"rid={rid}" in log and "path=local(policy)" in log
+    line = next(line for line in log.splitlines() if f"rid={rid}" in line and "status=" in line)
+    assert "path=local(policy)" in line and "P=- " in line and "path_local +" in line  # log line and phase trace
 
 
 def test_bad_path_flags_name_the_value() -> None:

@@ -28,7 +28,7 @@ the lowest rate (`--png`, needs matplotlib: `pip install -e .[bench]`).
                                                       # instance on P's cores: PD's own tax)
     python benchmarks/serving.py --policies-only      # only the path-policy phase (serving_policies.py): the
                                                       # Router's five --path-policy choices on one 1P1D pair
-                                                      # vs colocated (~30 min; --quick ~5 min)
+                                                      # vs colocated (~25 min; --quick ~5 min)
 """
 
 from __future__ import annotations
@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.policies or args.policies_only:
         report["path_policies"] = phase = bench_policies(model, args, SERVE_ARGS, log_dir, say)
         if args.policies_only:
+            report.pop("trace")  # the phase's own traces are in path_policies
             report["acceptance"] = phase["acceptance"]
         else:
             report["acceptance"]["path_policies"] = phase["acceptance"]

@@ -164,7 +164,8 @@ def mean_goodput(rounds: Sequence[Round], variant: str, trace: str) -> float | N
 def judge_traces(rounds: Sequence[Round], static: Sequence[str] = STATIC_POLICIES) -> dict[str, dict[str, Any]]:
     """The two trace criteria (module docstring): per trace adaptive / the best static policy's goodput.
 
-    When every static policy's goodput is 0 the ratio is undefined (None): adaptive then passes
+    ``slo_attained`` (the share of requests meeting both SLOs, mean over rounds) is given beside
+    it. When every static policy's goodput is 0 the ratio is undefined (None): adaptive then passes
     both criteria on that trace if its own goodput is above 0, and only the first if it is 0 too.
     """
     rows: dict[str, dict[str, Any]] = {}
@@ -173,7 +174,10 @@ def judge_traces(rounds: Sequence[Round], static: Sequence[str] = STATIC_POLICIE
         missing = [name for name, g in goodput.items() if g is None]
         measured = {name: g for name, g in goodput.items() if name != ADAPTIVE and g is not None}
         best = max(measured, key=lambda name: measured[name]) if measured else None
-        row: dict[str, Any] = {"goodput_rps": goodput, "best_static": best, "ratio": None}
+        attained = {
+            name: _mean(_workload(r, name, "traces", trace).get("slo_attained") for r in rounds) for name in goodput
+        }
+        row: dict[str, Any] = {"goodput_rps": goodput, "slo_attained": attained, "best_static": best, "ratio": None}
         if missing or best is None:
             row.update(pass_=None, gain=None, reason=f"no goodput for {missing}")
         elif measured[best] == 0:

@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policies-requests",
         type=int,
         help="closed-loop requests per (length, concurrency) point and requests per Poisson trace, at least "
-        f"(a trace has at least {TRACE_SPAN_S:g} s of arrivals) (default 8 and 16; quick 2 and 4)",
+        f"(a trace has at least {TRACE_SPAN_S:g} s of arrivals) (default 12 and 16; quick 2 and 4)",
     )
     p.add_argument(
         "--policies-bursts", type=int, help=f"bursts of {BURST_SIZE} in the bursty trace (default 4; quick 2)"
@@ -69,7 +69,7 @@ def finish_arguments(args: argparse.Namespace, p: argparse.ArgumentParser) -> No
     if args.policies_repeats is None:
         args.policies_repeats = 1 if args.quick else 2
     if args.policies_requests is None:
-        args.closed_requests, args.trace_requests = (2, 4) if args.quick else (8, 16)
+        args.closed_requests, args.trace_requests = (2, 4) if args.quick else (12, 16)
     else:
         args.closed_requests = args.trace_requests = args.policies_requests
     args.trace_span_s = 3.0 if args.quick else TRACE_SPAN_S

@@ -78,7 +78,10 @@ def test_closed_loop_without_colocated_is_undecided_not_passed() -> None:
 
 
 def trace_round(goodput: dict[str, float]) -> dict[str, dict]:
-    return {name: {"traces": {"poisson": {"goodput_rps": g, **lat(1.0, 1.0)}}} for name, g in goodput.items()}
+    return {
+        name: {"traces": {"poisson": {"goodput_rps": g, "slo_attained": min(1.0, g), **lat(1.0, 1.0)}}}
+        for name, g in goodput.items()
+    }
 
 
 STATIC = {"always-pd": 0.5, "always-local": 0.3, "threshold": 0.5, "non-cached": 0.4}
@@ -89,6 +92,7 @@ def test_traces_compare_adaptive_with_the_best_static_policy_mean_over_rounds() 
     judged = judge_traces(rounds)
     row = judged["trace_goodput_adaptive_vs_best_static"]["traces"]["poisson"]
     assert row["goodput_rps"]["adaptive"] == 0.6
+    assert row["slo_attained"]["adaptive"] == 0.6 and row["slo_attained"]["always-local"] == 0.3
     assert row["best_static"] == "always-pd"
     assert row["ratio"] == 1.2 and row["pass"] is True
     assert judged["trace_goodput_gain_somewhere"] == {

@@ -232,7 +232,7 @@ def run_pd_block(
         except Exception as exc:  # noqa: BLE001 - every policy of this round reports it
             return {policy: {"error": _error("P and D", exc, say)} for policy in policies}
         router: ManagedProcess = stack.router
-        host = (stack.prefill_url.split("//")[1]).split(":")[0]
+        host = stack.host
         for policy in policies:
             entry: dict[str, Any] = {}
             t0 = time.monotonic()

@@ -14,7 +14,8 @@ Equations (ms; ``m`` the StepModel of the instance named, ``B`` its token budget
   D's first gap (token 1 -> 2) = push of ``L`` (PD) or ``L - cached_D`` (DELTA) tokens + one D step;
 - LOCAL: TTFT = residual of D's current step (half a step) + ``m_D.drain_ms(D's queued prefill tokens)``
   + ``m_D.chunked_prefill_ms(L - cached_D, cached_D, B_D, batch, context)``, all beside D's batch;
-  the running requests each wait the prefill's extra step time (``stall_ms``).
+  the running requests each wait the extra step time of every prefill D has ahead, queued ones included
+  (``stall_ms``).
 
 ``Prediction.tpot_ms`` is the mean TPOT D's requests see over the next ``horizon_tokens`` tokens:
 one decode step (``recent_itl_ms`` scaled by the model's step ratio when given) plus the
@@ -117,10 +118,12 @@ class PathModel:
                 uncached, req.cached_on_d, d.budget, d.running_batch, d.context_tokens
             )
             ttft = residual + wait + own
-            # the running batch's extra wait: the prefill steps less the decode steps they replace
-            steps = -(-uncached // max(1, d.budget - d.running_batch)) if uncached > 0 else 0
+            # the running batch's wait: every prefill step D has ahead (the local prefills queued
+            # before this one and this one) less the decode steps they replace
+            room = max(1, d.budget - d.running_batch)
+            steps = -(-uncached // room) + -(-d.queued_prefill_tokens // room)
             stall = (
-                max(0.0, own - steps * self.d_model.decode_step_ms(d.running_batch, d.context_tokens))
+                max(0.0, wait + own - steps * self.d_model.decode_step_ms(d.running_batch, d.context_tokens))
                 if d.running_batch
                 else 0.0
             )

@@ -8,7 +8,7 @@ batch sizes. :class:`proxy.planning.step_model.StepModel` is fitted to them and 
 calibration JSON that ``python -m launch.plan --calibration`` and the Router's ``--path-model`` read
 (``{"step": {...}, "transfer": {...}}``; the push model stays at its defaults unless
 ``--push-bytes-per-s`` is given, e.g. from ``benchmarks/transfer.py``). The prompts are random
-token ids, unique per request, so no prefix cache helps.
+token ids (from ``TOKEN_IDS``), unique per request, so no prefix cache helps.
 """
 
 from __future__ import annotations
@@ -31,8 +31,12 @@ BATCHES = (1, 2, 4, 8)
 DECODE_TOKENS = 48
 
 
+#: Token ids the prompts are drawn from: valid in any vocabulary of 259 ids or more (byte-level ones included).
+TOKEN_IDS = range(3, 259)
+
+
 def _prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(100, 30000) for _ in range(length)]
+    return [rng.choice(TOKEN_IDS) for _ in range(length)]
 
 
 async def _prefill_ms(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> float:

@@ -7,8 +7,11 @@ With ``ca_certs`` (``bootstrap_ssl_ca_certs``) every call uses https and verifie
 certificate with that CA bundle; without it, plain http. D's ``RouteCache`` contacts only hosts
 its ``TrustedHosts`` allow (``BootstrapUntrusted`` otherwise, before any connection).
 
-With a token, every call is signed with the bootstrap key derived from it (``bootstrap.signing``):
-the token never travels, and a server that receives a call cannot forge another call or a ZMQ frame.
+With a token, every call is signed with the bootstrap key derived from it (``bootstrap.signing``),
+for the server id the server at that address tells (``bootstrap.audience``: read once, kept; read again
+and the call signed anew once when the server refuses it as meant for another id, after a restart):
+the token never travels, a server that receives a call cannot forge another call or a ZMQ frame, and
+no other server accepts it.
 What a server answers in an error is logged here, never put into the error D reports to its client
 (a request names the bootstrap address: its server is not trusted to write into D's answers).
 """
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 import httpx
 import msgspec
 
+from pd_connector.bootstrap.audience import SERVER_IDS, AudienceError, Send
 from pd_connector.bootstrap.signing import sign_call
 from pd_connector.bootstrap.trust import TrustedHosts, split_addr
 from pd_connector.keys import bootstrap_key
@@ -65,6 +69,60 @@ def verify_of(ca_certs: str) -> ssl.SSLContext | bool:
     return _ssl_context(ca_certs)
 
 
+def _sender(ca_certs: str, client: httpx.Client | None) -> Send:
+    if client is not None:
+        return client.request
+    verify = verify_of(ca_certs)
+
+    def send(method: str, url: str, **kwargs: object) -> httpx.Response:
+        fn = getattr(httpx, method.lower())  # httpx.get / put / post, looked up per call
+        return fn(url, trust_env=False, verify=verify, **kwargs)  # type: ignore[no-any-return]
+
+    return send
+
+
+def call(
+    method: str,
+    addr: str,
+    path: str,
+    body: bytes,
+    key: bytes | None,
+    timeout_s: float,
+    ca_certs: str = "",
+    client: httpx.Client | None = None,
+) -> httpx.Response:
+    """One bootstrap call to ``addr``, signed with ``key`` (none: unsigned) for the id of the server there.
+
+    The id is read from the server once and kept (``bootstrap.audience``); when the server refuses the call
+    as signed for another id (it restarted), the id is read again and the call, signed anew, sent once more.
+    httpx errors and ``AudienceError`` pass to the caller."""
+    base = base_url(addr, ca_certs)
+    send = _sender(ca_certs, client)
+    headers = {"content-type": "application/json"} if body else {}
+    for attempt in (1, 2):
+        audience = ""
+        if key is not None:
+            audience = SERVER_IDS.of(base, send, timeout_s)
+            headers.update(sign_call(key, method, path, body, audience=audience))
+        content = {"content": body} if body else {}
+        resp = send(method, f"{base}{path}", headers=headers, timeout=timeout_s, **content)
+        if attempt == 1 and audience and resp.status_code == 401 and _refusal_reason(resp) == "audience":
+            SERVER_IDS.forget(base, audience)
+            logger.info("bootstrap server %s has a new server id (it restarted): signing for it again", addr)
+            continue
+        return resp
+    raise AssertionError("unreachable")
+
+
+def _refusal_reason(resp: httpx.Response) -> str:
+    try:
+        answer = resp.json()
+    except ValueError:
+        return ""
+    reason = answer.get("reason") if isinstance(answer, dict) else None
+    return reason if isinstance(reason, str) else ""
+
+
 def register_rank(
     addr: str,
     info: RegisterRank,
@@ -79,21 +137,12 @@ def register_rank(
     Returns False (after logging an error) if every try failed: a late rank
     must not take the whole instance down.
     """
-    path = "/bootstrap/register_rank"
-    url = f"{base_url(addr, ca_certs)}{path}"
     body = msgspec.json.encode(info)
     key = bootstrap_key(token)
     last = ""
     for attempt in range(1, retries + 1):
         try:
-            resp = httpx.put(
-                url,
-                content=body,
-                headers={"content-type": "application/json", **sign_call(key, "PUT", path, body)},
-                timeout=timeout_s,
-                trust_env=False,
-                verify=verify_of(ca_certs),
-            )
+            resp = call("PUT", addr, "/bootstrap/register_rank", body, key, timeout_s, ca_certs)
             if resp.status_code == 200:
                 logger.info(
                     "registered rank dp=%d tp=%d%s with bootstrap %s",
@@ -108,6 +157,10 @@ def register_rank(
                 break  # refused: retrying will not help
         except httpx.HTTPError as exc:
             last = repr(exc)
+        except AudienceError as exc:
+            last = str(exc)
+            if not exc.retry:
+                break
         if attempt < retries:
             time.sleep(interval_s)
     logger.error("could not register with bootstrap server %s after %d tries: %s", addr, retries, last)
@@ -126,19 +179,13 @@ def register_dp_rank(
     """Tell the bootstrap server which DP rank serves `room` (P side, DP > 1); False (logged) if it failed.
 
     ``client``: a client to send it with (its connection kept between calls); None: a call of its own."""
-    path = "/bootstrap/register_dp_rank"
     body = msgspec.json.encode({"bootstrap_room": room, "dp_rank": dp_rank})
-    headers = {"content-type": "application/json", **sign_call(bootstrap_key(token), "POST", path, body)}
-    url = f"{base_url(addr, ca_certs)}{path}"
     try:
-        if client is not None:
-            resp = client.post(url, content=body, headers=headers, timeout=timeout_s)
-        else:
-            resp = httpx.post(
-                url, content=body, headers=headers, timeout=timeout_s, trust_env=False, verify=verify_of(ca_certs)
-            )
+        resp = call(
+            "POST", addr, "/bootstrap/register_dp_rank", body, bootstrap_key(token), timeout_s, ca_certs, client
+        )
         resp.raise_for_status()
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, AudienceError) as exc:
         logger.error("room=%d: could not register dp rank %d with bootstrap %s: %r", room, dp_rank, addr, exc)
         return False
     return True
@@ -167,7 +214,6 @@ class RouteCache:
     ) -> None:
         self._key = bootstrap_key(token)  # calls are signed with it (bootstrap.signing); the token stays here
         self._ca_certs = ca_certs
-        self._verify = verify_of(ca_certs)
         self._trusted = trusted
         self._timeout = timeout_s
         self._ttl = ttl_s
@@ -204,13 +250,9 @@ class RouteCache:
         if cached is not None and cached[0] > self._clock():
             return cached[1]
         try:
-            resp = httpx.get(
-                f"{base_url(addr, self._ca_certs)}/bootstrap/route",
-                headers=sign_call(self._key, "GET", "/bootstrap/route"),
-                timeout=self._timeout,
-                trust_env=False,
-                verify=self._verify,
-            )
+            resp = call("GET", addr, "/bootstrap/route", b"", self._key, self._timeout, self._ca_certs)
+        except AudienceError as exc:
+            raise (BootstrapBusy if exc.retry else BootstrapError)(str(exc)) from None
         except httpx.TimeoutException as exc:
             raise BootstrapBusy(f"bootstrap server {addr} did not answer in time: {exc!r}") from None
         except httpx.HTTPError as exc:
@@ -245,17 +287,9 @@ class RouteCache:
         self.check_trusted(addr)
         path = "/bootstrap/query_dp_ranks"
         body = msgspec.json.encode({"bootstrap_rooms": rooms})
-        headers = {"content-type": "application/json", **sign_call(self._key, "POST", path, body)}
         try:
-            resp = httpx.post(
-                f"{base_url(addr, self._ca_certs)}{path}",
-                content=body,
-                headers=headers,
-                timeout=self._timeout,
-                trust_env=False,
-                verify=self._verify,
-            )
-        except httpx.HTTPError as exc:
+            resp = call("POST", addr, path, body, self._key, self._timeout, self._ca_certs)
+        except (httpx.HTTPError, AudienceError) as exc:
             raise BootstrapError(f"query_dp_ranks on {addr} failed: {exc!r}") from None
         if resp.status_code != 200:
             _log_reply(addr, f"POST {path}", resp)

@@ -12,8 +12,10 @@ it is a 409 and the table keeps the live rank. ``register_dp_rank`` likewise: ch
 rank needs the token. With certificate and key files the server speaks TLS only.
 
 With a token every call but ``/bootstrap/health`` and ``/query`` (bootstrap.mooncake_query) must be
-signed with the bootstrap key derived from it (``bootstrap.signing``: method, path, body hash, time
-within a window, a nonce used once); the token itself never travels. A wrong, stale or replayed signature is a 401 naming the problem.
+signed with the bootstrap key derived from it (``bootstrap.signing``: this server's id, method, path, body
+hash, time within a window, a nonce used once); the token itself never travels. A wrong, stale, replayed
+signature, or one signed for another server (another deployment sharing the token, or this one before a
+restart), is a 401 naming the problem. The server id is drawn at start and told by ``/bootstrap/health``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pd_connector.auth import AUTH_HEADER
 from pd_connector.bootstrap.mooncake_query import QUERY_PATH, query_answer
-from pd_connector.bootstrap.signing import CallVerifier
+from pd_connector.bootstrap.signing import VERSION, CallVerifier, new_server_id
 from pd_connector.keys import bootstrap_key
 from pd_connector.log_limit import LogLimiter
 from pd_connector.messages import RankInfo, RegisterRank, Route, rank_key
@@ -199,18 +202,30 @@ async def still_listening(ip: str, port: int, timeout_s: float = LIVENESS_PROBE_
     return True
 
 
-def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
+def create_app(
+    state: BootstrapState,
+    token: bytes | None = None,
+    server_id: str = "",
+    clock: Callable[[], float] | None = None,
+) -> FastAPI:
     """The bootstrap HTTP API (JSON bodies; bad JSON -> 400 with a message).
 
     With ``token`` (pd_connector.auth), every call but ``/bootstrap/health`` must be signed with its
-    bootstrap key (``bootstrap.signing``); one that is not, or is stale or replayed, gets 401 and a log
-    line naming the caller and the problem (``refused`` counts them).
+    bootstrap key for ``server_id`` (``bootstrap.signing``; empty: a new id), which ``/bootstrap/health``
+    tells; one that is not, or is stale, replayed or signed for another server, gets 401 and a log line
+    naming the caller and the problem (``refused`` counts them). ``clock``: the verifier's wall and
+    monotonic clock (tests replay calls later without waiting); None: the real ones.
     """
     app = FastAPI(title="PDConnector bootstrap")
     #: Refusals (401, 400, 409): a few lines per kind, caller host and route per window (log_limit).
     refusals = LogLimiter(logger)
     key = bootstrap_key(token)
-    verifier = CallVerifier(key) if key is not None else None
+    server_id = server_id or new_server_id()
+    verifier = (
+        None
+        if key is None
+        else CallVerifier(key, server_id, clock=clock or time.time, monotonic=clock or time.monotonic)
+    )
 
     @app.middleware("http")
     async def _check_signature(request: Request, call_next: Any) -> Response:
@@ -227,7 +242,10 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
                     _peer(request),
                     refusal.message,
                 )
-                return _error(refusal.status, f"PDConnector call signature refused: {refusal.message}")
+                return JSONResponse(
+                    {"error": f"PDConnector call signature refused: {refusal.message}", "reason": refusal.reason},
+                    status_code=refusal.status,
+                )
         return await call_next(request)
 
     @app.exception_handler(_BadRequest)
@@ -336,6 +354,8 @@ def create_app(state: BootstrapState, token: bytes | None = None) -> FastAPI:
         return JSONResponse(
             {
                 "status": "ok",
+                "server_id": server_id,  # the audience signed calls name (bootstrap.signing), public
+                "signature_version": VERSION,
                 "is_ready": state.is_ready,
                 "registered": len(state.rank_table),
                 "expected": state.expected_count,
@@ -369,7 +389,9 @@ def _route_of(app: FastAPI, request: Request) -> str:
 
 
 class BootstrapServer:
-    """Runs the bootstrap app with uvicorn in a daemon thread (TLS with ``ssl_certfile``/``ssl_keyfile``)."""
+    """Runs the bootstrap app with uvicorn in a daemon thread (TLS with ``ssl_certfile``/``ssl_keyfile``).
+
+    ``clock``: the call verifier's clock (``create_app``), for tests."""
 
     def __init__(
         self,
@@ -379,11 +401,14 @@ class BootstrapServer:
         token: bytes | None = None,
         ssl_certfile: str = "",
         ssl_keyfile: str = "",
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.state = state
         self.host, self.port = host, port
         self.scheme = "https" if ssl_certfile else "http"
-        app = create_app(state, token)
+        #: This run's id: signed calls name it as their audience (bootstrap.signing), /bootstrap/health tells it.
+        self.server_id = new_server_id()
+        app = create_app(state, token, self.server_id, clock)
         config = uvicorn.Config(
             app,
             host=host,
@@ -415,7 +440,9 @@ class BootstrapServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"bootstrap server did not start on {self.host}:{self.port}")
             time.sleep(0.02)
-        logger.info("bootstrap server listening on %s://%s:%d", self.scheme, self.host, self.port)
+        logger.info(
+            "bootstrap server listening on %s://%s:%d (server id %s)", self.scheme, self.host, self.port, self.server_id
+        )
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -76,7 +76,10 @@ def test_bootstrap_calls_without_the_token_are_refused(
     with caplog.at_level(logging.WARNING, logger="pd_connector"):
         assert not register_rank(f"{HOST}:{secure_server.port}", info, retries=1, interval_s=0.01, timeout_s=5)
         assert httpx.get(f"{base}/bootstrap/route", trust_env=False).status_code == 401
-        for wrong in ({"Authorization": f"Bearer {TOKEN}"}, signed_headers(b"not-the-token-0123456789", "GET", "/")):
+        for wrong in (
+            {"Authorization": f"Bearer {TOKEN}"},
+            signed_headers(b"not-the-token-0123456789", "GET", "/", audience=secure_server.server_id),
+        ):
             assert httpx.get(f"{base}/bootstrap/route", headers=wrong, trust_env=False).status_code == 401
     assert "missing or malformed call signature" in caplog.text and HOST in caplog.text
     assert secure_server.state.refused == 4
@@ -89,7 +92,9 @@ def test_bootstrap_calls_without_the_token_are_refused(
 def test_a_bad_bootstrap_body_is_one_log_line(secure_server: BootstrapServer, caplog: pytest.LogCaptureFixture) -> None:
     url = f"http://{HOST}:{secure_server.port}/bootstrap/register_rank"
     with caplog.at_level(logging.WARNING):
-        headers = signed_headers(TOKEN.encode(), "PUT", "/bootstrap/register_rank", b"\x00garbage")
+        headers = signed_headers(
+            TOKEN.encode(), "PUT", "/bootstrap/register_rank", b"\x00garbage", audience=secure_server.server_id
+        )
         resp = httpx.put(url, content=b"\x00garbage", headers=headers, trust_env=False)
     assert resp.status_code == 400 and "RegisterRank" in resp.json()["error"]
     lines = [r for r in caplog.records if "register_rank" in r.getMessage()]

@@ -81,6 +81,7 @@ def srv(request: pytest.FixtureRequest) -> Iterator[Server]:
 
 def test_register_until_ready_and_route(srv: Server) -> None:
     health = srv.get("/bootstrap/health").json()
+    assert health.pop("server_id") == srv.server.server_id and health.pop("signature_version") == 3
     assert health == {"status": "ok", "is_ready": False, "registered": 0, "expected": 2, "refused": 0, "conflicts": 0}
     route = msgspec.json.decode(srv.get("/bootstrap/route").content, type=Route)
     assert not route.is_ready and route.ranks == {}
@@ -110,6 +111,7 @@ def test_register_until_ready_and_route(srv: Server) -> None:
     )
     assert route.rank(0, 0, 1) == RankInfo("127.0.0.1", 7001)
     health = srv.get("/bootstrap/health").json()
+    assert health.pop("server_id") == srv.server.server_id and health.pop("signature_version") == 3
     assert health == {"status": "ok", "is_ready": True, "registered": 2, "expected": 2, "refused": 0, "conflicts": 0}
 
 

@@ -21,6 +21,7 @@ from pd_connector.keys import BOOTSTRAP_INFO, FRAME_INFO, derive_keys, hkdf_sha2
 from tests.support.loopback import HOST, free_port
 
 TOKEN = b"the-deployment-secret-0123456789"
+AUD = "0123456789abcdef" * 2  # the id of the server the calls below are for
 
 
 def test_hkdf_matches_rfc5869_test_case_1() -> None:
@@ -45,14 +46,16 @@ class Clock:
 
 
 def _verifier(clock: Clock, **kw: float) -> CallVerifier:
-    return CallVerifier(derive_keys(TOKEN).bootstrap, clock=clock, monotonic=clock, **kw)  # type: ignore[arg-type]
+    return CallVerifier(derive_keys(TOKEN).bootstrap, AUD, clock=clock, monotonic=clock, **kw)  # type: ignore[arg-type]
 
 
 def test_a_signed_call_is_accepted_once() -> None:
     clock = Clock()
     verifier = _verifier(clock)
     key = derive_keys(TOKEN).bootstrap
-    headers = sign_call(key, "POST", "/bootstrap/query_dp_ranks", b'{"bootstrap_rooms":[1]}', now=clock.now)
+    headers = sign_call(
+        key, "POST", "/bootstrap/query_dp_ranks", b'{"bootstrap_rooms":[1]}', now=clock.now, audience=AUD
+    )
     auth = headers["Authorization"]
     assert TOKEN.decode() not in auth and key.hex() not in auth
     assert verifier.check("POST", "/bootstrap/query_dp_ranks", b'{"bootstrap_rooms":[1]}', auth) is None
@@ -70,7 +73,9 @@ def test_a_signed_call_is_accepted_once() -> None:
 )
 def test_an_altered_call_is_refused(method: str, target: str, body: bytes) -> None:
     clock = Clock()
-    auth = sign_call(derive_keys(TOKEN).bootstrap, "POST", "/bootstrap/query_dp_ranks", b"{}", now=clock.now)
+    auth = sign_call(
+        derive_keys(TOKEN).bootstrap, "POST", "/bootstrap/query_dp_ranks", b"{}", now=clock.now, audience=AUD
+    )
     refusal = _verifier(clock).check(method, target, body, auth["Authorization"])
     assert refusal is not None and "does not match" in refusal.message
 
@@ -80,10 +85,10 @@ def test_stale_and_future_calls_are_refused() -> None:
     verifier = _verifier(clock, window_s=60)
     key = derive_keys(TOKEN).bootstrap
     for skew in (-61, 61):
-        auth = sign_call(key, "GET", "/bootstrap/route", now=clock.now + skew)["Authorization"]
+        auth = sign_call(key, "GET", "/bootstrap/route", now=clock.now + skew, audience=AUD)["Authorization"]
         refusal = verifier.check("GET", "/bootstrap/route", b"", auth)
         assert refusal is not None and "away from this server's clock" in refusal.message
-    fresh = sign_call(key, "GET", "/bootstrap/route", now=clock.now - 59)["Authorization"]
+    fresh = sign_call(key, "GET", "/bootstrap/route", now=clock.now - 59, audience=AUD)["Authorization"]
     assert verifier.check("GET", "/bootstrap/route", b"", fresh) is None
 
 
@@ -94,7 +99,10 @@ def test_nonce_memory_is_bounded_and_expires() -> None:
 
     def call() -> object:
         return verifier.check(
-            "GET", "/bootstrap/route", b"", sign_call(key, "GET", "/bootstrap/route", now=clock.now)["Authorization"]
+            "GET",
+            "/bootstrap/route",
+            b"",
+            sign_call(key, "GET", "/bootstrap/route", now=clock.now, audience=AUD)["Authorization"],
         )
 
     assert [call(), call(), call()] == [None, None, None]
@@ -109,7 +117,7 @@ def test_server_refuses_a_replayed_call(caplog: pytest.LogCaptureFixture) -> Non
     server.start()
     try:
         url = f"http://{HOST}:{server.port}/bootstrap/route"
-        headers = signed_headers(TOKEN, "GET", "/bootstrap/route")
+        headers = signed_headers(TOKEN, "GET", "/bootstrap/route", audience=server.server_id)
         assert httpx.get(url, headers=headers, trust_env=False).status_code == 200
         with caplog.at_level(logging.WARNING, logger="pd_connector"):
             replayed = httpx.get(url, headers=headers, trust_env=False)
@@ -163,9 +171,13 @@ class Listener:
                     while len(rest) < length:
                         rest += conn.recv(65536)
                     self.received += head + b"\r\n\r\n" + rest
-                    body = self.REPLY_TEXT.encode()
+                    if head.startswith(b"GET /bootstrap/health "):  # names a server id: signed calls follow
+                        body = b'{"server_id": "%s"}' % AUD.encode()
+                        status = b"200 OK"
+                    else:
+                        body, status = self.REPLY_TEXT.encode(), b"500 Oops"
                     conn.sendall(
-                        b"HTTP/1.1 500 Oops\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+                        b"HTTP/1.1 %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, len(body), body)
                     )
                 except OSError:
                     pass

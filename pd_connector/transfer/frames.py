@@ -2,15 +2,21 @@
 
 With a token, a frame is ``MAC(32) | header | sender | receiver | payload``:
 
-- header: wire ``VERSION`` (1 byte), the sender's session id (16 random bytes, new for every
+- header: envelope ``VERSION`` (1 byte), the sender's session id (16 random bytes, new for every
   ``Channel``), a sequence number (8 bytes, +1 per frame the session sends), the send time (Unix
   ms, 8 bytes); then the sender's and the receiver's endpoints (2-byte length + UTF-8 each);
-- MAC: HMAC-SHA256 of everything after it, keyed with the *frame key* (``keys.frame_key``), never
-  the token itself.
+- MAC: HMAC-SHA256 of the version label (``pd-connector zmq frame v3``) and everything after the MAC,
+  keyed with the *frame key* (``keys.frame_key``), never the token itself.
 
-A receiver (``FrameOpener``) checks the MAC first and reads nothing of a frame that fails it; then it
-refuses (``FrameRefused``, ``reason``): another wire version (naming both), a frame addressed to
-another endpoint (``misdirected``: a frame captured on its way to one rank replayed to another), a
+The receiver's endpoint is the frame's audience. One token may be shared by every P and D, and a rank's
+endpoint (``tcp://ip:port``) names exactly one rank of one deployment at a time; a frame signed for rank X
+of one deployment is refused by every other rank, of that deployment or another. A rank restarted on the
+same endpoint is told apart only by the clocks: frames are accepted within ``FRAME_MAX_AGE_S``.
+
+A receiver (``FrameOpener``) checks the MAC first and reads nothing of a frame that fails it (but a frame
+whose first byte names an older or newer envelope version is refused as ``version``, naming both: the
+peer runs another PDConnector release); then it refuses (``FrameRefused``, ``reason``): a frame addressed
+to another endpoint (``misdirected``: a frame captured on its way to one rank replayed to another), a
 frame sent more than ``FRAME_MAX_AGE_S`` ago or ahead (``stale``, by the wall clocks: hosts must be
 NTP-synchronised to well within it), and a sequence number not above the last one accepted from that
 session (``replay``). Sessions are remembered ``2 * FRAME_MAX_AGE_S`` after their last frame (older
@@ -36,9 +42,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pd_connector.auth import MAC_BYTES, AuthError
-from pd_connector.messages import WIRE_VERSION
 
-VERSION = WIRE_VERSION
+#: The envelope this release signs and accepts (2: before frames were labelled with their version; the
+#: messages inside have their own version, ``messages.WIRE_VERSION``, checked by the hello).
+VERSION = 3
+_LABEL = f"pd-connector zmq frame v{VERSION}\n".encode()
 _HEADER = struct.Struct(">B16sQQ")  # version, session, sequence, sent at (Unix ms)
 _LEN = struct.Struct(">H")
 #: How far a frame's send time may be from the receiver's clock (either way).
@@ -103,7 +111,7 @@ class FrameSealer:
             seq = self._seq
         header = _HEADER.pack(VERSION, self.session, seq, int(self._clock() * 1000))
         body = header + self._sender + _text(receiver) + payload
-        return hmac.new(self._key, body, hashlib.sha256).digest() + body
+        return _mac(self._key, body) + body
 
 
 @dataclass
@@ -140,14 +148,16 @@ class FrameOpener:
         if len(frame) < MAC_BYTES + _HEADER.size + 2 * _LEN.size:
             raise FrameRefused("short", f"frame of {len(frame)} bytes is shorter than a signed envelope")
         mac, body = frame[:MAC_BYTES], frame[MAC_BYTES:]
-        if not hmac.compare_digest(mac, hmac.new(self._key, body, hashlib.sha256).digest()):
-            raise FrameRefused(
-                "mac", "frame MAC does not match the deployment's frame key (a wrong token, or an older wire version)"
-            )
+        if not hmac.compare_digest(mac, _mac(self._key, body)):
+            if 0 < body[0] < 16 and body[0] != VERSION:  # what it claims (not authenticated): for the message only
+                raise FrameRefused(
+                    "version",
+                    f"frame in envelope version {body[0]}; this rank signs and accepts version {VERSION} only "
+                    "(frames labelled with their version): run the same PDConnector release on every P and D",
+                )
+            raise FrameRefused("mac", "frame MAC does not match the deployment's frame key (a wrong token)")
         # Authenticated from here on: the fields below were written by a holder of the key.
-        version, session, seq, sent_ms = _HEADER.unpack_from(body)
-        if version != VERSION:
-            raise FrameRefused("version", f"frame of wire version {version}; this rank speaks version {VERSION}")
+        _, session, seq, sent_ms = _HEADER.unpack_from(body)
         at = _HEADER.size
         sender, at = _read_text(body, at)
         receiver, at = _read_text(body, at)
@@ -193,6 +203,10 @@ class FrameOpener:
     def sessions(self) -> int:
         with self._lock:
             return len(self._sessions)
+
+
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, _LABEL + body, hashlib.sha256).digest()
 
 
 def printable(text: str, limit: int = 200) -> str:

@@ -12,8 +12,10 @@ answered at once, from the listener thread, so a peer is alive exactly while its
 the owner drives the pings with ``beat()`` from its tick.
 
 With a token every frame travels in the signed envelope of ``transfer.frames`` (keyed with the frame
-key derived from the token, ``keys``): a frame that is not for this endpoint, stale, or a replay of
-its session is refused like a bad MAC (``auth_refused``); a Ping whose ``reply_to``, or a Pong whose
+key derived from the token, ``keys``): a frame that is not for this endpoint (its audience: meant for
+another rank, of this deployment or another sharing the token), stale, or a replay of its session is
+refused like a bad MAC (``auth_refused``), its log line naming the message's room and request id (its
+MAC matched: a key holder wrote it); a Ping whose ``reply_to``, or a Pong whose
 ``about``, is not its signed sender is dropped (``bad_frames``): no peer answers for another.
 """
 
@@ -167,11 +169,12 @@ class Channel:
             opened = self._opener.open(frame)
         except FrameRefused as exc:
             self._stats.inc("auth_refused")
-            self._refusals.warning(  # never decoded: who it claims to be from is not worth a parse
+            self._refusals.warning(  # a frame whose MAC fails is never decoded: what it claims is not worth a parse
                 ("auth", exc.reason),
-                "refusing ZMQ frame on %s (%d bytes, not decoded): %s",
+                "refusing ZMQ frame on %s (%d bytes%s): %s",
                 self.endpoint,
                 len(frame),
+                _About(exc.payload),
                 exc,
             )
             return
@@ -202,6 +205,29 @@ class Channel:
             self.heartbeats.on_pong(msg, time.monotonic())
         else:
             self._on_message(msg)
+
+
+class _About:
+    """``, Type room=R request_id=I`` of a refused frame a key holder signed (misdirected, stale, replayed: its
+    MAC matched), ``, not decoded`` for any other; decoded only when the log line is written (log_limit)."""
+
+    def __init__(self, payload: bytes) -> None:
+        self._payload = payload
+
+    def __str__(self) -> str:
+        if not self._payload:
+            return ", not decoded"
+        try:
+            msg = proto.decode(self._payload)
+        except proto.ProtocolError:
+            return ", payload not a PDConnector message"
+        room, request_id = getattr(msg, "room", None), getattr(msg, "request_id", None)
+        parts = [type(msg).__name__]
+        if isinstance(room, int):
+            parts.append(f"room={room}")
+        if isinstance(request_id, str):
+            parts.append(f"request_id={escaped(request_id, 100)}")
+        return ", " + " ".join(parts)
 
 
 def _from_sender(msg: proto.Message, sender: str) -> bool:

@@ -56,11 +56,15 @@ SESSIONS_KEPT = 65_536
 
 
 class FrameRefused(AuthError):
-    """A frame the receiver will not read: ``reason`` is mac, short, version, misdirected, stale or replay."""
+    """A frame the receiver will not read: ``reason`` is mac, short, version, misdirected, stale or replay.
 
-    def __init__(self, reason: str, message: str) -> None:
+    ``payload``: for a frame whose MAC matched (misdirected, stale, replay: a key holder wrote it), its
+    payload, which the receiver may decode for its log line (room, request id); else empty."""
+
+    def __init__(self, reason: str, message: str, payload: bytes = b"") -> None:
         super().__init__(message)
         self.reason = reason
+        self.payload = payload
 
 
 @dataclass(frozen=True)
@@ -165,22 +169,26 @@ class FrameOpener:
         who = f"{printable(sender)} (session {session.hex()[:8]}, seq {seq})"
         if canonical_endpoint(receiver) != self._endpoint:
             raise FrameRefused(
-                "misdirected", f"frame from {who} is addressed to {printable(receiver)}, not to this rank"
+                "misdirected", f"frame from {who} is addressed to {printable(receiver)}, not to this rank", payload
             )
         now = self._clock()
         now_ms = int(now * 1000)
         if abs(now_ms - sent_ms) > self._max_age_ms:
             raise FrameRefused(
                 "stale", f"frame from {who} was sent {(now_ms - sent_ms) / 1000:.1f} s ago "
-                f"(accepted: within {self._max_age_ms / 1000:g} s of this rank's clock)",
+                f"(accepted: within {self._max_age_ms / 1000:g} s of this rank's clock)", payload,
             )  # fmt: skip
         with self._lock:
             self._forget(now)
             known = self._sessions.get(session)
             if known is not None and seq <= known.seq:
-                raise FrameRefused("replay", f"frame from {who} repeats or precedes seq {known.seq} of its session")
+                raise FrameRefused(
+                    "replay", f"frame from {who} repeats or precedes seq {known.seq} of its session", payload
+                )
             if known is None and sent_ms <= self._floor_ms:
-                raise FrameRefused("replay", f"frame from {who} is older than the sessions this rank still remembers")
+                raise FrameRefused(
+                    "replay", f"frame from {who} is older than the sessions this rank still remembers", payload
+                )
             if known is None:
                 known = self._sessions[session] = _Session(seq, sent_ms, now)
                 while len(self._sessions) > self._kept:

@@ -4,12 +4,14 @@ The token comes from a file (``auth_token_file``) or an environment variable (``
 named in ``kv_connector_extra_config``, never from the command line itself. It is keying material
 only (``keys``: HKDF-SHA256, one key per purpose); no call, frame or log line carries it:
 
-- every bootstrap HTTP call (``/bootstrap/health`` excepted) carries an HMAC signature of its method,
-  path, body hash, time and a fresh nonce, keyed with the *bootstrap key* (``bootstrap.signing``); the
-  server refuses a wrong, stale or repeated one;
+- every bootstrap HTTP call (``/bootstrap/health`` excepted) carries an HMAC signature of the id of the
+  server it is for (its audience), its method, path, body hash, time and a fresh nonce, keyed with the
+  *bootstrap key* (``bootstrap.signing``); the server refuses a wrong, stale, repeated one, or one meant
+  for another server (one token may be shared by every P and D);
 - every ZMQ frame is ``MAC(32 bytes) + envelope + payload`` (``transfer.frames``): sender, session,
-  sequence, time and receiver under an HMAC-SHA256 keyed with the *frame key*; a frame whose MAC does
-  not match, or that is stale, misdirected or a replay, is refused (counted, logged by size and reason).
+  sequence, time and receiver (its audience) under an HMAC-SHA256 keyed with the *frame key*; a frame
+  whose MAC does not match, or that is stale, misdirected or a replay, is refused (counted, logged by
+  size and reason).
 
 Without a token, frames and calls are unsigned (a loopback deployment, or ``insecure: true``).
 """

@@ -41,10 +41,15 @@ class TokenStack:
     ) -> httpx.Response:
         """A call signed with ``token``'s bootstrap key, or with ``headers`` as given."""
         content = b"" if body is None else body if isinstance(body, bytes) else msgspec.json.encode(body)
-        headers = signed_headers(token, method, path, content) if headers is None else headers
+        if headers is None:
+            headers = {} if token is None else signed_headers(token, method, path, content, audience=self.server_id())
         return httpx.request(
             method, f"{self.bootstrap}{path}", content=content, headers=headers, timeout=10, trust_env=False
         )
+
+    def server_id(self) -> str:
+        """The id P's bootstrap server tells: signed calls name it (pd_connector.bootstrap.signing)."""
+        return self.bootstrap_call("GET", "/bootstrap/health", None).json()["server_id"]
 
     def health(self) -> dict:
         return self.bootstrap_call("GET", "/bootstrap/health", None).json()
@@ -87,7 +92,7 @@ def test_bootstrap_calls_without_the_token_are_refused_and_counted(token_stack: 
     attacker = free_port()
     forged = proto.RegisterRank(1, 0, 1, 0, "127.0.0.1", attacker, 32, "float32", num_layers=2)
     wrong = b"not-the-token-0123456789abcdef"
-    replayed = signed_headers(token_stack.token, "GET", "/bootstrap/route")
+    replayed = signed_headers(token_stack.token, "GET", "/bootstrap/route", audience=token_stack.server_id())
     assert token_stack.bootstrap_call("GET", "/bootstrap/route", None, headers=replayed).status_code == 200
     bearer = {"Authorization": f"Bearer {token_stack.token.decode()}"}  # the token itself no longer opens anything
     calls = [

@@ -228,7 +228,7 @@ def _attack(stack: TwoHosts, targets: dict[str, list[tuple[str, int, str]]]) -> 
         content = msgspec.json.encode(body)
         path = "/bootstrap/register_rank"
         statuses = []
-        for headers in ({}, signed_headers(b"not-the-token-0123456789abcdef", "PUT", path, content)):
+        for headers in ({}, signed_headers(b"not-the-token-0123456789abcdef", "PUT", path, content, audience="0" * 32)):
             resp = httpx.put(f"https://{ip}:{port}{path}", content=content, headers=headers, verify=ssl.create_default_context(cafile=str(stack.cert)),
                              timeout=10, trust_env=False)  # fmt: skip
             statuses.append(resp.status_code)

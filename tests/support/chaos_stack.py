@@ -60,10 +60,12 @@ def has_config_key(key: str) -> bool:
     return key in {f.name for f in fields(DisaggConfig)}
 
 
-def call_headers(token: str, method: str, target: str, body: bytes = b"") -> dict[str, str]:
-    """The ``Authorization`` of one bootstrap call made with ``token``: signed (method, path, body hash,
-    time, a fresh nonce: ``pd_connector.bootstrap.signing``); good for one call."""
-    return signed_headers(token.encode(), method, target, body)
+def call_headers(token: str, method: str, target: str, body: bytes = b"", *, bootstrap_url: str) -> dict[str, str]:
+    """The ``Authorization`` of one bootstrap call made with ``token``: signed (the id the server at
+    ``bootstrap_url`` tells now, method, path, body hash, time, a fresh nonce: ``pd_connector.bootstrap.signing``);
+    good for one call."""
+    health = httpx.get(f"{bootstrap_url}/bootstrap/health", timeout=10, trust_env=False).json()
+    return signed_headers(token.encode(), method, target, body, audience=health["server_id"])
 
 
 @dataclass
@@ -82,7 +84,7 @@ class Chaos:
     t_start: float = field(default_factory=time.monotonic)
 
     def signed(self, method: str, target: str, body: bytes = b"") -> dict[str, str]:
-        return call_headers(self.token, method, target, body)
+        return call_headers(self.token, method, target, body, bootstrap_url=self.bootstrap_url)
 
     @property
     def bootstrap_url(self) -> str:

@@ -70,6 +70,7 @@ def verify_of(ca_certs: str) -> ssl.SSLContext | bool:
 
 
 def _sender(ca_certs: str, client: httpx.Client | None) -> Send:
+    """How ``call`` sends: through ``client`` (its connection kept), else one request of its own (no proxy)."""
     if client is not None:
         return client.request
     verify = verify_of(ca_certs)

@@ -57,15 +57,16 @@ def measure(policy: str, shape: str, prompts: int, calls: int, seed: int = 0) ->
     chooser = PathChooser(policy, PathOptions(), ModelSet())
     bodies = _bodies(shape, prompts + calls, rng)
     for body in bodies[:prompts]:
-        chooser.sent(chooser.decide(body, 1900, p, d, first_token_from_p=True), p, d)
+        chooser.computed(chooser.decide(body, 1900, p, d, first_token_from_p=True), p, d)
     leases = [pool.lease(p, 1900) for _ in range(3)] + [pool.lease(d) for _ in range(8)]
     times = []
     for body in bodies[prompts:]:
         start = time.perf_counter()
         decided = chooser.decide(body, 1900, p, d, first_token_from_p=True)
-        chooser.sent(decided, p, d)
+        chooser.sent(decided, d)
         if decided.choice.local:
             chooser.local_answered(decided, d)
+        chooser.computed(decided, None if decided.choice.local else p, d)
         times.append((time.perf_counter() - start) * 1e6)
     for lease in leases:
         lease.release()

@@ -49,6 +49,8 @@ from benchmarks.serving_policies_report import (
     COLOCATED,
     acceptance,
     counts_delta,
+    goodput_sweep,
+    judge_sweep,
     path_counts,
     path_totals,
     summarize,
@@ -143,6 +145,7 @@ def run_workloads(
         before = target.scrape()
         stats: RunStats = asyncio.run(run_paced(target.url, model, trace, rate))
         run = stats.summary(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+        run["goodput_by_ttft_slo_ms"] = goodput_sweep(stats.results, stats.duration_s, args.slo_tpot_ms)
         for key in ("requests_ttft_ms", "requests_bucket", "buckets"):
             run.pop(key, None)
         out["traces"][name] = _with_paths(target, before, run)
@@ -339,6 +342,7 @@ def bench_policies(
         "summary": summarize(rounds),
         "path_totals": path_totals(rounds),
         "acceptance": acceptance(rounds),
+        "goodput_by_ttft_slo": judge_sweep(rounds),
         "rounds": rounds,
         "logs": str(log_dir),
         "wall_s": round(time.monotonic() - started, 1),

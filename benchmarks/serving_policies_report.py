@@ -23,6 +23,7 @@ A criterion whose numbers are missing (a variant failed or was not run) has ``pa
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -255,4 +256,40 @@ def path_totals(rounds: Sequence[Round]) -> dict[str, dict[str, int]]:
                 for workload in (entry.get(kind) or {}).values():
                     if "paths" in workload:
                         out[variant] = sum_counts([out.get(variant), by_path(workload["paths"])])
+    return out
+
+
+#: TTFT SLOs (ms) each trace's goodput is also scored at (the TPOT SLO as configured): the judged
+#: SLO (--slo-ttft-ms) is one point of a curve, shown whole so no single SLO is picked after the fact.
+SWEEP_TTFT_SLOS_MS = (250, 500, 1000, 2000, 3000)
+
+
+def goodput_sweep(results: Sequence[Any], duration_s: float, slo_tpot_ms: float) -> dict[str, float]:
+    """Requests per second meeting TTFT <= each of ``SWEEP_TTFT_SLOS_MS`` and TPOT <= ``slo_tpot_ms``."""
+    ok = [r for r in results if not r.error]
+    out: dict[str, float] = {}
+    for slo in SWEEP_TTFT_SLOS_MS:
+        good = sum(1 for r in ok if r.ttft_s * 1e3 <= slo and (math.isnan(r.tpot_s) or r.tpot_s * 1e3 <= slo_tpot_ms))
+        out[str(slo)] = round(good / duration_s, 3) if duration_s > 0 else 0.0
+    return out
+
+
+def judge_sweep(rounds: Sequence[Round], static: Sequence[str] = STATIC_POLICIES) -> dict[str, dict[str, Any]]:
+    """Per trace and swept TTFT SLO: mean goodput per variant over rounds and adaptive / best static."""
+    out: dict[str, dict[str, Any]] = {}
+    for trace in _keys(rounds, "traces"):
+        per_slo: dict[str, Any] = {}
+        for slo in map(str, SWEEP_TTFT_SLOS_MS):
+            goodput = {
+                name: _mean(
+                    (_workload(r, name, "traces", trace).get("goodput_by_ttft_slo_ms") or {}).get(slo) for r in rounds
+                )
+                for name in (ADAPTIVE, *static, COLOCATED)
+            }
+            statics = {n: g for n, g in goodput.items() if n in static and g is not None}
+            best = max(statics, key=lambda n: statics[n]) if statics else None
+            adaptive = goodput.get(ADAPTIVE)
+            gain = ratio(adaptive, statics[best]) if best and adaptive is not None and statics[best] else None
+            per_slo[slo] = {"goodput_rps": goodput, "best_static": best, "adaptive_vs_best_static": gain}
+        out[trace] = per_slo
     return out

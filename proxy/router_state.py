@@ -39,7 +39,8 @@ class Router:
         self.metrics = RouterMetrics(self.pool)
         #: Each request's path: P prefills and pushes, or D prefills (``--path-policy``).
         paths = config.paths
-        self.paths = PathChooser(paths.policy, paths.options, ModelSet.load(paths.model_file), self.metrics)
+        models = ModelSet.load(paths.model_file)
+        self.paths = PathChooser(paths.policy, paths.options, models, self.metrics, paths.block_tokens)
         self.pool.on_remove.append(self.paths.forget)
         #: Every call to a backend (P and D requests, health checks, models, admin calls).
         tls = client_context(config.backend_tls) if config.backend_tls else None

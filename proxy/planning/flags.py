@@ -20,6 +20,8 @@ class PathConfig:
     options: PathOptions = PathOptions()
     #: ``launch.plan``'s calibration JSON with the instances' step and push times (None: defaults).
     model_file: str | None = None
+    #: Tokens per KV block of the instances (their prefix caches hold whole blocks).
+    block_tokens: int = 32
 
 
 def add_path_flags(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +70,13 @@ def add_path_flags(parser: argparse.ArgumentParser) -> None:
         help="non-cached: P prefills when more tokens than this are not cached on the decoder (default: %(default)s)",
     )
     add(
+        "--prefix-block-tokens",
+        type=int,
+        default=32,
+        help="the instances' KV block size in tokens (--block-size): a prompt prefix shorter than one block is "
+        "not counted as cached (default: %(default)s)",
+    )
+    add(
         "--path-model",
         metavar="FILE.json",
         help="step and push times of the instances (the calibration format of python -m launch.plan); "
@@ -79,6 +88,8 @@ def path_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentPar
     """The validated :class:`PathConfig` (``parser.error`` names a bad value)."""
     from proxy.planning.live import ModelSet  # the pool's types: imported when the flags are read
 
+    if args.prefix_block_tokens < 1:
+        parser.error(f"--prefix-block-tokens {args.prefix_block_tokens}: must be at least 1")
     if args.path_policy not in PATH_POLICIES:
         parser.error(
             f"--path-policy {args.path_policy!r} (or {PATH_POLICY_ENV}): choose from {', '.join(PATH_POLICIES)}"
@@ -94,4 +105,4 @@ def path_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentPar
         ModelSet.load(args.path_model)
     except ValueError as exc:
         parser.error(str(exc))
-    return PathConfig(args.path_policy, options, args.path_model)
+    return PathConfig(args.path_policy, options, args.path_model, args.prefix_block_tokens)

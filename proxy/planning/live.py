@@ -8,7 +8,9 @@ backend call. The chooser reads, with no I/O:
   prefilling itself that have not answered yet, and its recent inter-token latency (measured
   on the streams the Router relays);
 - the prompt's cached part on P and on D: an approximate prefix index per instance
-  (:class:`proxy.upstream.prefix_tree.PrefixTree`) of the prompts each was sent;
+  (:class:`proxy.upstream.prefix_tree.PrefixTree`) of the prompts each has computed (recorded when
+  a request ends well, so requests sent together do not count each other as cached), counted in
+  whole KV blocks of ``--prefix-block-tokens`` tokens as vLLM's prefix cache holds them;
 - a step-time model per instance (:class:`proxy.planning.step_model.StepModel`, from
   ``--path-model`` or the defaults) refitted as the Router runs: a prefill answered by an
   instance that had nothing else in flight is a clean sample of its prefill time;
@@ -41,6 +43,8 @@ DEFAULT_HORIZON = 16
 ITL_WEIGHT = 0.2
 #: Characters of prompts remembered per instance (its prefix index's bound).
 INDEX_CHARS = 4 * 1024 * 1024
+#: Tokens per KV block the prefix caches hold (vLLM caches whole blocks; a shorter match counts as none).
+DEFAULT_BLOCK_TOKENS = 32
 
 
 @dataclass
@@ -92,7 +96,14 @@ class Decided:
 class PathChooser:
     """Decides each request's path (``--path-policy``) and keeps the live signals it reads."""
 
-    def __init__(self, policy: str, options: PathOptions, models: ModelSet, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        policy: str,
+        options: PathOptions,
+        models: ModelSet,
+        metrics: Any = None,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    ) -> None:
         if policy not in PATH_POLICIES:
             raise ValueError(f"--path-policy {policy!r}: unknown (choose from {', '.join(PATH_POLICIES)})")
         self.name = policy
@@ -100,6 +111,7 @@ class PathChooser:
         self.options = options
         self.defaults = models
         self.metrics = metrics
+        self.block_tokens = max(1, block_tokens)
         self._models: dict[BackendState, StepModel] = {}
         self._index: dict[BackendState, PrefixTree] = {}
         #: D: prompt tokens of local prefills sent and not answered yet.
@@ -148,7 +160,10 @@ class PathChooser:
         if tree is None or not key:
             return 0
         matched = tree.match(key)
-        return min(prompt - 1, int(prompt * matched / len(key))) if matched else 0
+        if not matched:
+            return 0
+        tokens = int(prompt * matched / len(key)) // self.block_tokens * self.block_tokens
+        return min(prompt - 1, tokens)
 
     def model(self, state: BackendState) -> StepModel:
         """``state``'s own step-time model (a copy of its role's default until refitted)."""
@@ -160,14 +175,18 @@ class PathChooser:
 
     # -- what the Router tells it --------------------------------------------------------------
 
-    def sent(self, decided: Decided, p: BackendState | None, d: BackendState) -> None:
-        """The request went out: D (and, remote, P) will hold its prompt in their prefix caches."""
-        if not decided.key:
-            return
-        self._tree(d).insert(decided.key)
+    def sent(self, decided: Decided, d: BackendState) -> None:
+        """The request went out to ``d`` to prefill locally: its prompt tokens wait on D until it answers."""
         if decided.choice.local:
             self._local_pending[d] = self._local_pending.get(d, 0) + decided.tokens
-        elif p is not None and p.backend.role == "prefill":
+
+    def computed(self, decided: Decided, p: BackendState | None, d: BackendState | None) -> None:
+        """The request ended well on ``p`` (None: D prefilled it) and ``d``: their prefix caches hold its prompt."""
+        if not decided.key:
+            return
+        if d is not None:
+            self._tree(d).insert(decided.key)
+        if p is not None and p.backend.role == "prefill":
             self._tree(p).insert(decided.key)
 
     def local_answered(self, decided: Decided, d: BackendState) -> None:

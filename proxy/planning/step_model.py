@@ -89,14 +89,15 @@ def solve_least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float], we
 class StepModel:
     """Per-instance step times in ms (see the module docstring for the equations)."""
 
-    # Defaults: a rough fit for this repository's 2-core CPU CI machine serving the benchmark
-    # model (benchmarks/results/2026-12-03-closed-loop.json: one request at a time on one core,
-    # 64 / 1024 / 1900 prompt tokens -> 44 / 312 / 765 ms). Calibrate for anything else.
-    a: float = 34.0  # prefill step fixed cost
-    b: float = 0.14  # ms per prompt token
-    c: float = 1.3e-4  # ms per unit of attention work (chunk tokens x context)
-    d: float = 11.0  # decode step fixed cost
-    e: float = 0.4  # ms per request in the decode batch
+    # Defaults: this repository's 2-core CPU CI machine serving the benchmark model on one core
+    # (python -m launch.plan_calibrate: benchmarks/results/2026-12-05-calibration-cpu1.json; whole
+    # prefills of 64 / 1,024 / 1,900 tokens 14 / 178 / 359 ms, 3.6 ms a token at batch 1, 4.9 at 8).
+    # Calibrate for anything else (--path-model, launch.plan --calibration).
+    a: float = 2.0  # prefill step fixed cost
+    b: float = 0.144  # ms per prompt token
+    c: float = 2.33e-5  # ms per unit of attention work (chunk tokens x context)
+    d: float = 3.75  # decode step fixed cost
+    e: float = 0.16  # ms per request in the decode batch
     f: float = 0.0  # ms per context token held by the decode batch
     quadratic: bool = True
     with_context: bool = False

@@ -145,8 +145,10 @@ class Exchange:
 
     def _log_done(self) -> None:
         elapsed = time.monotonic() - self.t0
-        self.router.metrics.request_done(self.endpoint, self.status, self.progress.ttfb, elapsed)
         attempt = self.loop.current
+        if self.decided is not None and attempt is not None and self.status < 300:
+            self.router.paths.computed(self.decided, None if attempt.local else attempt.p, attempt.d)
+        self.router.metrics.request_done(self.endpoint, self.status, self.progress.ttfb, elapsed)
         if not logger.isEnabledFor(logging.INFO):
             return  # nor build the phase trace
         # One line a request (its phase trace, pd_connector.trace's summary, at its end): logging
@@ -215,8 +217,6 @@ class Exchange:
             if got is not Next.TWO_INSTANCE:
                 return got
             first_token = False
-        elif decided.d is not None:
-            self.router.paths.sent(decided, decided.p, decided.d)
         if first_token:
             got = await FirstTokenPath(self).run()
             if got is not Next.TWO_INSTANCE:

@@ -34,7 +34,7 @@ async def local_prefill(ctx: RequestContext, decided: Decided) -> ClientReply | 
     idle = d.in_flight == 0  # D's time to answer is then its prefill time (the path model's sample)
     loop.count()
     attempt = loop.new_attempt(ctx.call, decided.p or d, d, loop.progress.room, local=True)
-    paths.sent(decided, None, d)
+    paths.sent(decided, d)
     sent = time.monotonic()
     try:
         got = await loop.run(attempt)

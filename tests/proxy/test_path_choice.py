@@ -125,13 +125,18 @@ def test_chooser_index_makes_a_repeated_prompt_delta_and_counts_pending_local_wo
     body = {"prompt": "shared prefix " * 100, "max_tokens": 8}
     first = chooser.decide(body, 400, p, d, first_token_from_p=False)
     assert first.choice.path is Path.PD
-    chooser.sent(first, p, d)
+    # Sent together with the first (a burst): nothing is cached until the first request is computed.
+    assert chooser.decide(body, 400, p, d, first_token_from_p=False).choice.path is Path.PD
+    chooser.computed(first, p, d)
     # The same prompt again: D holds it (its prefix cache after the first request), only a token is left.
     again = chooser.decide(body, 400, p, d, first_token_from_p=False)
     assert again.choice.path is Path.LOCAL
-    chooser.sent(again, None, d)
+    chooser.sent(again, d)
     longer = chooser.decide({"prompt": body["prompt"] + "y" * 2800}, 1100, p, d, first_token_from_p=False)
     assert longer.choice.path is Path.DELTA  # a third of it cached on D, the rest pushed
+    # A match shorter than one KV block (the prefix caches hold whole blocks) counts as nothing.
+    short = chooser.decide({"prompt": "shared prefix " + "z" * 4000}, 1000, p, d, first_token_from_p=False)
+    assert short.choice.path is Path.PD
     assert chooser._local_pending[d] == 400
     chooser.local_answered(again, d)
     assert d not in chooser._local_pending

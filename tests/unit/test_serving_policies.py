@@ -199,3 +199,19 @@ def test_trace_size_and_rates_from_capacity() -> None:
     assert trace_size(1.0, 5, span_s=1.0) == 8
     assert rates_from_capacity(5.0) == [1.25, 4.5]
     assert rates_from_capacity(0.1) == [0.05, 0.09]
+
+
+def test_goodput_sweep_scores_each_ttft_slo_and_judges_adaptive_against_the_best_static() -> None:
+    from benchmarks.serving_policies_report import SWEEP_TTFT_SLOS_MS, goodput_sweep, judge_sweep
+    from benchmarks.serving_trace import Result
+
+    results = [Result(10, ttft_s=t, tpot_s=0.01) for t in (0.2, 0.4, 0.9, 2.5)] + [Result(10, error="x")]
+    sweep = goodput_sweep(results, 2.0, 50.0)
+    assert sweep == {"250": 0.5, "500": 1.0, "1000": 1.5, "2000": 1.5, "3000": 2.0}
+    assert goodput_sweep([Result(10, ttft_s=0.1, tpot_s=0.2)], 1.0, 50.0)["3000"] == 0.0  # TPOT over its SLO
+    rnd = {
+        "adaptive": {"traces": {"t": {"goodput_by_ttft_slo_ms": {str(s): 2.0 for s in SWEEP_TTFT_SLOS_MS}}}},
+        "always-pd": {"traces": {"t": {"goodput_by_ttft_slo_ms": {str(s): 1.0 for s in SWEEP_TTFT_SLOS_MS}}}},
+    }
+    judged = judge_sweep([rnd])["t"]["500"]
+    assert judged["best_static"] == "always-pd" and judged["adaptive_vs_best_static"] == 2.0

@@ -80,7 +80,7 @@ def add_path_flags(parser: argparse.ArgumentParser) -> None:
         "--path-model",
         metavar="FILE.json",
         help="step and push times of the instances (the calibration format of python -m launch.plan); "
-        "default: rough defaults, refitted from the prefills the Router sees",
+        "default: this machine's calibration, prefill terms rescaled by the prefills the Router sees",
     )
 
 

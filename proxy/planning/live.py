@@ -12,8 +12,12 @@ backend call. The chooser reads, with no I/O:
   a request ends well, so requests sent together do not count each other as cached), counted in
   whole KV blocks of ``--prefix-block-tokens`` tokens as vLLM's prefix cache holds them;
 - a step-time model per instance (:class:`proxy.planning.step_model.StepModel`, from
-  ``--path-model`` or the defaults) refitted as the Router runs: a prefill answered by an
-  instance that had nothing else in flight is a clean sample of its prefill time;
+  ``--path-model`` or the defaults) rescaled as the Router runs: a prefill answered by an
+  instance that had nothing else in flight is a clean sample of its prefill time as the Router
+  sees it (HTTP and the first token included); the running ratio of such samples to the model's
+  prediction scales the instance's prefill terms, and an instance with too few samples of its own
+  (a decoder that rarely prefills alone) takes the ratio of every instance's samples, so P and D
+  are compared on the same footing;
 - the KV push model (:class:`proxy.planning.step_model.TransferModel`).
 
 It hands them to the ``--path-policy`` (:mod:`proxy.planning.path_policy`) and counts the
@@ -31,7 +35,7 @@ from typing import Any
 
 from proxy.planning.path_policy import PATH_POLICIES, PathChoice, PathOptions
 from proxy.planning.predict import DecoderLoad, PairState, Path, PathModel, PrefillerLoad, RequestView
-from proxy.planning.step_model import PrefillSample, StepModel, TransferModel
+from proxy.planning.step_model import StepModel, TransferModel
 from proxy.upstream.pool import BackendState
 from proxy.upstream.prefix_tree import PrefixTree, prompt_key
 
@@ -43,6 +47,10 @@ DEFAULT_HORIZON = 16
 ITL_WEIGHT = 0.2
 #: Characters of prompts remembered per instance (its prefix index's bound).
 INDEX_CHARS = 4 * 1024 * 1024
+#: Weight of a new sample in an instance's (and the pool's) measured / predicted prefill ratio.
+SCALE_WEIGHT = 0.2
+#: Samples of its own an instance needs before its own ratio is used (else the pool's).
+OWN_SAMPLES = 5
 #: Tokens per KV block the prefix caches hold (vLLM caches whole blocks; a shorter match counts as none).
 DEFAULT_BLOCK_TOKENS = 32
 
@@ -113,6 +121,9 @@ class PathChooser:
         self.metrics = metrics
         self.block_tokens = max(1, block_tokens)
         self._models: dict[BackendState, StepModel] = {}
+        #: Measured / predicted prefill time: per instance (with its sample count), and over all of them.
+        self._scale: dict[BackendState, tuple[float, int]] = {}
+        self._pool_scale = 1.0
         self._index: dict[BackendState, PrefixTree] = {}
         #: D: prompt tokens of local prefills sent and not answered yet.
         self._local_pending: dict[BackendState, int] = {}
@@ -166,12 +177,23 @@ class PathChooser:
         return min(prompt - 1, tokens)
 
     def model(self, state: BackendState) -> StepModel:
-        """``state``'s own step-time model (a copy of its role's default until refitted)."""
+        """``state``'s step-time model: its role's default, prefill terms scaled by what the Router measured."""
         model = self._models.get(state)
         if model is None:
-            base = self.defaults.p if state.backend.role == "prefill" else self.defaults.d
-            model = self._models[state] = StepModel.from_dict({**base.to_dict(), "quadratic": base.quadratic})
+            model = self._models[state] = self._scaled(state)
         return model
+
+    def _base(self, state: BackendState) -> StepModel:
+        return self.defaults.p if state.backend.role == "prefill" else self.defaults.d
+
+    def _scaled(self, state: BackendState) -> StepModel:
+        own, count = self._scale.get(state, (1.0, 0))
+        factor = own if count >= OWN_SAMPLES else self._pool_scale
+        base = self._base(state)
+        data = {**base.to_dict(), "quadratic": base.quadratic}
+        for term in ("a", "b", "c"):
+            data[term] *= factor
+        return StepModel.from_dict(data)
 
     # -- what the Router tells it --------------------------------------------------------------
 
@@ -199,8 +221,16 @@ class PathChooser:
 
     def observe_prefill(self, state: BackendState, tokens: int, ms: float) -> None:
         """``state`` prefilled ``tokens`` prompt tokens in ``ms`` with nothing else in flight."""
-        if tokens > 0 and ms > 0:
-            self.model(state).observe_prefill(PrefillSample(tokens, ms))
+        if tokens <= 0 or ms <= 0:
+            return
+        predicted = self._base(state).prefill_ms(tokens)
+        if predicted <= 0:
+            return
+        ratio = ms / predicted
+        own, count = self._scale.get(state, (ratio, 0))
+        self._scale[state] = ((1 - SCALE_WEIGHT) * own + SCALE_WEIGHT * ratio if count else ratio, count + 1)
+        self._pool_scale = (1 - SCALE_WEIGHT) * self._pool_scale + SCALE_WEIGHT * ratio
+        self._models.clear()  # rebuilt with the new ratios when next asked
 
     def observe_itl(self, d: BackendState, ms: float) -> None:
         """A stream relayed from ``d`` had a mean inter-token latency of ``ms``."""
@@ -211,7 +241,7 @@ class PathChooser:
 
     def forget(self, state: BackendState) -> None:
         """``state`` left the pool."""
-        for table in (self._models, self._index, self._local_pending, self._itl):
+        for table in (self._models, self._scale, self._index, self._local_pending, self._itl):
             table.pop(state, None)  # type: ignore[attr-defined]
 
     def _tree(self, state: BackendState) -> PrefixTree:

@@ -144,14 +144,19 @@ def test_chooser_index_makes_a_repeated_prompt_delta_and_counts_pending_local_wo
     assert chooser.decide(body, 400, p, d, first_token_from_p=False).choice.path is Path.PD
 
 
-def test_chooser_refits_an_instances_prefill_time_from_idle_answers() -> None:
+def test_chooser_rescales_prefill_times_from_idle_answers_p_and_d_alike() -> None:
     _, p, d = _pool()
     chooser = PathChooser("adaptive", PathOptions(), ModelSet())
     before = chooser.model(p).prefill_ms(1000)
-    for tokens in (100, 400, 800, 1200, 1600) * 4:  # an instance 3x slower than the defaults
+    for tokens in (100, 400, 800, 1200, 1600) * 4:  # what the Router sees: 3x the defaults
         chooser.observe_prefill(p, tokens, 3 * StepModel().prefill_ms(tokens))
     assert chooser.model(p).prefill_ms(1000) == pytest.approx(3 * before, rel=0.05)
-    assert chooser.model(d).prefill_ms(1000) == pytest.approx(before)  # D's own model is untouched
+    # D had no sample of its own: it takes the pool's ratio, so P and D are compared alike.
+    assert chooser.model(d).prefill_ms(1000) == pytest.approx(3 * before, rel=0.05)
+    for tokens in (100, 400, 800, 1200, 1600):  # then D's own samples: 2x
+        chooser.observe_prefill(d, tokens, 2 * StepModel().prefill_ms(tokens))
+    assert chooser.model(d).prefill_ms(1000) == pytest.approx(2 * before, rel=0.05)
+    assert chooser.model(p).prefill_ms(1000) == pytest.approx(3 * before, rel=0.05)
 
 
 def test_chooser_without_a_prefiller_goes_local() -> None:

@@ -8,9 +8,10 @@ and prints, per point and system, predicted / measured p50 and whether it is wit
 (20%).
 
 The step-time model comes from ``--calibration FILE.json`` (``python -m launch.plan_calibrate``), or,
-by default, from the run itself: the colocated concurrency-1 points (a prefill alone per prompt
-length, and a decode at batch one) fit the prefill and decode terms, and only the other points are
-judged (``judged: false`` on the points the fit used). One JSON object on stdout.
+by default, from the run itself: the concurrency-1 points (colocated: a prefill alone per prompt
+length and a decode at batch one; 1P1D's TPOT over colocated's: the KV hand-over's gap) fit the
+prefill, decode and push terms, and only the concurrency-4 points are judged (``judged: false`` on
+the points the fit used). One JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if str(REPO_ROOT) not in sys.path:
 from launch.plan import load_models, percentile  # noqa: E402
 from launch.plan_sim import Models, Policy, Simulator  # noqa: E402
 from launch.plan_trace import TraceRequest  # noqa: E402
-from proxy.planning.step_model import PrefillSample, StepModel  # noqa: E402
+from proxy.planning.step_model import PrefillSample, StepModel, TransferModel, solve_least_squares  # noqa: E402
 
 SYSTEMS = {"always-pd": (1, 1, 0), "colocated": (0, 0, 2)}
 
@@ -37,9 +38,10 @@ def _point(summary: dict[str, Any], system: str, length: int, concurrency: int) 
     return (summary.get(system) or {}).get(f"closed {length}x{concurrency}")
 
 
-def fit_from_run(summary: dict[str, Any], lengths: list[int]) -> Models:
+def fit_from_run(summary: dict[str, Any], lengths: list[int], output: int) -> Models:
     """A step model from the colocated concurrency-1 points: TTFT p50 = a prefill alone, TPOT p50 = a
-    decode step at batch one (the batch term keeps the default's ratio)."""
+    decode step at batch one (the batch term keeps the default's ratio); the push model from 1P1D's
+    concurrency-1 TPOTs (:func:`fit_transfer`)."""
     samples = []
     for length in lengths:
         point = _point(summary, "colocated", length, 1)
@@ -53,7 +55,25 @@ def fit_from_run(summary: dict[str, Any], lengths: list[int]) -> Models:
         step = sorted(tpots)[len(tpots) // 2]
         model.e = default.e * step / (default.d + default.e)
         model.d = step - model.e
-    return Models(p=model, d=model, c=model)
+    return Models(p=model, d=model, c=model, transfer=fit_transfer(summary, lengths, output))
+
+
+def fit_transfer(summary: dict[str, Any], lengths: list[int], output: int) -> TransferModel:
+    """The KV hand-over's cost from the concurrency-1 points: 1P1D's TPOT over colocated's, times the
+    tokens after the first, is the gap between P's token 1 and D's token 2 (push, D's admission and
+    first step); a line over the prompt lengths gives its fixed part and its per-token part."""
+    transfer = TransferModel()
+    gaps = []
+    for length in lengths:
+        pd, colocated = _point(summary, "always-pd", length, 1), _point(summary, "colocated", length, 1)
+        if pd and colocated and pd.get("tpot_ms_p50") and colocated.get("tpot_ms_p50"):
+            gaps.append((float(length), (pd["tpot_ms_p50"] - colocated["tpot_ms_p50"]) * max(1, output - 1)))
+    if len(gaps) >= 2:
+        fixed, per_token = solve_least_squares([[1.0, x] for x, _ in gaps], [y for _, y in gaps], [1.0] * len(gaps))
+        transfer.fixed_ms = max(0.0, fixed)
+        if per_token > 0:
+            transfer.push_bytes_per_s = transfer.bytes_per_token * 1e3 / per_token
+    return transfer
 
 
 def simulate(
@@ -74,7 +94,7 @@ def check(report: dict[str, Any], models: Models | None, tolerance: float) -> di
     lengths, levels = list(closed["lengths"]), list(closed["concurrency"])
     summary = report["summary"]
     fitted = models is None
-    models = fit_from_run(summary, lengths) if models is None else models
+    models = fit_from_run(summary, lengths, report["output_tokens"]) if models is None else models
     rows = []
     for system in SYSTEMS:
         for length in lengths:
@@ -86,7 +106,7 @@ def check(report: dict[str, Any], models: Models | None, tolerance: float) -> di
                     models, system, length, concurrency, int(closed["requests_per_point"]), report["output_tokens"]
                 )
                 row: dict[str, Any] = {"system": system, "point": f"{length}x{concurrency}"}
-                row["judged"] = not (fitted and system == "colocated" and concurrency == 1)
+                row["judged"] = not (fitted and concurrency == 1)
                 for metric in ("ttft_ms_p50", "tpot_ms_p50"):
                     got = measured.get(metric)
                     ratio = predicted[metric] / got if got else None
@@ -99,8 +119,9 @@ def check(report: dict[str, Any], models: Models | None, tolerance: float) -> di
                 rows.append(row)
     judged = [r for r in rows if r["judged"]]
     return {
-        "model": "fitted from the run's colocated concurrency-1 points" if fitted else "--calibration",
+        "model": "fitted from the run's concurrency-1 points" if fitted else "--calibration",
         "step": models.p.to_dict(),
+        "transfer": models.transfer.to_dict(),
         "tolerance": tolerance,
         "points": rows,
         "within": {
@@ -120,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.2, help="judged |predicted / measured - 1| (default: 0.2)")
     args = parser.parse_args(argv)
     report = json.loads(args.result.read_text())
-    report = report.get("policies", report)  # serving.py nests the phase under "policies"
+    report = report.get("path_policies", report)  # serving.py nests the phase under "path_policies"
     models = load_models(args.calibration) if args.calibration else None
     print(json.dumps(check(report, models, args.tolerance), indent=2))
     return 0

@@ -40,9 +40,9 @@ def test_a_calibrated_planner_matches_its_own_run_and_a_wrong_one_does_not(tmp_p
 
 def test_fitting_from_the_run_judges_only_the_other_points(tmp_path: Path) -> None:
     result = tmp_path / "run.json"
-    result.write_text(json.dumps({"policies": _report(StepModel(a=3.0, b=0.15, c=2e-5, d=4.0, e=0.2))}))
+    result.write_text(json.dumps({"path_policies": _report(StepModel(a=3.0, b=0.15, c=2e-5, d=4.0, e=0.2))}))
     assert plan_accuracy.main([str(result)]) == 0
-    out = plan_accuracy.check(json.loads(result.read_text())["policies"], None, 0.2)
+    out = plan_accuracy.check(json.loads(result.read_text())["path_policies"], None, 0.2)
     unjudged = [r["point"] for r in out["points"] if not r["judged"]]
-    assert unjudged == [f"{n}x1" for n in LENGTHS]
+    assert unjudged == [f"{n}x1" for n in LENGTHS] * 2
     assert out["step"]["b"] > 0

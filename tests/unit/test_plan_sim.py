@@ -135,7 +135,13 @@ def test_calibration_file(tmp_path: FsPath) -> None:
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"step": {"a": 1.0}, "d": {"d": 3.0}, "transfer": {"fixed_ms": 9.0}}))
     models = load_models(str(path))
-    assert (models.p.a, models.d.a, models.d.d, models.p.d, models.transfer.fixed_ms) == (1.0, 1.0, 3.0, StepModel().d, 9.0)
+    assert (models.p.a, models.d.a, models.d.d, models.p.d, models.transfer.fixed_ms) == (
+        1.0,
+        1.0,
+        3.0,
+        StepModel().d,
+        9.0,
+    )
     path.write_text(json.dumps({"prefill": {}}))
     with pytest.raises(ValueError, match="unknown keys \\['prefill'\\]"):
         load_models(str(path))

@@ -14,7 +14,6 @@ from proxy.planning.predict import (
     Prediction,
     PrefillerLoad,
     RequestView,
-    predict_ttft,
 )
 from proxy.planning.step_model import DecodeSample, PrefillSample, StepModel, TransferModel, kv_bytes_per_token
 
@@ -31,5 +30,4 @@ __all__ = [
     "StepModel",
     "TransferModel",
     "kv_bytes_per_token",
-    "predict_ttft",
 ]

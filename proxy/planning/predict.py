@@ -136,21 +136,3 @@ class PathModel:
         ttft = wait_p + own_p + (0.0 if self.first_token_from_p else gap)
         tpot = step_d + (gap - step_d) / horizon if self.first_token_from_p else step_d
         return Prediction(path, ttft, tpot, gap)
-
-    def choose(self, state: PairState, tpot_slo_ms: float | None = None) -> Prediction:
-        """Lowest predicted TTFT among the paths whose TPOT meets ``tpot_slo_ms``.
-
-        DELTA stands in for PD when D holds part of the prompt (it pushes less). When no path
-        meets the TPOT SLO, the remote path (it keeps D's batch free of prefill) is chosen.
-        """
-        remote = Path.DELTA if state.request.cached_on_d > 0 else Path.PD
-        options = [self.predict(remote, state), self.predict(Path.LOCAL, state)]
-        fitting = [o for o in options if tpot_slo_ms is None or o.tpot_ms <= tpot_slo_ms]
-        if not fitting:
-            return options[0]
-        return min(fitting, key=lambda o: o.ttft_ms)
-
-
-def predict_ttft(path: Path, state: PairState, models: PathModel) -> float:
-    """Predicted TTFT in ms of the request in ``state`` taking ``path``."""
-    return models.predict(path, state).ttft_ms

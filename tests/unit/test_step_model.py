@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.planning.path_policy import PathOptions, adaptive
 from proxy.planning.predict import DecoderLoad, PairState, Path, PathModel, PrefillerLoad, RequestView
 from proxy.planning.prom_fit import fit_from_prometheus
 from proxy.planning.step_model import (
@@ -103,20 +104,25 @@ def test_pd_and_delta_arithmetic() -> None:
     assert pd.tpot_ms == pytest.approx(step + t.push_ms(1500) / 10)
 
 
+def _choose(pm: PathModel, state: PairState, tpot_slo_ms: float) -> Path:
+    """The ``adaptive`` policy's path with no margin: the lowest predicted TTFT within the TPOT SLO."""
+    return adaptive(state, PathOptions(tpot_slo_ms=tpot_slo_ms, local_margin=0.0), pm).path
+
+
 def test_local_versus_pd_flips_with_load() -> None:
     pm = _models()
     req = RequestView(800, horizon_tokens=32)
     busy_p = PairState(req, PrefillerLoad(queued_tokens=20_000), DecoderLoad(running_batch=2, context_tokens=1000))
-    assert pm.choose(busy_p, tpot_slo_ms=100).path is Path.LOCAL
+    assert _choose(pm, busy_p, 100) is Path.LOCAL
     busy_d = PairState(req, PrefillerLoad(), DecoderLoad(running_batch=2, queued_prefill_tokens=20_000))
-    assert pm.choose(busy_d, tpot_slo_ms=100).path is Path.PD
+    assert _choose(pm, busy_d, 100) is Path.PD
     # LOCAL is faster with P busy, but its stall on a big batch breaks a tight TPOT SLO
     big_batch = PairState(req, PrefillerLoad(queued_tokens=5000), DecoderLoad(running_batch=64, context_tokens=64_000))
     local = pm.predict(Path.LOCAL, big_batch)
     remote = pm.predict(Path.PD, big_batch)
     assert local.ttft_ms < remote.ttft_ms and local.tpot_ms > remote.tpot_ms
-    assert pm.choose(big_batch, tpot_slo_ms=(local.tpot_ms + remote.tpot_ms) / 2).path is Path.PD
-    assert pm.choose(big_batch, tpot_slo_ms=None).path is Path.LOCAL
+    assert _choose(pm, big_batch, (local.tpot_ms + remote.tpot_ms) / 2) is Path.PD
+    assert _choose(pm, big_batch, float("inf")) is Path.LOCAL
 
 
 def test_recent_itl_scales_the_decode_step() -> None:

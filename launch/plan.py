@@ -37,7 +37,7 @@ from typing import Any
 
 from launch.plan_sim import InstanceConfig, Models, Policy, PolicyConfig, RunResult, Simulator
 from launch.plan_trace import TraceKind, TraceRequest, generate, read_trace, write_trace
-from proxy.planning.step_model import StepModel, TransferModel
+from proxy.planning.step_model import calibration_models
 
 DEFAULTS_NOTE = (
     "no --calibration: step and push times are rough defaults for this repository's 2-core CPU "
@@ -71,15 +71,8 @@ def load_models(path: str | None) -> Models:
         return Models()
     with open(path) as f:
         data: dict[str, Any] = json.load(f)
-    unknown = set(data) - {"step", "p", "d", "c", "transfer"}
-    if unknown:
-        raise ValueError(f"--calibration {path}: unknown keys {sorted(unknown)} (known: step, p, d, c, transfer)")
-    base = data.get("step", {})
-
-    def role(key: str) -> StepModel:
-        return StepModel.from_dict({**StepModel().to_dict(), **base, **data.get(key, {})})
-
-    return Models(role("p"), role("d"), role("c"), TransferModel.from_dict(data.get("transfer", {})))
+    roles, transfer = calibration_models(data, f"--calibration {path}")
+    return Models(roles["p"], roles["d"], roles["c"], transfer)
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -35,7 +35,7 @@ from typing import Any
 
 from proxy.planning.path_policy import PATH_POLICIES, PathChoice, PathOptions
 from proxy.planning.predict import DecoderLoad, PairState, Path, PathModel, PrefillerLoad, RequestView
-from proxy.planning.step_model import StepModel, TransferModel
+from proxy.planning.step_model import StepModel, TransferModel, calibration_models
 from proxy.upstream.pool import BackendState
 from proxy.upstream.prefix_tree import PrefixTree, prompt_key
 
@@ -77,17 +77,8 @@ class ModelSet:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "--path-model") -> ModelSet:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{where}: a JSON object is expected")
-        unknown = set(data) - {"step", "p", "d", "c", "transfer"}
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: step, p, d, c, transfer)")
-        step = dict(data.get("step") or {})
-
-        def role(key: str) -> StepModel:
-            return StepModel.from_dict({**step, **dict(data.get(key) or {})})
-
-        return cls(role("p"), role("d"), TransferModel.from_dict(dict(data.get("transfer") or {})))
+        roles, transfer = calibration_models(data, where)
+        return cls(roles["p"], roles["d"], transfer)
 
 
 @dataclass(frozen=True, slots=True)

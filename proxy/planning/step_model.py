@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,3 +258,16 @@ class TransferModel:
         if unknown:
             raise ValueError(f"transfer model: unknown keys {sorted(unknown)} (known: {sorted(known)})")
         return cls(**data)
+
+
+def calibration_models(data: Any, where: str) -> tuple[dict[str, StepModel], TransferModel]:
+    """The step model of each role (``p``, ``d``, ``c``: ``step`` with the role's own keys over it) and the
+    push model of a calibration JSON (``python -m launch.plan_calibrate``); ValueError names ``where``."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: a JSON object is expected")
+    unknown = set(data) - {"step", "p", "d", "c", "transfer"}
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: step, p, d, c, transfer)")
+    step = dict(data.get("step") or {})
+    roles = {key: StepModel.from_dict({**step, **dict(data.get(key) or {})}) for key in ("p", "d", "c")}
+    return roles, TransferModel.from_dict(dict(data.get("transfer") or {}))

@@ -96,11 +96,16 @@ class TransferDone(msgspec.Struct, tag="done", frozen=True):
 
 
 class TransferCancel(msgspec.Struct, tag="cancel", frozen=True):
-    """D rank -> P rank: D gave up on room (timeout); do not write into its blocks."""
+    """D rank -> P rank: D gave up on room (timeout); do not write into its blocks.
+
+    With ``release`` (P's bootstrap server -> every P rank: ``POST /bootstrap/release_room``, the
+    client's request ended) the whole room goes, whatever claims it has: the reason, told to every D
+    that asks for the room afterwards (``request_id`` and ``peer_id`` are then empty)."""
 
     room: int
     request_id: str
     peer_id: str = ""  # the D rank that gave up: P counts claims per (request, D rank)
+    release: str = ""
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):

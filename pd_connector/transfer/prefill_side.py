@@ -10,7 +10,8 @@ Every room's life is here: the table, the lock, every ``states.RoomState`` move 
 ``Room`` record: ``rooms``), and the claims of both modes: a request-mode push (``room_push``) or a
 layer-wise stream (``layerwise``: this class is its ``StreamHost``, taking the room's waiting
 requests and counting each one's end). A closed room remembers its ``CloseReason`` for a D request
-that comes later.
+that comes later. Room ends from outside a D request (aborted prefills, expiry, a release because the
+client's request ended, shutdown) are in the base class (``room_ends``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pd_connector.transfer.context import RankContext
 from pd_connector.transfer.device_sync import Marker
 from pd_connector.transfer.layerwise import LayerStreams
 from pd_connector.transfer.liveness import claims_toward, decode_peers_waited_on
+from pd_connector.transfer.room_ends import RoomEnds
 from pd_connector.transfer.room_push import PushOutcome, StreamResult, log_push, push_room
 from pd_connector.transfer.rooms import ClaimKey, ClosedRooms, Room, WaitingRequest, remember
 from pd_connector.transfer.states import CloseReason, RoomState
@@ -50,7 +52,7 @@ CLOSED_ROOM_GRACE_S = 5.0
 _CANCELLED = "decode cancelled the transfer"
 
 
-class PrefillSide:
+class PrefillSide(RoomEnds):
     def __init__(self, ctx: RankContext, backend: TransferBackend) -> None:
         self._ctx = ctx
         self._cfg = ctx.cfg
@@ -92,6 +94,8 @@ class PrefillSide:
                 waiting = old.waiting if old is not None else []
                 if old is not None and old.submitted_ids:  # claims layer-wise streams took
                     ready.expected = self._expected(job, ready.carry_streamed(old))
+                if old is not None and old.released:  # released while its streams wrote: no new request
+                    ready.released, ready.state = old.released, RoomState.DRAINING
                 ready.cancelled = self._early_cancels.pop(job.room, set())
                 if ready.cancelled:
                     ready.expected = self._expected(job, waiting[0].req.peer_id if waiting else None)
@@ -100,9 +104,9 @@ class PrefillSide:
                     and not ready.submitted_ids
                     and (ready.served if ready.cancelled else self._closed.get(job.room) is CloseReason.CANCELLED)
                 )
-                if cancelled:  # D gave up before this prefill finished: free at once
+                if cancelled:  # D gave up (or the client's request ended) before this prefill finished
                     self._rooms.pop(job.room, None)
-                    self._closed.add(job.room, CloseReason.CANCELLED)
+                    self._closed.add(job.room, CloseReason.CANCELLED, released=self._closed.released(job.room))
                     self._ctx.outbox.sent(job.req_id)
                 else:
                     self._rooms[job.room] = ready
@@ -115,7 +119,8 @@ class PrefillSide:
                     with self._lock:
                         self._finish_if_served(ready)
             if cancelled:
-                logger.warning("room=%d req=%s: decode had cancelled; freeing the KV now", job.room, job.req_id)
+                who = "the room was released" if self._closed.released(job.room) else "decode had cancelled"
+                logger.warning("room=%d req=%s: %s; freeing the KV now", job.room, job.req_id, who)
                 self._ctx.traces.emit(job.room, "cancelled")
                 continue
             logger.debug("room=%d req=%s: prefill done, %d blocks ready", job.room, job.req_id, len(job.block_ids))
@@ -128,30 +133,6 @@ class PrefillSide:
                 with self._lock:
                     accepted = self._accept(ready, w.req)
                 self._start_push(ready, w.req, accepted)
-
-    def drop_rooms(self, rooms: Sequence[int]) -> None:
-        """These rooms will never have KV (request aborted); tell their D if it asks."""
-        for room in rooms:
-            with self._lock:
-                self._closed.add(room, CloseReason.ABORTED)
-                waiting: list[WaitingRequest] = []
-                pending = self._rooms.get(room)
-                if pending is not None and pending.state is RoomState.AWAITING_PREFILL:
-                    del self._rooms[room]
-                    waiting = pending.waiting
-            for w in waiting:
-                self._reply(w.req, DoneStatus.ABORTED, "prefill request was aborted")
-            if self.layers is not None:
-                self.layers.abort(room)
-
-    def shutdown(self) -> None:
-        """P is going away: every D request still waiting for a prefill is told at once."""
-        with self._lock:
-            waiting = [w for room in self._rooms.values() for w in room.waiting]
-            for room in self._rooms.values():
-                room.waiting = []
-        for w in waiting:
-            self._reply(w.req, DoneStatus.ABORTED, "prefill is shutting down")
 
     def _trace_prefill(self, job: SendJob) -> None:
         trace = self._ctx.traces.get(job.room, job.room, job.req_id)
@@ -192,13 +173,14 @@ class PrefillSide:
         with self._lock:
             room = self._rooms.get(req.room)
             aborted = room is None and self._closed.get(req.room) is CloseReason.ABORTED
+            released = room.released if room is not None else self._closed.released(req.room)
             repeated = room is not None and room.has_claim(ClaimKey.of(req))
             if repeated:
                 pass  # a claim already taken (a replayed or repeated request): its first copy gets the answer
+            elif released or aborted:
+                pass  # the client's request ended, or the prefill was aborted: D's load fails at once
             elif room is not None and room.state is not RoomState.AWAITING_PREFILL:
                 accepted = self._accept(room, req)
-            elif aborted:
-                pass  # the prefill was aborted: D's load fails at once
             else:
                 # A closed room may be reused by a new request whose prefill has not finished yet
                 # (a client that sends its own room twice): wait a short grace before refusing.
@@ -215,6 +197,9 @@ class PrefillSide:
                 "room=%d req=%s: refusing a repeated TransferRequest from %s: the room already has this claim",
                 req.room, req.request_id, req.peer_id,
             )  # fmt: skip
+            return
+        if released:
+            self._reply(req, DoneStatus.ROOM_CLOSED, f"prefill released room {req.room}: {released}")
             return
         if aborted:
             self._reply(req, DoneStatus.ABORTED, CloseReason.ABORTED.message(self._cfg.room_timeout_s))
@@ -237,7 +222,12 @@ class PrefillSide:
     ) -> None:
         """D gave up one request of the room (abort, timeout, failed load; or went silent: ``peer_lost``):
         it counts as claimed, its write (if any) stops, and the room is freed at once when no other
-        request is expected. A request of it still waiting for the prefill is answered ``status``."""
+        request is expected. A request of it still waiting for the prefill is answered ``status``. A cancel
+        with ``release`` (P's bootstrap server: the client's request ended) releases the whole room
+        (``room_ends.RoomEnds.release_room``)."""
+        if cancel.release:
+            self.release_room(cancel.room, cancel.release)
+            return
         dropped: list[WaitingRequest] = []
         key = ClaimKey.of(cancel)
         with self._lock:
@@ -379,7 +369,7 @@ class PrefillSide:
             self._forward_done.pop(room.room, None)
             room.state = RoomState.CLOSED
             reason = room.close_reason
-            self._closed.add(room.room, reason, room.job.hold_seconds(self._cfg.room_timeout_s))
+            self._closed.add(room.room, reason, room.job.hold_seconds(self._cfg.room_timeout_s), room.released)
             self._ctx.traces.emit(room.room, None if reason is CloseReason.SENT else reason.value)
             self._ctx.outbox.sent(room.job.req_id)
 
@@ -415,33 +405,3 @@ class PrefillSide:
                 held = req.room in self._rooms
             if not held:
                 traces.emit(req.room)
-
-    # -------------------------------------------------------------- timeouts
-
-    def expire(self, now: float) -> None:
-        stale: list[WaitingRequest] = []
-        with self._lock:
-            for room in list(self._rooms.values()):
-                if room.state is RoomState.READY and room.deadline <= now:
-                    room.state = RoomState.DRAINING  # accept no more requests; free once in-flight writes end
-                    if room.submitted < max(room.expected, 1):
-                        # Logged before the room can be freed, so the reason precedes vLLM seeing it.
-                        assert room.job is not None
-                        self._ctx.stats.inc("rooms_expired")
-                        logger.warning(
-                            "room=%d req=%s: no decode asked for this KV within %g s; freeing its blocks",
-                            room.room,
-                            room.job.req_id,
-                            room.job.hold_seconds(self._cfg.room_timeout_s),
-                        )
-                    self._finish_if_served(room)
-                elif room.state is RoomState.AWAITING_PREFILL:
-                    stale += [w for w in room.waiting if w.deadline <= now]
-                    room.waiting = [w for w in room.waiting if w.deadline > now]
-                    if not room.waiting and not room.submitted_ids:  # (submitted: a layer-wise stream's)
-                        del self._rooms[room.room]
-        for w in stale:
-            if w.closed_before is not None:
-                self._reply(w.req, DoneStatus.ROOM_CLOSED, self._closed.message(w.req.room, w.closed_before))
-            else:
-                self._reply(w.req, DoneStatus.TIMEOUT, f"prefill did not produce room {w.req.room} in time")

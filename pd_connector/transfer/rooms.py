@@ -59,6 +59,9 @@ class Room:
     # Claims are per (D request, D rank): every D rank of one request asks (and may cancel) for itself.
     submitted_ids: set[ClaimKey] = field(default_factory=set)
     cancelled: set[ClaimKey] = field(default_factory=set)  # D requests' ranks that gave up (each counts as claimed)
+    #: Why the room was released (the client's request ended: the Router told P's bootstrap server);
+    #: empty: not released. A released room is DRAINING and closes once its in-flight writes end.
+    released: str = ""
 
     def has_claim(self, key: ClaimKey) -> bool:
         """Whether the claim ``key`` came already: submitted, cancelled, or waiting for the prefill."""
@@ -100,6 +103,8 @@ class Room:
 
     @property
     def close_reason(self) -> CloseReason:
+        if self.released:  # a later prefill of it is freed at once, like a cancelled room's
+            return CloseReason.CANCELLED
         if self.submitted_ids - self.cancelled:
             return CloseReason.SENT
         return CloseReason.CANCELLED if self.cancelled else CloseReason.EXPIRED
@@ -113,22 +118,38 @@ def remember(table: OrderedDict[int, V], room: int, value: V) -> None:
         table.popitem(last=False)
 
 
+class ClosedEntry(NamedTuple):
+    reason: CloseReason
+    held_s: float  # how long an expired room was held unclaimed
+    released: str  # why the room was released (empty: not released)
+
+
 class ClosedRooms:
     """Rooms that left P's table: why each closed and, for an expired one, how long it was held
-    unclaimed (its job's ``hold_s``, else room_timeout_s); the newest ``CLOSED_ROOMS_KEPT``."""
+    unclaimed (its job's ``hold_s``, else room_timeout_s); a released room, why it was released (a D
+    request for it is refused at once); the newest ``CLOSED_ROOMS_KEPT``."""
 
     def __init__(self, room_timeout_s: float) -> None:
         self._room_timeout_s = room_timeout_s
-        self._table: OrderedDict[int, tuple[CloseReason, float]] = OrderedDict()
+        self._table: OrderedDict[int, ClosedEntry] = OrderedDict()
 
-    def add(self, room: int, reason: CloseReason, held_s: float | None = None) -> None:
-        remember(self._table, room, (reason, self._room_timeout_s if held_s is None else held_s))
+    def add(self, room: int, reason: CloseReason, held_s: float | None = None, released: str = "") -> None:
+        held = self._room_timeout_s if held_s is None else held_s
+        remember(self._table, room, ClosedEntry(reason, held, released))
 
     def get(self, room: int) -> CloseReason | None:
         entry = self._table.get(room)
-        return None if entry is None else entry[0]
+        return None if entry is None else entry.reason
+
+    def released(self, room: int) -> str:
+        """Why ``room`` was released, if it was (empty otherwise)."""
+        entry = self._table.get(room)
+        return "" if entry is None else entry.released
 
     def message(self, room: int, reason: CloseReason) -> str:
-        """What a D asking for ``room`` is told of its close for ``reason`` (an expired room names its hold)."""
+        """What a D asking for ``room`` is told of its close for ``reason`` (an expired room names its
+        hold, a released one why it was released)."""
         entry = self._table.get(room)
-        return reason.message(self._room_timeout_s if entry is None else entry[1])
+        if entry is not None and entry.released:
+            return f"prefill released room {room}: {entry.released}"
+        return reason.message(self._room_timeout_s if entry is None else entry.held_s)

@@ -66,20 +66,41 @@ def _zero(value: Any) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
 
 
+def single_prompt(prompt: Any) -> bool:
+    """``prompt`` is one prompt: a string or one array of token ids."""
+    return isinstance(prompt, str) or (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
+
+
+def seeded_sampling(body: dict[str, Any]) -> bool:
+    """``body`` samples (temperature not 0) from a seed of its own."""
+    return body.get("seed") is not None and not _zero(body.get("temperature", 1.0))
+
+
 def ineligible_reason(endpoint: str, body: dict[str, Any]) -> str | None:
     """Why ``body`` (the client's, validated) cannot take the first-token path; None when it can."""
     if endpoint != COMPLETIONS:
         return "not /v1/completions"
     if body.get("stream") is not True:
         return "not streamed"
-    prompt = body.get("prompt")
-    single = isinstance(prompt, str) or (
-        isinstance(prompt, list)
-        and bool(prompt)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    )
-    if not single:
+    if not single_prompt(body.get("prompt")):
         return "not a single prompt"
+    reason = continuation_ineligible_reason(body)
+    if reason is None and seeded_sampling(body):
+        return "seeded sampling"  # P's token 1 and D's token 2 would each start the seed's generator
+    return reason
+
+
+def continuation_ineligible_reason(body: dict[str, Any]) -> str | None:
+    """Why a continuation of ``body``'s streamed answer on another instance (its prompt's token ids
+    plus the tokens generated so far as the prompt, the rest of the budget) would not sample what one
+    instance would; None when it would. Shared by the first-token path (:func:`ineligible_reason`) and
+    resumed streams (:func:`proxy.strategies.resume_body.resume_ineligible_reason`)."""
+    if body.get("stream") is not True:
+        return "not streamed"
     if body.get("n") not in (None, 1):
         return "n > 1"
     for key in _BLOCKING_FIELDS:
@@ -91,14 +112,13 @@ def ineligible_reason(endpoint: str, body: dict[str, Any]) -> str | None:
         return "stop strings"
     if not (_zero(body.get("frequency_penalty")) and _zero(body.get("presence_penalty"))):
         return "frequency/presence penalty"
-    if body.get("seed") is not None and not _zero(body.get("temperature", 1.0)):
-        return "seeded sampling"
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
         return "continuous_usage_stats"
-    max_tokens = body.get("max_tokens")
-    if isinstance(max_tokens, int) and max_tokens < 1:
-        return "max_tokens < 1"
+    for key in ("max_tokens", "max_completion_tokens"):
+        limit = body.get(key)
+        if isinstance(limit, int) and limit < 1:
+            return f"{key} < 1"
     return None
 
 

@@ -18,6 +18,7 @@ from pd_connector.ascend.settings import apply_transport_env
 from pd_connector.auth import token_of
 from pd_connector.bootstrap.client import register_rank
 from pd_connector.bootstrap.placement import advertised_bootstrap_host
+from pd_connector.bootstrap.rooms_api import RankRooms
 from pd_connector.bootstrap.server import BootstrapServer, BootstrapState
 from pd_connector.compat import kv_dtype_name, model_fingerprint
 from pd_connector.config import DisaggConfig
@@ -240,6 +241,9 @@ class PDWorker:
                 token_of(self.cfg),
                 ssl_certfile=self.cfg.bootstrap_ssl_certfile,
                 ssl_keyfile=self.cfg.bootstrap_ssl_keyfile,
+                rooms=RankRooms(state, self.manager.prefill, self.manager.channel.send, self.manager.endpoint)
+                if self.manager.prefill is not None
+                else None,
             )
             self.bootstrap.start()
         register_rank(

@@ -30,6 +30,7 @@ import httpx
 import msgspec
 
 from pd_connector.bootstrap.audience import SERVER_IDS, AudienceError, Send
+from pd_connector.bootstrap.rooms_api import RELEASE_PATH, STATUS_PATH
 from pd_connector.bootstrap.signing import sign_call
 from pd_connector.bootstrap.trust import TrustedHosts, split_addr
 from pd_connector.keys import bootstrap_key
@@ -190,6 +191,48 @@ def register_dp_rank(
         logger.error("room=%d: could not register dp rank %d with bootstrap %s: %r", room, dp_rank, addr, exc)
         return False
     return True
+
+
+def release_room(
+    addr: str,
+    room: int,
+    reason: str,
+    timeout_s: float,
+    token: bytes | None = None,
+    ca_certs: str = "",
+) -> dict[str, object]:
+    """Ask the bootstrap server at ``addr`` to release ``room`` on every P rank (``reason``: why, logged
+    there and told to a D that asks for the room); its answer (``bootstrap.rooms_api``). Raises
+    ``BootstrapError`` naming the address when the call fails or is refused."""
+    body = msgspec.json.encode({"room": room, "reason": reason})
+    return _room_call("POST", addr, RELEASE_PATH, body, timeout_s, token, ca_certs)
+
+
+def room_status(
+    addr: str, room: int, timeout_s: float, token: bytes | None = None, ca_certs: str = ""
+) -> dict[str, object]:
+    """What the bootstrap server at ``addr`` (its leader rank) knows of ``room`` (``bootstrap.rooms_api``).
+    Raises ``BootstrapError`` naming the address when the call fails or is refused."""
+    return _room_call("GET", addr, f"{STATUS_PATH}?room={int(room)}", b"", timeout_s, token, ca_certs)
+
+
+def _room_call(
+    method: str, addr: str, path: str, body: bytes, timeout_s: float, token: bytes | None, ca_certs: str
+) -> dict[str, object]:
+    try:
+        resp = call(method, addr, path, body, bootstrap_key(token), timeout_s, ca_certs)
+    except (httpx.HTTPError, AudienceError) as exc:
+        raise BootstrapError(f"bootstrap server {addr}: {method} {path.split('?')[0]} failed: {exc!r}") from None
+    if resp.status_code != 200:
+        _log_reply(addr, path.split("?")[0], resp)
+        raise BootstrapError(f"bootstrap server {addr}: {method} {path.split('?')[0]} answered HTTP {resp.status_code}")
+    try:
+        answer = resp.json()
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise BootstrapError(f"bootstrap server {addr}: {path.split('?')[0]} answered no JSON object")
+    return answer
 
 
 #: How long a route read from a bootstrap server is used before it is read again. A restarted

@@ -9,7 +9,8 @@ another ip/port is accepted, and logged as a re-registration, when the deploymen
 caller carried it) or, without one, when the old endpoint no longer accepts TCP connections (the
 rank restarted or died; a stopped-but-alive process still accepts, so it counts as live). Otherwise
 it is a 409 and the table keeps the live rank. ``register_dp_rank`` likewise: changing a room's DP
-rank needs the token. With certificate and key files the server speaks TLS only.
+rank needs the token. With certificate and key files the server speaks TLS only. The room calls (release a
+room on every P rank, a room's status) are ``bootstrap.rooms_api``'s; the state is ``bootstrap.state``'s.
 
 With a token every call but ``/bootstrap/health`` and ``/query`` (bootstrap.mooncake_query) must be
 signed with the bootstrap key derived from it (``bootstrap.signing``: this server's id, method, path, body
@@ -26,7 +27,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -36,152 +36,19 @@ from fastapi.responses import JSONResponse, Response
 
 from pd_connector.auth import AUTH_HEADER
 from pd_connector.bootstrap.mooncake_query import QUERY_PATH, query_answer
+from pd_connector.bootstrap.rooms_api import RoomControl, add_room_routes
 from pd_connector.bootstrap.signing import VERSION, CallVerifier, new_server_id
+from pd_connector.bootstrap.state import BootstrapState, Conflict, QueryDpRanks, RegisterDpRank
 from pd_connector.keys import bootstrap_key
 from pd_connector.log_limit import LogLimiter
-from pd_connector.messages import RankInfo, RegisterRank, Route, rank_key
+from pd_connector.messages import RegisterRank
+
+__all__ = ["BootstrapServer", "BootstrapState", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-MAX_ROOMS = 1_000_000  # room -> dp-rank entries kept before the oldest are dropped
 #: How long the server tries to connect to a registered rank's endpoint to tell whether it is alive.
 LIVENESS_PROBE_S = 0.5
-
-
-class Conflict(ValueError):
-    """A registration would replace a live entry without the token (HTTP 409)."""
-
-
-class RegisterDpRank(msgspec.Struct, frozen=True):
-    bootstrap_room: int
-    dp_rank: int
-
-
-class QueryDpRanks(msgspec.Struct, frozen=True):
-    bootstrap_rooms: list[int]
-
-
-@dataclass
-class BootstrapState:
-    """Topology of one prefill deployment and who serves which room."""
-
-    attn_tp_size: int
-    attn_dp_size: int
-    attn_cp_size: int = 1
-    block_size: int = 0
-    kv_cache_dtype: str = ""
-    num_layers: int = 0
-    model: str = ""
-    pp_size: int = 1  # pipeline stages (layouts.pp); each registers its layers
-    rank_table: dict[tuple[int, int, int, int], RankInfo] = field(default_factory=dict)  # (dp, cp, tp, pp)
-    #: pp rank -> (first_layer, end_layer, KV layers) its ranks registered
-    stages: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-    room_to_dp_rank: dict[int, int] = field(default_factory=dict)
-    refused: int = 0  # calls refused for a missing or wrong token
-    conflicts: int = 0  # registrations refused because they would replace a live entry (409)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def expected_count(self) -> int:
-        return self.attn_tp_size * self.attn_cp_size * self.attn_dp_size * self.pp_size
-
-    @property
-    def is_ready(self) -> bool:
-        return len(self.rank_table) >= self.expected_count
-
-    def register_rank(self, req: RegisterRank) -> None:
-        if (req.attn_tp_size, req.attn_dp_size, req.attn_cp_size, req.pp_size) != (
-            self.attn_tp_size,
-            self.attn_dp_size,
-            self.attn_cp_size,
-            self.pp_size,
-        ):
-            raise ValueError(
-                f"rank reports tp/dp/cp/pp sizes {req.attn_tp_size}/{req.attn_dp_size}/{req.attn_cp_size}/"
-                f"{req.pp_size}, this deployment has {self.attn_tp_size}/{self.attn_dp_size}/{self.attn_cp_size}/"
-                f"{self.pp_size}"
-            )
-        key = (req.attn_dp_rank, req.attn_cp_rank, req.attn_tp_rank, req.pp_rank)
-        if not (
-            0 <= key[0] < self.attn_dp_size
-            and 0 <= key[1] < self.attn_cp_size
-            and 0 <= key[2] < self.attn_tp_size
-            and 0 <= key[3] < self.pp_size
-        ):
-            raise ValueError(f"rank (dp, cp, tp, pp) = {key} is outside the deployment's topology")
-        if self.pp_size > 1 and not req.first_layer < req.end_layer:
-            raise ValueError(
-                f"pipeline stage {req.pp_rank} registered layers [{req.first_layer}, {req.end_layer}): "
-                "a stage of a pipeline-parallel prefill must name its layers"
-            )
-        with self.lock:
-            stage = self.stages.get(req.pp_rank)
-            layers = (req.first_layer, req.end_layer, req.num_layers)
-            if self.pp_size > 1 and stage is not None and stage != layers:
-                raise ValueError(
-                    f"rank (dp, cp, tp, pp) = {key} holds layers [{req.first_layer}, {req.end_layer}) "
-                    f"({req.num_layers} KV layers), other ranks of stage {req.pp_rank} registered "
-                    f"[{stage[0]}, {stage[1]}) ({stage[2]})"
-                )
-            if self.block_size and (req.block_size, req.kv_cache_dtype) != (
-                self.block_size,
-                self.kv_cache_dtype,
-            ):
-                raise ValueError(
-                    f"rank has block_size/kv_cache_dtype {req.block_size}/{req.kv_cache_dtype}, "
-                    f"others registered {self.block_size}/{self.kv_cache_dtype}"
-                )
-            self.block_size, self.kv_cache_dtype = req.block_size, req.kv_cache_dtype
-            if self.model and req.model and req.model != self.model:
-                raise ValueError(f"rank serves model {req.model!r}, others registered {self.model!r}")
-            self.model = req.model or self.model
-            self.rank_table[key] = RankInfo(
-                rank_ip=req.rank_ip,
-                rank_port=req.rank_port,
-                batch_stall_s=req.batch_stall_s,  # D's wait for a stopped load (transfer.loads.timing_of)
-                peer_timeout_s=req.peer_timeout_s,
-            )
-            self.stages[req.pp_rank] = layers
-            # the model's KV layers: every stage's (with PP 1 the one stage's)
-            self.num_layers = sum(n for _, _, n in self.stages.values()) or self.num_layers
-
-    def route(self) -> Route:
-        with self.lock:
-            ranks = {rank_key(*k): v for k, v in self.rank_table.items()}
-            stage_layers = [self.stages.get(s, (0, 0, 0))[:2] for s in range(self.pp_size)] if self.pp_size > 1 else []
-            return Route(
-                attn_tp_size=self.attn_tp_size,
-                attn_cp_size=self.attn_cp_size,
-                dp_size=self.attn_dp_size,
-                block_size=self.block_size,
-                kv_cache_dtype=self.kv_cache_dtype,
-                num_layers=self.num_layers,
-                is_ready=self.is_ready,
-                ranks=ranks,
-                model=self.model,
-                pp_size=self.pp_size,
-                stage_layers=stage_layers,
-            )
-
-    def register_dp_rank(self, room: int, dp_rank: int, replace: bool = False) -> int | None:
-        """Map ``room`` to ``dp_rank``; the previous rank if this moved the room (only with ``replace``)."""
-        if not 0 <= dp_rank < self.attn_dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is outside 0..{self.attn_dp_size - 1}")
-        with self.lock:
-            old = self.room_to_dp_rank.get(room)
-            if old is not None and old != dp_rank and not replace:
-                self.conflicts += 1
-                raise Conflict(
-                    f"room {room} is served by dp rank {old}; moving it to {dp_rank} needs the deployment's auth token"
-                )
-            self.room_to_dp_rank[room] = dp_rank
-            while len(self.room_to_dp_rank) > MAX_ROOMS:
-                self.room_to_dp_rank.pop(next(iter(self.room_to_dp_rank)))
-        return old if old is not None and old != dp_rank else None
-
-    def query_dp_ranks(self, rooms: list[int]) -> dict[str, int]:
-        with self.lock:
-            return {str(r): self.room_to_dp_rank[r] for r in rooms if r in self.room_to_dp_rank}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -207,6 +74,7 @@ def create_app(
     token: bytes | None = None,
     server_id: str = "",
     clock: Callable[[], float] | None = None,
+    rooms: RoomControl | None = None,
 ) -> FastAPI:
     """The bootstrap HTTP API (JSON bodies; bad JSON -> 400 with a message).
 
@@ -214,7 +82,8 @@ def create_app(
     bootstrap key for ``server_id`` (``bootstrap.signing``; empty: a new id), which ``/bootstrap/health``
     tells; one that is not, or is stale, replayed or signed for another server, gets 401 and a log line
     naming the caller and the problem (``refused`` counts them). ``clock``: the verifier's wall and
-    monotonic clock (tests replay calls later without waiting); None: the real ones.
+    monotonic clock (tests replay calls later without waiting); None: the real ones. ``rooms``: the
+    prefill ranks' rooms the room calls act on (``bootstrap.rooms_api``; None: they answer 503).
     """
     app = FastAPI(title="PDConnector bootstrap")
     #: Refusals (401, 400, 409): a few lines per kind, caller host and route per window (log_limit).
@@ -349,6 +218,8 @@ def create_app(
             return _error(503, "prefill ranks are still registering")
         return JSONResponse(query_answer(state.attn_dp_size))
 
+    add_room_routes(app, rooms, body_as, _error)
+
     @app.get("/bootstrap/health")
     async def health() -> JSONResponse:
         return JSONResponse(
@@ -391,7 +262,8 @@ def _route_of(app: FastAPI, request: Request) -> str:
 class BootstrapServer:
     """Runs the bootstrap app with uvicorn in a daemon thread (TLS with ``ssl_certfile``/``ssl_keyfile``).
 
-    ``clock``: the call verifier's clock (``create_app``), for tests."""
+    ``clock``: the call verifier's clock (``create_app``), for tests. ``rooms``: what the room calls act on
+    (``bootstrap.rooms_api.RankRooms``, set by the leader rank once its transfer manager runs)."""
 
     def __init__(
         self,
@@ -402,13 +274,14 @@ class BootstrapServer:
         ssl_certfile: str = "",
         ssl_keyfile: str = "",
         clock: Callable[[], float] | None = None,
+        rooms: RoomControl | None = None,
     ) -> None:
         self.state = state
         self.host, self.port = host, port
         self.scheme = "https" if ssl_certfile else "http"
         #: This run's id: signed calls name it as their audience (bootstrap.signing), /bootstrap/health tells it.
         self.server_id = new_server_id()
-        app = create_app(state, token, self.server_id, clock)
+        app = create_app(state, token, self.server_id, clock, rooms)
         config = uvicorn.Config(
             app,
             host=host,

@@ -41,6 +41,8 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
+            # CI runs the unit and Router tiers on both cores (pytest -n 2)
+            "pytest-xdist>=3.5",
             "openai>=1.40",
             "ruff>=0.5",
             "transformers",

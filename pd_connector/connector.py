@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from pd_connector.accounting import group_block_bytes
 from pd_connector.bootstrap.placement import dp_rank_of
 from pd_connector.config import parse_config
 from pd_connector.layouts.kv_groups import check_group_block_sizes, group_block_sizes, recurrent_groups, sliding_windows
@@ -105,7 +106,15 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
                 kv_groups=len(sizes),
             )
             windows = sliding_windows(kv_cache_config)
-            self._scheduler = PDScheduler(self.cfg, block_size, dp_rank, windows, extensions)
+            self._scheduler = PDScheduler(
+                self.cfg,
+                block_size,
+                dp_rank,
+                windows,
+                extensions,
+                group_block_bytes=group_block_bytes(kv_cache_config),
+                kv_ranks=vllm_config.parallel_config.tensor_parallel_size,
+            )
             note_kv_transfer_fields(self.cfg, kv, vllm_config.parallel_config)  # vLLM-Ascend's carry kv_port, engine_id
         else:
             self._worker = PDWorker(self.cfg, vllm_config, kv_cache_config)
@@ -204,11 +213,16 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
 
         Returns this rank's transfer stats since the previous call (None if nothing happened);
         vLLM aggregates the workers' objects and sends the dict to the frontend's metrics.
-        The scheduler side reports the requests it served without a transfer.
+        The scheduler side reports the requests it served without a transfer, and D's per-request KV
+        accounting (tokens by source, recomputes by reason: pd_connector.accounting).
         """
         if self._scheduler is not None:  # requests served without a transfer (pd_connector.bypass)
-            bypassed = self._scheduler.bypassed.take()
-            return PDKVConnectorStats(data={"bypassed": bypassed}) if bypassed else None
+            data: dict[str, Any] = {}
+            if bypassed := self._scheduler.bypassed.take():
+                data["bypassed"] = bypassed
+            if accounted := self._scheduler.accounts.take():
+                data.update(accounted)
+            return PDKVConnectorStats(data=data) if data else None
         data = self._worker.take_stats() if self._worker is not None else None
         return PDKVConnectorStats(data=data) if data is not None else None
 
@@ -282,6 +296,9 @@ class PDConnector(KVConnectorBase_V1, *HMA_BASES):  # type: ignore[misc]
         blocks (True) until the push is done; an aborted one drops its room. On D with
         `migration`, an aborted request carrying `migrate_room` keeps its blocks the same way
         (what vLLM guarantees there, on 0.32 and 0.23: PDScheduler.request_finished).
+        On D, a request that finished normally answers its KV account under `pd_kv`
+        (pd_connector.accounting): vLLM puts the returned dict in the request's final output
+        (`RequestOutput.kv_transfer_params`), whence the API server's middleware moves it to `usage`.
         """
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)

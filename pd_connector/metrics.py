@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from pd_connector.accounting import RECOMPUTE_REASONS, RECOMPUTES_KEY, SOURCES, TOKENS_KEY
 from pd_connector.bypass import BYPASS_KEY, BYPASS_REASONS
 from pd_connector.transfer.stats import COUNTS, FAILURE_REASONS, GAUGES, SERIES, empty_interval
 
@@ -54,6 +55,12 @@ METRIC_NAMES = {
 #: Requests a P or D instance served without a KV transfer, by reason (pd_connector.bypass);
 #: counted by the scheduler side, so not a ``vllm:pd_kv_`` transfer metric.
 BYPASS_METRIC = "vllm:pd_requests_without_transfer"
+#: D's per-request KV accounting (pd_connector.accounting), counted by the scheduler side: prompt tokens
+#: by where their KV came from, and requests that recomputed prompt tokens, by reason.
+TOKENS_METRIC = "vllm:pd_kv_tokens"
+RECOMPUTE_METRIC = "vllm:pd_kv_recompute"
+#: Interval keys the scheduler side adds to the workers' (their {label: count} dicts are summed).
+_SCHEDULER_KEYS = (BYPASS_KEY, TOKENS_KEY, RECOMPUTES_KEY)
 
 _SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 _THROUGHPUT_BUCKETS = [10.0**e for e in (6, 6.5, 7, 7.5, 8, 8.5, 9, 9.5, 10, 10.5, 11)]
@@ -68,12 +75,13 @@ class PDKVConnectorStats(KVConnectorStats):
         full = empty_interval()
         for key, value in (self.data or {}).items():
             full[key] = value
-        full[BYPASS_KEY] = dict(full.get(BYPASS_KEY) or {})
+        for key in _SCHEDULER_KEYS:
+            full[key] = dict(full.get(key) or {})
         self.data = full
 
     def reset(self) -> None:
         """Called by whoever keeps this object as an accumulator: forget everything."""
-        self.data = {**empty_interval(), BYPASS_KEY: {}}
+        self.data = {**empty_interval(), **{key: {} for key in _SCHEDULER_KEYS}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Fold ``other`` in (another worker's step, or a later step): sum counts, join series.
@@ -91,9 +99,10 @@ class PDKVConnectorStats(KVConnectorStats):
             mine["failures"][reason] = mine["failures"].get(reason, 0) + n
         for name, per_rank in theirs.get("gauges", {}).items():
             mine["gauges"].setdefault(name, {}).update(per_rank)
-        for reason, n in (theirs.get(BYPASS_KEY) or {}).items():
-            bypassed = mine.setdefault(BYPASS_KEY, {})
-            bypassed[reason] = bypassed.get(reason, 0) + n
+        for key in _SCHEDULER_KEYS:
+            for label, n in (theirs.get(key) or {}).items():
+                counts = mine.setdefault(key, {})
+                counts[label] = counts.get(label, 0) + n
         return self
 
     def is_empty(self) -> bool:
@@ -104,7 +113,7 @@ class PDKVConnectorStats(KVConnectorStats):
             and not any(d[key] for key in COUNTS)
             and not any(d["failures"].values())
             and not any(d["gauges"].values())
-            and not any((d.get(BYPASS_KEY) or {}).values())
+            and not any(any((d.get(key) or {}).values()) for key in _SCHEDULER_KEYS)
         )
 
     def reduce(self) -> dict[str, int | float]:
@@ -131,6 +140,8 @@ class PDKVConnectorStats(KVConnectorStats):
         out["rooms expired"] = d["rooms_expired"]
         if any((d.get(BYPASS_KEY) or {}).values()):
             out["served without transfer"] = sum(d[BYPASS_KEY].values())
+        if any((d.get(RECOMPUTES_KEY) or {}).values()):
+            out["requests recomputing prompt KV"] = sum(d[RECOMPUTES_KEY].values())
         return out
 
 
@@ -203,6 +214,19 @@ class PDPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "reason"],
         )
         self.bypassed = {reason: _per_engine(bypassed, engines, reason) for reason in BYPASS_REASONS}
+        tokens = self._counter_cls(
+            name=TOKENS_METRIC,
+            documentation="Decode: prompt tokens of finished requests by where their KV came from "
+            "(pushed by prefill, prefix_hit in this instance's cache, recomputed here).",
+            labelnames=[*labelnames, "source"],
+        )
+        self.tokens = {source: _per_engine(tokens, engines, source) for source in SOURCES}
+        recomputes = self._counter_cls(
+            name=RECOMPUTE_METRIC,
+            documentation="Decode: finished requests that computed prompt tokens themselves, by reason.",
+            labelnames=[*labelnames, "reason"],
+        )
+        self.recomputes = {reason: _per_engine(recomputes, engines, reason) for reason in RECOMPUTE_REASONS}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Called by vLLM's Prometheus logger with each aggregated interval dict of an engine."""
@@ -226,3 +250,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
         for reason, n in (data.get(BYPASS_KEY) or {}).items():
             if n and reason in self.bypassed:
                 self.bypassed[reason][engine_idx].inc(n)
+        for source, n in (data.get(TOKENS_KEY) or {}).items():
+            if n and source in self.tokens:
+                self.tokens[source][engine_idx].inc(n)
+        for reason, n in (data.get(RECOMPUTES_KEY) or {}).items():
+            if n and reason in self.recomputes:
+                self.recomputes[reason][engine_idx].inc(n)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+from pd_connector.accounting import ACCOUNT_KEY, KVAccounts
 from pd_connector.bootstrap.placement import advertised_bootstrap_host
 from pd_connector.bypass import BypassCounter, BypassReason, reason_for
 from pd_connector.config import DisaggConfig
@@ -40,7 +41,9 @@ E = TypeVar("E", bound=SchedulerExtension)
 
 class PDScheduler:
     """``extensions``: the optional features this engine runs, in hook order; by default those
-    ``extensions_for`` chooses from ``cfg`` alone (the connector passes the engine's)."""
+    ``extensions_for`` chooses from ``cfg`` alone (the connector passes the engine's).
+    ``group_block_bytes`` (bytes of one block per KV cache group on one rank) and ``kv_ranks`` (D's TP
+    ranks) size the ``kv_bytes`` of D's per-request KV accounting (pd_connector.accounting)."""
 
     def __init__(
         self,
@@ -49,6 +52,8 @@ class PDScheduler:
         dp_rank: int = 0,
         sliding_windows: Sequence[int] = (),
         extensions: Sequence[SchedulerExtension] | None = None,
+        group_block_bytes: Sequence[int] = (),
+        kv_ranks: int = 1,
     ) -> None:
         self.cfg = cfg
         self.block_size = block_size  # the attention KV cache groups' (a recurrent-state group has its own)
@@ -75,6 +80,8 @@ class PDScheduler:
         self._parsed: dict[str, Params] = {}
         # Requests served without a transfer (logged and counted: pd_connector.bypass).
         self.bypassed = BypassCounter("prefill" if cfg.is_prefill else "decode")
+        # D: where each request's prompt KV came from, returned with its finished output.
+        self.accounts = KVAccounts(block_size, group_block_bytes, kv_ranks)
         if extensions is None:
             extensions = extensions_for(cfg, block_size, dp_rank=dp_rank)
         self.extensions = list(extensions)
@@ -125,6 +132,8 @@ class PDScheduler:
         on P or for a local request. An extension that owns the request answers first.
         """
         rid = request.request_id
+        if self.cfg.is_decode:  # a later lookup (vLLM recomputing after a failed load) replaces it
+            self.accounts.local_hit(rid, num_computed_tokens)
         for extension in self.extensions:
             if (owned := extension.match(request, num_computed_tokens)) is not None:
                 return self._matched(rid, owned)
@@ -138,6 +147,7 @@ class PDScheduler:
         reason = no_load_reason(request, params, covered, num_computed_tokens, self.sliding_windows, self.block_size)
         if reason is not None or covered is None:  # (covered None always has its reason)
             self.bypassed.record(rid, reason or BypassReason.STATE_RECOMPUTE)
+            self.accounts.bypassed(rid, reason or BypassReason.STATE_RECOMPUTE)
             return self._free_without_load(rid, params)
         for extension in self.extensions:
             if (taken := extension.take_load(request, params, num_computed_tokens, covered)) is not None:
@@ -171,6 +181,7 @@ class PDScheduler:
         if owned:  # the extension loads it (D2RH: host -> device copy)
             if num_external_tokens > 0:
                 self._awaiting_kv.add(rid)
+                self._account_load(rid, blocks, num_external_tokens)
             return
         if not self.cfg.is_decode or rid in self._recv_planned or not isinstance(params, DecodeParams):
             return
@@ -183,6 +194,7 @@ class PDScheduler:
             groups = decode_group_blocks(tables, start_block, -(-covered // self.block_size))
             for extension in self.extensions:
                 groups = extension.load_blocks(request, params, tables, groups, covered, start_block)
+            self.accounts.load(rid, num_external_tokens, groups)
         # else the whole prompt was a local hit: P only has to free the room
         dst = groups[0] if groups else []
         self._recvs.append(
@@ -213,6 +225,12 @@ class PDScheduler:
             max(1, len(groups)),
             params.bootstrap_addr,
         )
+
+    def _account_load(self, rid: str, blocks: KVCacheBlocks, tokens: int) -> None:
+        """D: an extension's load of ``tokens`` tokens past the local hit, for the request's KV accounting."""
+        start = self.accounts.hit_of(rid) // self.block_size
+        end = -(-(self.accounts.hit_of(rid) + tokens) // self.block_size)
+        self.accounts.load(rid, tokens, decode_group_blocks(blocks.get_block_ids(), start, end))
 
     def _free_without_load(self, rid: str, params: DecodeParams) -> tuple[int, bool]:
         """D loads nothing for ``rid`` (vLLM must not see a finished_recving): P is told to free the room."""
@@ -249,23 +267,29 @@ class PDScheduler:
         bypass = reason_for(self.cfg.is_prefill, getattr(request, "kv_transfer_params", None), params)
         if bypass is not None:
             self.bypassed.record(rid, bypass)
+            self.accounts.bypassed(rid, bypass)
         answer = self._hand_over(request, params, groups)
         for extension in self.extensions:
             answer = extension.finished(request, params, groups, kv_pending, answer) or answer
-        return answer
+        return self._with_account(request, params, answer)
+
+    def _with_account(self, request: Request, params: Params, answer: Finish) -> Finish:
+        """D: a request that finished normally answers its KV account (``kv_transfer_params.pd_kv``)."""
+        rid = request.request_id
+        if not self.cfg.is_decode or isinstance(params, PrefillParams) or not _finished_normally(request):
+            self.accounts.forget(rid)
+            return answer
+        account = self.accounts.finish(rid, request.num_prompt_tokens, isinstance(params, DecodeParams))
+        logger.debug("req=%s KV account: %s", rid, account)
+        delay, out = answer
+        return delay, {**(out or {}), ACCOUNT_KEY: account.to_json()}
 
     def _hand_over(self, request: Request, params: Params, groups: list[list[int]]) -> Finish:
         """P: a prefill that finished normally keeps its blocks for D; its answer tells D where they are."""
         if not self.cfg.is_prefill or not isinstance(params, PrefillParams):
             return False, None
-        from vllm.v1.request import RequestStatus
-
         rid = request.request_id
-        finished_normally = request.status in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
-        ) or (request.status.name == "FINISHED_REPETITION")
-        if not finished_normally or not any(groups):
+        if not _finished_normally(request) or not any(groups):
             logger.warning(
                 "room=%d req=%s: prefill ended as %s; no KV to hand over", params.room, rid, request.status.name
             )
@@ -302,9 +326,14 @@ class PDScheduler:
             if room is not None and self._live_rooms.get(room) == rid:
                 del self._live_rooms[room]
         for rid in output.finished_recving or ():
+            self.accounts.load_finished(rid)
             if rid in self._awaiting_kv:
                 self._awaiting_kv.discard(rid)
                 self._kv_ready.add(rid)
+        for rid in getattr(output, "failed_recving", None) or ():  # vLLM >= 0.32: failed loads by id
+            self.accounts.load_failed(rid)
+        if invalid := getattr(output, "invalid_block_ids", None):  # vLLM 0.23: by block
+            self.accounts.blocks_failed(set(invalid))
         for extension in self.extensions:
             extension.output(output)
 
@@ -326,6 +355,8 @@ class PDScheduler:
             scheduled=self._first_scheduled(scheduler_output),
         )
         self._sends, self._dropped, self._recvs, self._abandoned = [], [], [], []
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():  # KV in place at its first step
+            self.accounts.scheduled(new.req_id, new.num_computed_tokens)
         for extension in self.extensions:
             extension.meta(scheduler_output, meta)
         return meta
@@ -339,3 +370,8 @@ class PDScheduler:
         first = {rid: now for rid in self._kv_ready if rid in scheduled}
         self._kv_ready.difference_update(first)
         return first
+
+
+def _finished_normally(request: Request) -> bool:
+    """The request stopped or reached its length (not aborted, not failed)."""
+    return request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")

@@ -161,7 +161,8 @@ def test_other_finishes_are_not_held(status: RequestStatus, params: dict[str, An
     sched = _msched(migration=migration)
     req = _decoded(sched, "d-1", params)
     req.status = status
-    assert sched.request_finished(req, [10, 11, 12]) == (False, None)
+    delay, answer = sched.request_finished(req, [10, 11, 12])
+    assert not delay and (answer is None or set(answer) == {"pd_kv"})  # a finished one: its KV account
     assert meta(sched).sends == [] and not sched.has_pending_push_work()
 
 

@@ -129,7 +129,8 @@ def test_decode_request_finished_forgets_the_request(dsched: PDScheduler) -> Non
     dsched.get_num_new_matched_tokens(req, 0)
     dsched.update_state_after_alloc(req, FakeBlocks([0, 1, 2]), 40)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    assert dsched.request_finished(req, [0, 1, 2]) == (False, None)
+    delay, answer = dsched.request_finished(req, [0, 1, 2])
+    assert not delay and answer is not None and set(answer) == {"pd_kv"}  # its KV account (test_accounting)
     assert not dsched._recv_planned and not dsched._parsed and not dsched._local_hits
     assert not dsched.has_pending_push_work()
 

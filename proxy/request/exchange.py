@@ -13,7 +13,9 @@ INFO log line.
 
 The handler task is cancelled only by the Router's server (:mod:`proxy.server.hot_server`, or aiohttp
 for what it hands over), when the client goes away: the exchange then closes both backend
-requests (vLLM aborts them).
+requests (vLLM aborts them) and has every room of the request released on its prefiller's bootstrap
+server at once (:meth:`proxy.request.loop.AttemptLoop.client_left`): P frees the KV even when its
+decoder never saw the request.
 """
 
 from __future__ import annotations
@@ -125,12 +127,14 @@ class Exchange:
                 raise
             self.status = CLIENT_CLOSED_REQUEST
             self.router.metrics.error(self.endpoint, CLIENT_DISCONNECTED)
+            when = "mid-stream" if self.progress.ttfb is not None else "before the answer"
             logger.warning(
-                "rid=%s room=%s client disconnected %s; closing the backend requests",
+                "rid=%s room=%s client disconnected %s; closing the backend requests and releasing P's rooms",
                 self.rid,
                 self.progress.room,
-                "mid-stream" if self.progress.ttfb is not None else "before the answer",
+                when,
             )
+            self.loop.client_left(f"client disconnected {when}")  # close() releases its rooms on P
             raise
         except Exception as exc:
             logger.exception("rid=%s room=%s unexpected error", self.rid, self.progress.room)
@@ -369,7 +373,7 @@ class Exchange:
         else:
             cut = Cut(failure, attempt.p, attempt.d, attempt.call, attempt.kv_room_after(failure))
             self.loop.cut(attempt)
-            if tracker is not None and await resume_stream(self, cut, response, tracker):
+            if await resume_stream(self, cut, response, tracker):  # None: logs why not resumable
                 return response  # continued on another decoder (its relay ended the stream)
             self.stream_cut(cut)
             await response.write(failure.error.to_sse())

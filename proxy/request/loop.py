@@ -21,9 +21,13 @@ strategy reaches the loop through its :class:`proxy.request.context.RequestConte
 - :meth:`AttemptLoop.pairs`: attempts on P/D pairs the routing policy picks, one after the other,
   until one answers (:class:`Won`) or none is left (:class:`Lost`).
 
-**Releasing P's room** (through :mod:`proxy.request.room_release`) is the loop's alone, in one method
-(``AttemptLoop._release_p_room``), by one rule: P's KV of a room is released as soon as the Router knows
-that no decoder of this request asked, or will ask, for it:
+**Releasing P's room** (through :mod:`proxy.request.room_release`: P's bootstrap server first, a
+decoder's load as the fallback) is the loop's alone, by two rules. A client that leaves, at any point
+(:meth:`AttemptLoop.client_left`, then :meth:`AttemptLoop.close`): every room of the request sent to a
+prefiller (:meth:`AttemptLoop.pick` and :meth:`AttemptLoop.new_attempt` note them) is released on its
+prefiller's bootstrap server, whether P is still prefilling, holds the KV, pushes it or already sent it
+(``_release_client_rooms``). Otherwise (``_release_p_room``) P's KV of a room is released as soon as the
+Router knows that no decoder of this request asked, or will ask, for it:
 
 - :meth:`AttemptLoop.fail`: the failed attempt's decoder could not be connected to while P holds the
   room's KV (:attr:`proxy.request.failure_policy.Decision.release_room`) and the room goes on to no
@@ -50,7 +54,7 @@ from typing import TYPE_CHECKING
 from proxy.request.attempt import Answered, Attempt, Call, Cut, Opened
 from proxy.request.failure_policy import Decision, Tried, count_failure, settle
 from proxy.request.progress import RequestProgress
-from proxy.request.room_release import release_room
+from proxy.request.room_release import release_on_p, release_room
 from proxy.strategies.resume_body import resumable
 from proxy.upstream.calls import Failure
 from proxy.upstream.pool import BackendState
@@ -152,6 +156,10 @@ class AttemptLoop:
         self._rooms = [room]
         #: P's KV of a room that no attempt took over yet (released by :meth:`close`).
         self._held: HeldRoom | None = None
+        #: Every room of the request sent (or about to be sent) to a prefiller, and that prefiller.
+        self._p_rooms: dict[int, BackendState] = {}
+        #: Why the client went away (:meth:`client_left`); None while it is there.
+        self._left: str | None = None
 
     # -- rooms, counts, time ------------------------------------------------------------------
 
@@ -187,8 +195,12 @@ class AttemptLoop:
 
     def pick(self, role: str, call: Call, room: int, avoid: Collection[BackendState]) -> BackendState | None:
         """An instance of ``role`` for ``call`` with ``room``, the routing policy's choice (those in
-        ``avoid`` only when nothing else is left; None: the role has no instance)."""
-        return self.router.pool.pick(role, room, avoid, RouteRequest(room, call.tokens, call.body))
+        ``avoid`` only when nothing else is left; None: the role has no instance). A prefiller picked
+        is noted as the room's (released there if the client leaves)."""
+        picked = self.router.pool.pick(role, room, avoid, RouteRequest(room, call.tokens, call.body))
+        if role == "prefill" and picked is not None:
+            self._p_rooms[room] = picked
+        return picked
 
     # -- attempts -----------------------------------------------------------------------------
 
@@ -211,6 +223,8 @@ class AttemptLoop:
         held = self._held
         if p_answered and held is not None and held.p is p and held.room == room:
             self._held = None  # the attempt holds it now (Attempt.holds_p_room)
+        if not local:
+            self._p_rooms[room] = p
         resumes = resumable(call, self.router.config.resume_attempts)
         movable = d.backend.movable and resumes and not local
         attempt = Attempt(
@@ -296,10 +310,36 @@ class AttemptLoop:
         self._held = HeldRoom(p, room, call, prefilled_tokens)
 
     def _release_p_room(self, held: HeldRoom) -> None:
-        """No decoder of this request will load ``held``: a decoder (not ``held.failed_d``) loads, and so
-        frees, it now. The one place the Router releases P's rooms (see the module docstring)."""
+        """No decoder of this request will load ``held``: P's bootstrap server frees it now, or, when
+        that fails, a decoder (not ``held.failed_d``) loads, and so frees, it (see the module docstring)."""
         avoid = () if held.failed_d is None else {held.failed_d}
-        release_room(self.router, held.p, held.room, held.call, held.prefilled_tokens, avoid)
+        router = self.router
+
+        def through_a_decoder() -> None:
+            release_room(router, held.p, held.room, held.call, held.prefilled_tokens, avoid)
+
+        self._p_rooms.pop(held.room, None)
+        why = "no decoder of the request will load it"
+        release_on_p(router, held.p, held.room, held.call.rid, why, through_a_decoder)
+
+    def client_left(self, why: str) -> None:
+        """The client went away (``why``): :meth:`close` releases every room of the request on its
+        prefiller, at once."""
+        self._left = why
+
+    def _release_client_rooms(self, why: str) -> None:
+        """The client left: each room sent to a prefiller is released on its bootstrap server; P's KV no
+        attempt took over falls back to a decoder's load if that fails (no decoder will ask for it)."""
+        held, self._held = self._held, None
+        for room, p in self._p_rooms.items():
+            if held is not None and held.room == room and held.p is p:
+                self._release_p_room(held)
+                held = None
+                continue
+            release_on_p(self.router, p, room, self.call.rid, why)
+        if held is not None:
+            self._release_p_room(held)
+        self._p_rooms.clear()
 
     async def pairs(
         self,
@@ -360,7 +400,9 @@ class AttemptLoop:
         give its rooms back."""
         if self.current is not None:
             self.current.close()
-        if self._held is not None:
+        if self._left is not None:
+            self._release_client_rooms(self._left)
+        elif self._held is not None:
             self._release_p_room(self._held)
             self._held = None
         for room in self._rooms:

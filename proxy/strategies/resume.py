@@ -9,7 +9,11 @@ has, D generating the rest of the budget (:func:`proxy.strategies.resume_body.re
 events reach the client on the same response, rewritten as the first leg's
 (:class:`proxy.strategies.resume_body.StreamTracker`): one stream, one id, one ``[DONE]``, usage counting the
 client's prompt and every generated token. Greedy output is what one instance gives: the new
-decoder's prompt is exactly the tokens one instance had.
+decoder's prompt is exactly the tokens one instance had. A chat stream goes on as a completions leg
+re-shaped into chat chunks (:mod:`proxy.strategies.resume_chat`); a chat request with no budget of its
+own gets the model's context length less the leg's prompt, read from an instance's ``/v1/models``.
+A stream of a request that may not be resumed is logged with the reason
+(:func:`proxy.strategies.resume_body.resume_ineligible_reason`) before it ends with the error event.
 
 A drain's cut of a decoder movable by KV goes on first by a leg that loads the KV the drained decoder
 holds (:mod:`proxy.strategies.kv_move`: nothing prefilled again), by the replay above if that leg fails before
@@ -23,7 +27,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from proxy.admin.drain import MoveMode
 from proxy.errors import DECODE_FAILED, RouterError
@@ -32,15 +39,20 @@ from proxy.request.failure_policy import Tried, resume_refusal
 from proxy.request.held_tail import settle_held_tail
 from proxy.request.loop import Won
 from proxy.strategies.kv_move import kv_leg
-from proxy.strategies.resume_body import StreamTracker, resume_call
-from proxy.upstream.calls import Failure, FailureKind
+from proxy.strategies.resume_body import StreamTracker, resume_call, resume_ineligible_reason, why_not_resumed
+from proxy.upstream.calls import Failure, FailureKind, fetch
 from proxy.upstream.pool import BackendState
 
 if TYPE_CHECKING:
+    from proxy.request.attempt import Call
     from proxy.request.context import RequestContext
     from proxy.server.reply import StreamReply
 
 logger = logging.getLogger("proxy")
+
+#: Seconds the instances get, all together, to tell the model's context length (``GET /v1/models``).
+MODELS_TIMEOUT_S = 2.0
+_DECODER = msgspec.json.Decoder()
 
 
 def mid_stream_error(d: BackendState, event: str) -> Failure:
@@ -55,12 +67,20 @@ def _mark(ctx: RequestContext, phase: str, at: float | None = None) -> None:
     ctx.progress.moves.append((phase if n <= 1 else f"{phase}_{n}", time.time() if at is None else at))
 
 
-async def resume_stream(ctx: RequestContext, cut: Cut, response: StreamReply, tracker: StreamTracker) -> bool:
+async def resume_stream(ctx: RequestContext, cut: Cut, response: StreamReply, tracker: StreamTracker | None) -> bool:
     """Continue the client's ``response`` after its leg was cut (``cut``, the leg's attempt closed)
     mid-stream; True when the stream was taken over (it is then complete, or ended by a later leg),
     False when it was not resumed (the caller ends it with the error event, as without resume). A
     drain's cut (``FailureKind.DRAIN``) tells the drain how the stream moved
-    (:meth:`proxy.admin.drain.Drains.settled`)."""
+    (:meth:`proxy.admin.drain.Drains.settled`). No ``tracker``: the request may not be resumed (logged
+    with the reason)."""
+    if tracker is None:
+        call = cut.call
+        reason = "resume off (--resume-attempts 0)"
+        if ctx.router.config.resume_attempts > 0:
+            reason = resume_ineligible_reason(call.endpoint, call.body) or "not streamed"
+        logger.warning("rid=%s room=%s stream cut, not resumable: %s", ctx.rid, ctx.progress.room, reason)
+        return False
     if cut.failure.kind is not FailureKind.DRAIN:
         return await _resume(ctx, cut, response, tracker)
     try:
@@ -92,7 +112,11 @@ async def _resume(ctx: RequestContext, cut: Cut, response: StreamReply, tracker:
         await settle_held_tail(ctx, cut, tracker)  # the client's last tokens whose text was held
     call = resume_call(tracker) if refusal is None else None
     if refusal is None and call is None:
-        refusal = "no prompt token ids seen or no token left to generate"
+        refusal = why_not_resumed(tracker)
+    if call is not None and call.body.get("max_tokens") is None:
+        call = await _with_context_budget(ctx, cut, call)
+        if call is None:
+            refusal = "no max_tokens given and no instance told max_model_len (GET /v1/models)"
     if call is None:
         logger.warning("rid=%s room=%s stream cut, not resumed: %s", ctx.rid, ctx.progress.room, refusal)
         return False
@@ -165,8 +189,41 @@ async def _relay_leg(
         ctx.progress.resumes,
         router.config.resume_attempts,
     )
-    await ctx.relay(
-        leg,
-        response,
-        tracker=StreamTracker(call, identity=tracker.identity, ids_ahead=tracker.ids_sent_beyond_committed()),
+    following = StreamTracker(
+        call,
+        identity=tracker.identity,
+        ids_ahead=tracker.ids_sent_beyond_committed(),
+        chat=tracker.chat,
+        seed=tracker.seed,
     )
+    await ctx.relay(leg, response, tracker=following)
+
+
+async def _with_context_budget(ctx: RequestContext, cut: Cut, call: Call) -> Call | None:
+    """``call`` (a chat stream's leg; the client gave no budget) with ``max_tokens`` = the model's
+    context length less the leg's prompt, as vLLM's chat default; the length from the first instance
+    whose ``/v1/models`` names it (the cut decoder's P first); None: none did, or nothing is left."""
+    deadline = time.monotonic() + MODELS_TIMEOUT_S
+    sources = [cut.p, cut.d]
+    sources += [s for s in ctx.router.pool.all_states() if s.healthy and s not in sources]
+    for state in sources:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        reply = await fetch(ctx.router.http, state, "GET", "/v1/models", left, None, cut.call.headers)
+        if isinstance(reply, Failure) or reply.status != 200:
+            continue
+        try:
+            cards = _DECODER.decode(reply.body).get("data") or []
+        except (msgspec.DecodeError, AttributeError):
+            continue
+        model = call.body.get("model")
+        cards = sorted((c for c in cards if isinstance(c, dict)), key=lambda c: c.get("id") != model)
+        length = next((n for c in cards if isinstance(n := c.get("max_model_len"), int)), None)
+        if length is None:
+            continue
+        left_tokens = length - call.tokens
+        if left_tokens < 1:
+            return None
+        return replace(call, body={**call.body, "max_tokens": left_tokens})
+    return None

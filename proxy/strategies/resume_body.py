@@ -1,15 +1,16 @@
 """Resuming a cut stream on another decoder: the stream tracker and the resumed leg's body.
 
 Pure code, no I/O (:mod:`proxy.strategies.resume` runs the resumed legs). A streamed ``/v1/completions``
-request that may be resumed (:func:`resumable`) has D asked for ``return_token_ids``; its events
-go through a :class:`StreamTracker`, which
+or ``/v1/chat/completions`` request that may be resumed (:func:`resumable`) has D asked for
+``return_token_ids``; its events go through a :class:`StreamTracker`, which
 
 - records what the client has of the answer: the leg's prompt token ids (D's first event), every
   generated token id, the answer's ``id``/``created``/``model``, whether a finish reason went out;
 - strips the token ids from the events unless the client asked for them (``return_token_ids``);
 - on a resumed leg, rewrites each event as the first leg's (its ``id``, ``created``, ``model``;
   no second ``prompt_token_ids``) and moves the tokens replayed in the leg's prompt from
-  ``prompt_tokens`` to ``completion_tokens`` in usage figures.
+  ``prompt_tokens`` to ``completion_tokens`` in usage figures; a chat stream's resumed leg is a
+  completions one, its events re-shaped into chat chunks (:mod:`proxy.strategies.resume_chat`).
 
 A resumed leg (:func:`resume_call`) prefills the leg's prompt ids plus the generated ids the
 client has (token ids, so the new decoder sees exactly the tokens one instance had: no
@@ -22,6 +23,7 @@ when its reader lags) may hold its last tokens' bytes with nothing in its text t
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +31,24 @@ import msgspec
 
 from pd_connector.kv_params import KV_PARAMS_KEY as KV_KEY
 from pd_connector.kv_params import ROOM as ROOM_KEY
-from proxy.request.payloads import COMPLETIONS
-from proxy.strategies.first_token_body import include_usage, ineligible_reason, wants_token_ids
+from proxy.request.payloads import CHAT_COMPLETIONS, COMPLETIONS
+from proxy.strategies.first_token_body import (
+    continuation_ineligible_reason,
+    include_usage,
+    seeded_sampling,
+    single_prompt,
+    wants_token_ids,
+)
 from proxy.strategies.recompute_body import COMPLETIONS_DEFAULT_MAX_TOKENS
+from proxy.strategies.resume_chat import (
+    HELD_CONTENT,
+    PARSER_MARKS,
+    as_chat_chunk,
+    budget,
+    chat_ineligible_reason,
+    delta_refusal,
+    leg_body,
+)
 
 if TYPE_CHECKING:
     from proxy.request.attempt import Call
@@ -48,16 +65,39 @@ _NO_FINISH = b'"finish_reason":null'
 _HELD_TEXT = (b'"text":"",', b'\xef\xbf\xbd",', b'\\ufffd",')
 
 
+#: The seed of a resumed leg of a seeded sampled request: a 63-bit draw from the client's seed and the
+#: number of tokens the client has (vLLM takes any signed 64-bit seed).
+_SEED_MASK = (1 << 63) - 1
+
+
+def resume_ineligible_reason(endpoint: str, body: dict[str, Any]) -> str | None:
+    """Why a cut stream of ``body`` (the client's, validated) cannot go on on another decoder; None when
+    it can: a streamed completions (one prompt) or chat request (no tools) whose continuation samples
+    what one instance would (:func:`proxy.strategies.first_token_body.continuation_ineligible_reason`:
+    one sample, no echo/logprobs/stop strings/penalties/structured output). Seeded sampling may
+    resume: the resumed leg gets a seed of its own (:func:`reseed`)."""
+    if endpoint == CHAT_COMPLETIONS:
+        reason = chat_ineligible_reason(body)
+    elif endpoint == COMPLETIONS:
+        reason = None if single_prompt(body.get("prompt")) else "not a single prompt"
+    else:
+        reason = "not /v1/completions or /v1/chat/completions"
+    return reason or continuation_ineligible_reason(body)
+
+
 def resumable(call: Call, resume_attempts: int) -> bool:
-    """Whether a cut stream of ``call`` may be resumed on another decoder: resume on, a streamed
-    completions request whose continuation samples what one instance would (the first-token
-    path's rules: one prompt, one sample, no echo/logprobs/stop strings/penalties/structured output)."""
-    return (
-        resume_attempts > 0
-        and call.stream
-        and call.endpoint == COMPLETIONS
-        and ineligible_reason(COMPLETIONS, call.body) is None
-    )
+    """Whether a cut stream of ``call`` may be resumed on another decoder: resume on and
+    :func:`resume_ineligible_reason` has nothing against it."""
+    return resume_attempts > 0 and call.stream and resume_ineligible_reason(call.endpoint, call.body) is None
+
+
+def reseed(seed: int, tokens: int) -> int:
+    """The seed of a resumed leg of a request seeded ``seed`` whose client has ``tokens`` generated
+    tokens: the same seed again would restart vLLM's per-request generator, drawing for token
+    ``tokens + 1`` the noise it drew for token 1 (the two tokens' samples correlated); a seed drawn
+    from both is a fresh, reproducible one."""
+    digest = hashlib.blake2b(f"{seed}:{tokens}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & _SEED_MASK
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +114,29 @@ class StreamTracker:
 
     ``replayed``: trailing tokens of the leg's prompt that the client has as generated ones (1 on the
     first-token path's continuation, more on a resumed leg). ``identity``: the client's answer id,
-    created and model (None on a first leg: taken from its first event).
+    created and model (None on a first leg: taken from its first event). ``chat``: the client asked
+    ``/v1/chat/completions`` (None: the leg's own endpoint says); a completions leg of a chat client
+    has its events re-shaped into chat chunks. ``seed``: the client's seed (None: the leg's).
     """
 
-    def __init__(self, call: Call, *, identity: Identity | None = None, ids_ahead: int = 0) -> None:
+    def __init__(
+        self,
+        call: Call,
+        *,
+        identity: Identity | None = None,
+        ids_ahead: int = 0,
+        chat: bool | None = None,
+        seed: int | None = None,
+    ) -> None:
         self.call = call
+        self.chat = call.endpoint == CHAT_COMPLETIONS if chat is None else chat
+        #: This leg is ``/v1/completions`` for a chat client: each event becomes a chat chunk.
+        self.reshape = self.chat and call.endpoint != CHAT_COMPLETIONS
+        client_seed = call.body.get("seed") if seed is None else seed
+        self.seed = client_seed if isinstance(client_seed, int) and not isinstance(client_seed, bool) else None
+        #: Why the stream cannot be resumed after all, seen in its events (a chat parser's output).
+        self.refusal: str | None = None
+        self._held = HELD_CONTENT if self.chat and not self.reshape else _HELD_TEXT
         #: Leading token ids of this leg the client has already (a resumed leg generates held-back
         #: tokens again: their text is new to the client, their ids are not); not sent a second time.
         self.ids_ahead = ids_ahead if wants_token_ids(call.body) else 0
@@ -126,7 +184,12 @@ class StreamTracker:
         if event.startswith(_ERROR):
             self.error = event[6:].decode("utf-8", "replace")[:500]
             return b""
-        if self.identity is not None and not self.resumed and (scanned := self._scan(event)) is not None:
+        if (
+            self.identity is not None
+            and not self.resumed
+            and not (self.chat and any(mark in event for mark in PARSER_MARKS))
+            and (scanned := self._scan(event)) is not None
+        ):
             return scanned
         try:
             payload = _DECODER.decode(event[6:])
@@ -144,6 +207,11 @@ class StreamTracker:
             ):
                 if key in payload and value is not None:
                     payload[key] = value
+        prompt = payload.get("prompt_token_ids")  # a chat stream's, on its first event
+        if isinstance(prompt, list) and self.prompt_ids is None:
+            self.prompt_ids = [t for t in prompt if isinstance(t, int)]
+        if "prompt_token_ids" in payload and (self.resumed or not self.keep_ids):
+            payload["prompt_token_ids"] = None
         for choice in payload.get("choices") or ():
             if isinstance(choice, dict):
                 self._choice(choice)
@@ -154,6 +222,8 @@ class StreamTracker:
             usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.replayed
             if isinstance(usage.get("total_tokens"), int):
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if self.reshape:
+            payload = as_chat_chunk(payload)
         return b"data: " + _ENCODER.encode(payload)
 
     def _scan(self, event: bytes) -> bytes | None:
@@ -162,7 +232,7 @@ class StreamTracker:
         stream is a large share of the Router's time. None: not in that form (parse it)."""
         at = event.rfind(_IDS)
         if at < 0:
-            return None if b'"token_ids"' in event else event
+            return None if self.chat or b'"token_ids"' in event else event  # a chat chunk without ids: parsed
         start = at + len(_IDS)
         stop = event.find(b"]", start)
         if stop < 0:
@@ -175,7 +245,7 @@ class StreamTracker:
         if _FINISH in event and _NO_FINISH not in event:
             self.finished = True
             self._commit(0)
-        elif ids and not any(held in event for held in _HELD_TEXT):
+        elif ids and not any(held in event for held in self._held):
             self._commit(len(ids))
         if self.keep_ids:
             return event
@@ -188,7 +258,16 @@ class StreamTracker:
         ids = choice.get("token_ids")
         steps = [t for t in ids if isinstance(t, int)] if isinstance(ids, list) else []
         self.generated.extend(steps)
-        text = choice.get("text")
+        if self.chat and not self.reshape:
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else None
+            refusal = delta_refusal(delta)
+            if refusal is None and text and not steps:
+                refusal = "no token ids in the chat stream (a parser hides them)"
+            if refusal is not None and self.refusal is None:
+                self.refusal = refusal
+        else:
+            text = choice.get("text")
         if steps and isinstance(text, str) and text and not text.endswith("\ufffd"):
             self._commit(len(steps))
         if choice.get("finish_reason") is not None:
@@ -238,7 +317,7 @@ class StreamTracker:
             completion = self.replayed + len(self.generated)
             payload = {
                 "id": self.identity.id,
-                "object": "text_completion",
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.identity.created,
                 "model": self.identity.model,
                 "choices": [],
@@ -252,25 +331,48 @@ class StreamTracker:
         return out + _DONE + b"\n\n"
 
 
+def why_not_resumed(tracker: StreamTracker) -> str:
+    """Why :func:`resume_call` has no leg for ``tracker``'s stream (for the log line)."""
+    if tracker.refusal is not None:
+        return tracker.refusal
+    if tracker.prompt_ids is None:
+        return "no prompt token ids seen"
+    return "no token left to generate"
+
+
 def resume_call(tracker: StreamTracker) -> Call | None:
     """The resumed leg's call: the leg's prompt ids plus the whole tokens the client has, the rest
-    of the budget; None when it cannot be built (no prompt ids seen, no token left to generate)."""
+    of the budget; None when it cannot be built (:func:`why_not_resumed`). A chat stream's leg is a
+    ``/v1/completions`` one (:mod:`proxy.strategies.resume_chat`), its ``max_tokens`` None when the
+    client gave no budget (:func:`proxy.strategies.resume.resume_stream` sets it from the model's
+    context length). A seeded sampled request's leg samples from :func:`reseed`'s seed."""
     call = tracker.call
-    if tracker.prompt_ids is None:
+    if tracker.prompt_ids is None or tracker.refusal is not None:
         return None
-    body = dict(call.body)
-    body.pop(ROOM_KEY, None)
-    body.pop(KV_KEY, None)
-    body.pop("truncate_prompt_tokens", None)  # the ids are final: D must keep every one
     sent = tracker.generated[: tracker.committed]
+    replayed = call.replayed + len(sent)
+    limit: int | None
+    if call.endpoint == CHAT_COMPLETIONS:
+        body = leg_body(call.body)
+        limit = budget(call.body)
+    else:
+        body = dict(call.body)
+        body.pop(ROOM_KEY, None)
+        body.pop(KV_KEY, None)
+        body.pop("truncate_prompt_tokens", None)  # the ids are final: D must keep every one
+        limit = body.get("max_tokens")
+        if not isinstance(limit, int):
+            limit = COMPLETIONS_DEFAULT_MAX_TOKENS - call.replayed
     body["prompt"] = [*tracker.prompt_ids, *sent]
-    limit = body.get("max_tokens")
-    if not isinstance(limit, int):
-        limit = COMPLETIONS_DEFAULT_MAX_TOKENS - call.replayed
-    if limit - len(sent) < 1:
+    if limit is None:
+        body["max_tokens"] = None
+    elif limit - len(sent) < 1:
         return None
-    body["max_tokens"] = limit - len(sent)
+    else:
+        body["max_tokens"] = limit - len(sent)
     min_tokens = body.get("min_tokens")
     if isinstance(min_tokens, int):
         body["min_tokens"] = max(0, min_tokens - len(sent))
-    return replace(call, body=body, tokens=len(body["prompt"]), replayed=call.replayed + len(sent))
+    if tracker.seed is not None and seeded_sampling(body):
+        body["seed"] = reseed(tracker.seed, replayed)
+    return replace(call, endpoint=COMPLETIONS, body=body, tokens=len(body["prompt"]), replayed=replayed)

@@ -65,6 +65,8 @@ PARTIAL_MARK = "[partial]"
 #: ``held_last``: the token whose text is still held when the stream drops (a generated id, so a
 #: resumed leg given it in its prompt would go on one token too far).
 HELD_ID = GENERATED_ID_BASE + 500
+#: The context length ``GET /v1/models`` names (as vLLM's model card does).
+MAX_MODEL_LEN = 2048
 #: ``metrics``: KV bytes "pushed" per token of an aborted request with a migrate room.
 KV_BYTES_PER_TOKEN = 1024
 
@@ -127,11 +129,15 @@ def _chunk(
         if index == 0:
             delta["role"] = "assistant"
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        if ids is not None:  # like vLLM: the generated ids in the choice, the prompt's at the top
+            choice["token_ids"] = ids["token_ids"]
         obj = "chat.completion.chunk"
     else:
         choice = {"index": 0, "text": token or "", "logprobs": None, "finish_reason": finish, **(ids or {})}
         obj = "text_completion"
     payload: dict[str, Any] = {"id": f"cmpl-{rid}", "object": obj, "model": "fake-model", "choices": [choice]}
+    if chat and ids is not None and index == 0:
+        payload["prompt_token_ids"] = ids["prompt_token_ids"]
     if index == 0:
         payload["kv_transfer_params"] = kv
         payload["served_by"] = port
@@ -218,8 +224,12 @@ def build_app(
             record["state"] = "completed"
             return JSONResponse(_completion(path, rid, "".join(TOKENS), kv, port, body))
 
-        token_ids = body.get("return_token_ids") is True and not path.endswith("/chat/completions")
-        prompt = prompt_ids(body.get("prompt")) if token_ids else []
+        token_ids = body.get("return_token_ids") is True
+        if path.endswith("/chat/completions"):  # the fake's chat "template": the messages' contents
+            prompt_text: Any = "".join(str(m.get("content")) for m in body.get("messages") or () if isinstance(m, dict))
+        else:
+            prompt_text = body.get("prompt")
+        prompt = prompt_ids(prompt_text) if token_ids else []
         if mode in ("slow_stream", "die_mid_stream"):
             # A "model" that goes on from what it generated: a prompt ending in its own token ids
             # (GENERATED_ID_BASE + i, a resumed stream) continues at the next token.
@@ -299,7 +309,8 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": f"fake-{port}"}]}
+        card = {"id": "fake-model", "object": "model", "owned_by": f"fake-{port}", "max_model_len": MAX_MODEL_LEN}
+        return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> Response:

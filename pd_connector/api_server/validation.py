@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from pd_connector.api_server.front_ends import Side, TranslationError, translate
+from pd_connector.api_server.load_errors import LoadErrorNamer, named_load_errors
 from pd_connector.ascend.metaserver import UNTRUSTED_STATUS as METASERVER_STATUS
 from pd_connector.ascend.metaserver import UNTRUSTED_TYPE as METASERVER_TYPE
 from pd_connector.ascend.metaserver import metaserver_of, refusal, trusted_of_app
@@ -188,6 +189,7 @@ class KVParamsValidationMiddleware:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
         self.compat = CompatibilityCheck()
+        self.load_errors = LoadErrorNamer(lambda: self.compat._routes)  # its token, CA bundle, trusted hosts
         self._side: Side | None = None
         self._side_known = False
 
@@ -269,6 +271,7 @@ class KVParamsValidationMiddleware:
                     send, error_body(conflict.message, conflict.status, conflict.error_type), conflict.status
                 )
                 return
+            send = named_load_errors(send, params, self.load_errors)  # a failed KV load names its room
         await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), send)
 
 

@@ -205,7 +205,7 @@ def release_room(
     there and told to a D that asks for the room); its answer (``bootstrap.rooms_api``). Raises
     ``BootstrapError`` naming the address when the call fails or is refused."""
     body = msgspec.json.encode({"room": room, "reason": reason})
-    return _room_call("POST", addr, RELEASE_PATH, body, timeout_s, token, ca_certs)
+    return _room_call("POST", addr, RELEASE_PATH, body, timeout_s, bootstrap_key(token), ca_certs)
 
 
 def room_status(
@@ -213,14 +213,14 @@ def room_status(
 ) -> dict[str, object]:
     """What the bootstrap server at ``addr`` (its leader rank) knows of ``room`` (``bootstrap.rooms_api``).
     Raises ``BootstrapError`` naming the address when the call fails or is refused."""
-    return _room_call("GET", addr, f"{STATUS_PATH}?room={int(room)}", b"", timeout_s, token, ca_certs)
+    return _room_call("GET", addr, f"{STATUS_PATH}?room={int(room)}", b"", timeout_s, bootstrap_key(token), ca_certs)
 
 
 def _room_call(
-    method: str, addr: str, path: str, body: bytes, timeout_s: float, token: bytes | None, ca_certs: str
+    method: str, addr: str, path: str, body: bytes, timeout_s: float, key: bytes | None, ca_certs: str
 ) -> dict[str, object]:
     try:
-        resp = call(method, addr, path, body, bootstrap_key(token), timeout_s, ca_certs)
+        resp = call(method, addr, path, body, key, timeout_s, ca_certs)
     except (httpx.HTTPError, AudienceError) as exc:
         raise BootstrapError(f"bootstrap server {addr}: {method} {path.split('?')[0]} failed: {exc!r}") from None
     if resp.status_code != 200:
@@ -317,6 +317,13 @@ class RouteCache:
         with self._lock:
             self._routes[addr] = (self._clock() + self._ttl, route)
         return route
+
+    def room_status(self, addr: str, room: int, timeout_s: float) -> dict[str, object]:
+        """What the bootstrap server at ``addr`` knows of ``room`` (``room_status``), with this cache's
+        key and CA bundle; an untrusted address raises ``BootstrapUntrusted`` before any connection."""
+        self.check_trusted(addr)
+        path = f"{STATUS_PATH}?room={int(room)}"
+        return _room_call("GET", addr, path, b"", timeout_s, self._key, self._ca_certs)
 
     def invalidate(self, addr: str) -> None:
         with self._lock:

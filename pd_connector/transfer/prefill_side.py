@@ -106,7 +106,7 @@ class PrefillSide(RoomEnds):
                 )
                 if cancelled:  # D gave up (or the client's request ended) before this prefill finished
                     self._rooms.pop(job.room, None)
-                    self._closed.add(job.room, CloseReason.CANCELLED, released=self._closed.released(job.room))
+                    self._closed.add(job.room, CloseReason.CANCELLED, prefilled=True)
                     self._ctx.outbox.sent(job.req_id)
                 else:
                     self._rooms[job.room] = ready
@@ -369,7 +369,8 @@ class PrefillSide(RoomEnds):
             self._forward_done.pop(room.room, None)
             room.state = RoomState.CLOSED
             reason = room.close_reason
-            self._closed.add(room.room, reason, room.job.hold_seconds(self._cfg.room_timeout_s), room.released)
+            hold_s = room.job.hold_seconds(self._cfg.room_timeout_s)
+            self._closed.add(room.room, reason, hold_s, room.released, prefilled=True)
             self._ctx.traces.emit(room.room, None if reason is CloseReason.SENT else reason.value)
             self._ctx.outbox.sent(room.job.req_id)
 

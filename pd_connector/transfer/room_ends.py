@@ -63,7 +63,7 @@ class RoomEnds:
         """These rooms will never have KV (request aborted); tell their D if it asks."""
         for room in rooms:
             with self._lock:
-                self._closed.add(room, CloseReason.ABORTED, released=self._closed.released(room))
+                self._closed.add(room, CloseReason.ABORTED)
                 waiting: list[WaitingRequest] = []
                 pending = self._rooms.get(room)
                 if pending is not None and pending.state is RoomState.AWAITING_PREFILL:
@@ -122,10 +122,17 @@ class RoomEnds:
         with self._lock:
             room = self._rooms.get(room_id)
             state = self._state_of(room_id, room)
-            closed = self._closed.get(room_id)
+            closed = self._closed.entry(room_id)
             detail = ""
-            if state == CLOSED and closed is not None:
-                detail = self._closed.message(room_id, closed)
+            if state == CLOSED and closed is not None and not closed.prefilled and not closed.released:
+                state = UNKNOWN if closed.reason is CloseReason.CANCELLED else state
+                detail = (
+                    "prefill never produced this room (a decode request waited for it, then gave up)"
+                    if state == UNKNOWN
+                    else self._closed.message(room_id, closed.reason)
+                )
+            elif state == CLOSED and closed is not None:
+                detail = self._closed.message(room_id, closed.reason)
             elif state == HELD and room is not None:
                 detail = f"prefill done, KV held ({room.state.value})"
             elif state == AWAITING_PREFILL:

@@ -122,6 +122,7 @@ class ClosedEntry(NamedTuple):
     reason: CloseReason
     held_s: float  # how long an expired room was held unclaimed
     released: str  # why the room was released (empty: not released)
+    prefilled: bool  # its prefill ended here (False: aborted, or D gave up waiting for it)
 
 
 class ClosedRooms:
@@ -133,9 +134,19 @@ class ClosedRooms:
         self._room_timeout_s = room_timeout_s
         self._table: OrderedDict[int, ClosedEntry] = OrderedDict()
 
-    def add(self, room: int, reason: CloseReason, held_s: float | None = None, released: str = "") -> None:
+    def add(
+        self, room: int, reason: CloseReason, held_s: float | None = None, released: str = "", prefilled: bool = False
+    ) -> None:
+        """``room`` closed for ``reason``; a release (``released``) or a prefill (``prefilled``) remembered
+        for it before stays remembered."""
         held = self._room_timeout_s if held_s is None else held_s
-        remember(self._table, room, ClosedEntry(reason, held, released))
+        old = self._table.get(room)
+        if old is not None:
+            released, prefilled = released or old.released, prefilled or old.prefilled
+        remember(self._table, room, ClosedEntry(reason, held, released, prefilled))
+
+    def entry(self, room: int) -> ClosedEntry | None:
+        return self._table.get(room)
 
     def get(self, room: int) -> CloseReason | None:
         entry = self._table.get(room)

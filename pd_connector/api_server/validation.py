@@ -21,6 +21,9 @@ address, when a request's bootstrap address cannot be used: HTTP 403 for a host 
 route), instead of a load that fails after ``kv_wait_timeout_s``. A server that is there but busy
 or not ready yet is left to the connector, which retries.
 
+On D it also adds ``usage.pd_kv`` to every completion and chat answer (streamed ones in their usage
+event): where the prompt's KV came from (pd_connector.api_server.usage, pd_connector.accounting).
+
 On P and D alike it first rewrites other routers' PD requests into PDConnector's kv_transfer_params
 (pd_connector.api_server.front_ends: sglang-router's top-level ``bootstrap_*`` fields, vllm-router's Mooncake
 ``transfer_id``), so those front ends move the KV instead of silently recomputing it.
@@ -37,6 +40,7 @@ from typing import Any
 
 from pd_connector.api_server.front_ends import Side, TranslationError, translate
 from pd_connector.api_server.load_errors import LoadErrorNamer, named_load_errors
+from pd_connector.api_server.usage import AccountedSend, collecting, hook_engine, reset
 from pd_connector.ascend.metaserver import UNTRUSTED_STATUS as METASERVER_STATUS
 from pd_connector.ascend.metaserver import UNTRUSTED_TYPE as METASERVER_TYPE
 from pd_connector.ascend.metaserver import metaserver_of, refusal, trusted_of_app
@@ -272,7 +276,15 @@ class KVParamsValidationMiddleware:
                 )
                 return
             send = named_load_errors(send, params, self.load_errors)  # a failed KV load names its room
-        await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), send)
+        replay = _replay([{"type": "http.request", "body": raw, "more_body": False}], receive)
+        if self._side_of(scope) is not Side.DECODE or not hook_engine(getattr(scope.get("app"), "state", None)):
+            await self.app(scope, replay, send)
+            return
+        records, token = collecting()  # the engine's final outputs add their KV accounts (usage.pd_kv)
+        try:
+            await self.app(scope, replay, AccountedSend(send, records))
+        finally:
+            reset(token)
 
 
 async def _send_error(send: Send, body: bytes, status: int) -> None:

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.access.flags import add_security_flags, security_from_args
+from proxy.admin.rebalance_flags import add_rebalance_flags, rebalance_config_from_args
 from proxy.planning.flags import add_path_flags, path_config_from_args
 from proxy.router_config import ROUTING_POLICIES, Backend, RouterConfig
 from proxy.upstream.routing import RoutingOptions, describe
@@ -196,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         "decoder (P prefills the prompt plus the tokens sent, D generates the rest): at most this many resumed legs "
         "per request; 0: the stream ends with an error event (default: %(default)s)",
     )
+    add_rebalance_flags(parser)
     add_security_flags(parser)
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: %(default)s)")
     return parser
@@ -395,6 +397,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         workers=args.workers,
         max_recomputes=args.max_recomputes,
         resume_attempts=args.resume_attempts,
+        rebalance=rebalance_config_from_args(args, parser),
         backend_authorization=security.backend_authorization,
         access=security.access,
         tls=security.tls,

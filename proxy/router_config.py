@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.admin.rebalance_flags import RebalanceConfig
 from proxy.planning.flags import PathConfig
 from proxy.upstream.routing import POLICIES, RoutingOptions
 
@@ -185,6 +186,8 @@ class RouterConfig:
     #: Resumed legs per request of a stream cut by its decoder after it started (``--resume-attempts``,
     #: :mod:`proxy.strategies.resume`): another decoder continues it from the tokens sent; 0: the error event.
     resume_attempts: int = 2
+    #: Streams moved off an overloaded decoder by KV (``--rebalance*``, :mod:`proxy.admin.rebalance`).
+    rebalance: RebalanceConfig = RebalanceConfig()
 
     def describe(self) -> str:
         """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800); D: h:8002``."""

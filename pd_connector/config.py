@@ -1,7 +1,8 @@
 """DisaggConfig: PDConnector settings, parsed and validated in one place.
 
 Everything comes from vLLM's `--kv-transfer-config`: `kv_role` decides the
-instance's side (producer = prefill, consumer = decode) and
+instance's side (producer = prefill, consumer = decode, both = either, per request by its
+kv_transfer_params, as vLLM's own connectors treat kv_both) and
 `kv_connector_extra_config` holds the keys below, plus the options of the chosen
 transfer backend (declared and parsed by the backend, see ``pd_connector.transfer.registry``;
 Mooncake's include vLLM-Ascend's ``use_ascend_direct``). Unknown keys and bad values
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
 from pd_connector.ascend import settings as ascend_settings
@@ -22,8 +24,20 @@ from pd_connector.bootstrap.trust import TrustedHosts, TrustError
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from pd_connector.transfer import registry as backends
 
-PREFILL = "prefill"
-DECODE = "decode"
+
+class Mode(StrEnum):
+    """An instance's side, from vLLM's ``kv_role``."""
+
+    PREFILL = "prefill"  # kv_producer: prefills for other instances' decode
+    DECODE = "decode"  # kv_consumer: decodes requests other instances prefilled
+    BOTH = "both"  # kv_both: per request, P for PrefillParams, D for DecodeParams, else an ordinary request
+
+
+PREFILL = Mode.PREFILL
+DECODE = Mode.DECODE
+BOTH = Mode.BOTH
+#: vLLM's kv_role -> this instance's mode.
+KV_ROLES = {"kv_producer": PREFILL, "kv_consumer": DECODE, "kv_both": BOTH}
 #: kv_connector_extra_config.transfer_mode values: push a room once its prefill ended, or layer by layer.
 TRANSFER_MODES = ("request", "layer")
 #: vLLM-Ascend's D2RH port bases (accepted for its configs; PDConnector opens no socket on them).
@@ -41,7 +55,7 @@ class ConfigError(ValueError):
 class DisaggConfig:
     """Validated PDConnector settings (see README "Configuration")."""
 
-    mode: str
+    mode: Mode
     # Bootstrap server of the prefill deployment (hosted by P's leader rank).
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
@@ -126,15 +140,22 @@ class DisaggConfig:
 
     @property
     def is_prefill(self) -> bool:
-        return self.mode == PREFILL
+        """This instance prefills for other instances: P, and kv_both (for its PrefillParams requests)."""
+        return self.mode in (PREFILL, BOTH)
 
     @property
     def is_decode(self) -> bool:
-        return self.mode == DECODE
+        """This instance loads KV other instances prefilled: D, and kv_both (for its DecodeParams requests)."""
+        return self.mode in (DECODE, BOTH)
+
+    @property
+    def is_both(self) -> bool:
+        """kv_role kv_both: which side a request takes is decided by its kv_transfer_params."""
+        return self.mode is BOTH
 
     @property
     def pushes_kv(self) -> bool:
-        """This instance's ranks push KV to decode ranks: P, and D with ``migration`` (its held rooms)."""
+        """This instance's ranks push KV to decode ranks: P, kv_both, and D with ``migration`` (its held rooms)."""
         return self.is_prefill or self.migration
 
 
@@ -220,13 +241,11 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
 
 def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggConfig:
     """Build a DisaggConfig from vLLM's kv_role and kv_connector_extra_config."""
-    if kv_role == "kv_producer":
-        mode = PREFILL
-    elif kv_role == "kv_consumer":
-        mode = DECODE
-    else:
+    mode = KV_ROLES.get(kv_role or "")
+    if mode is None:
         raise ConfigError(
-            f"PDConnector needs kv_role 'kv_producer' (prefill) or 'kv_consumer' (decode), got {kv_role!r}"
+            "PDConnector needs kv_role 'kv_producer' (prefill), 'kv_consumer' (decode) or 'kv_both' (either, per "
+            f"request), got {kv_role!r}"
         )
     extra = dict(extra or {})
     tls = extra.pop(ascend_settings.TLS_CONFIG, None)  # vLLM-Ascend's form of the bootstrap_ssl_* keys
@@ -240,11 +259,11 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
     values = {key: _coerce(key, extra.pop(key), typ) for key, typ in _FIELD_TYPES.items() if key in extra}
     values["backend_options"] = _backend_options(values.get("backend", backends.DEFAULT_BACKEND), extra, owners)
     try:  # tls_config, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, qos_priority
-        ascend_settings.resolve(mode == PREFILL, values, tls, hixl=values["backend_options"].uses_hixl)
+        ascend_settings.resolve(mode in (PREFILL, BOTH), values, tls, hixl=values["backend_options"].uses_hixl)
     except ascend_settings.SettingError as exc:
         raise ConfigError(str(exc)) from None
-    own = values.get(mode)
-    if mode == PREFILL and own is not None and own.dp_size is not None:
+    own = values.get(PREFILL if mode is BOTH else mode.value)
+    if mode in (PREFILL, BOTH) and own is not None and own.dp_size is not None:
         if values.setdefault("dp_size", own.dp_size) != own.dp_size:
             raise ConfigError(
                 f"kv_connector_extra_config.dp_size is {values['dp_size']} but prefill.dp_size is {own.dp_size}; "
@@ -252,6 +271,7 @@ def parse_config(kv_role: str | None, extra: dict[str, Any] | None) -> DisaggCon
             )
     cfg = DisaggConfig(mode=mode, **values)
     _validate(cfg)
+    _validate_both(cfg)
     _validate_migration(cfg, explicit_port="bootstrap_port" in values)
     try:
         token_of(cfg)
@@ -331,6 +351,26 @@ def _validate(cfg: DisaggConfig) -> None:
             f"kv_connector_extra_config.max_batch_entries must be in 1..{limit} (the {cfg.backend!r} backend's "
             f"largest batch), got {cfg.max_batch_entries}"
         )
+
+
+def _validate_both(cfg: DisaggConfig) -> None:
+    """kv_both runs request mode, one DP rank, no D2RH and no migration (each refused by name).
+
+    vLLM's own DP and PP sizes are refused at start-up (pd_connector.refusals.both_problem)."""
+    if not cfg.is_both:
+        return
+    refused = (
+        ("d2rh", cfg.d2rh, "D2RH's host KV pool"),
+        ("transfer_mode", cfg.transfer_mode == "layer", "transfer_mode 'layer'"),
+        ("migration", cfg.migration, "migration"),
+        ("dp_size", cfg.dp_size > 1, f"dp_size {cfg.dp_size}"),
+    )
+    for key, on, what in refused:
+        if on:
+            raise ConfigError(
+                f"kv_connector_extra_config.{key}: {what} is not supported with kv_role kv_both; start this instance "
+                "as kv_producer or kv_consumer, or without that setting"
+            )
 
 
 def _validate_migration(cfg: DisaggConfig, explicit_port: bool) -> None:

@@ -13,7 +13,10 @@ Run by ``PDConnector.__init__`` on both sides (scheduler and every worker), befo
 - context parallel (vLLM's ``prefill_context_parallel_size`` / ``decode_context_parallel_size``,
   vLLM-Ascend's pcp / dcp): a request's tokens are spread over ranks, a block's KV is on several;
 - dual-batch overlap (``enable_dbo``, or ``ubatch_size`` > 1) with ``transfer_mode`` ``layer``: vLLM
-  runs every layer once per micro-batch on two threads, and the layer push assumes one pass.
+  runs every layer once per micro-batch on two threads, and the layer push assumes one pass;
+- kv_role ``kv_both`` with vLLM's data parallel or pipeline parallel, or with a recurrent-state model: a
+  kv_both instance is one DP rank of one pipeline stage moving attention KV only (``config`` refuses its
+  d2rh, layer mode, migration and dp_size).
 
 ``note_kv_transfer_fields`` says (in the log) what vLLM's ``kv_port`` and ``engine_id`` do here.
 """
@@ -99,6 +102,26 @@ def dual_batch_problem(cfg: DisaggConfig, parallel_config: Any) -> str | None:
     )
 
 
+def both_problem(cfg: DisaggConfig, parallel_config: Any, kv_cache_config: Any) -> str | None:
+    """Why this kv_both instance cannot run as both sides; None when it can (or is not kv_both)."""
+    if not cfg.is_both:
+        return None
+    for attr, flag in (("data_parallel_size", "--data-parallel-size"), ("pipeline_parallel_size", "-pp")):
+        size = getattr(parallel_config, attr, 1)
+        if isinstance(size, int) and size > 1:
+            return (
+                f"kv_role kv_both with vLLM's {flag} {size} (parallel_config.{attr}) is not supported: a kv_both "
+                "instance prefills and decodes as one DP rank of one pipeline stage; start it with "
+                f"{attr} 1, or run separate kv_producer and kv_consumer deployments"
+            )
+    if recurrent_groups(kv_cache_config):
+        return (
+            f"kv_role kv_both with a recurrent-state model (KV cache groups {layer_kinds(kv_cache_config)}) is not "
+            "supported; run separate kv_producer and kv_consumer deployments"
+        )
+    return None
+
+
 def refuse_unsupported(cfg: DisaggConfig, vllm_config: Any, kv_cache_config: Any) -> None:
     """UnsupportedSetupError for the first of the problems above that this instance has."""
     par = getattr(vllm_config, "parallel_config", None)
@@ -106,6 +129,7 @@ def refuse_unsupported(cfg: DisaggConfig, vllm_config: Any, kv_cache_config: Any
         recurrent_state_problem(cfg, vllm_config, kv_cache_config),
         context_parallel_problem(par),
         dual_batch_problem(cfg, par),
+        both_problem(cfg, par, kv_cache_config),
     ):
         if problem is not None:
             raise UnsupportedSetupError(f"PDConnector cannot serve this {cfg.mode} instance: {problem}")

@@ -264,7 +264,9 @@ class PDScheduler:
         self._recv_planned.discard(rid)
         self._awaiting_kv.discard(rid)
         self._kv_ready.discard(rid)
-        bypass = reason_for(self.cfg.is_prefill, getattr(request, "kv_transfer_params", None), params)
+        # kv_both: a request is P's or D's by its params
+        as_prefill = self.cfg.is_prefill and not (self.cfg.is_both and isinstance(params, DecodeParams))
+        bypass = reason_for(as_prefill, getattr(request, "kv_transfer_params", None), params)
         if bypass is not None:
             self.bypassed.record(rid, bypass)
             self.accounts.bypassed(rid, bypass)

@@ -5,6 +5,8 @@ KVTransferManager (ZMQ), registers P ranks with
 the bootstrap server (the leader, dp 0 / tp 0, also hosts that server) and
 turns each step's metadata into transfer work. A D with ``migration`` pushes KV too (its aborted
 requests' migrate rooms, pd_connector.scheduling.migration): its ranks join a bootstrap server of their own as P's do.
+A kv_both instance runs both sides on every rank (a PrefillSide and a DecodeSide, its leader hosting its
+bootstrap server at ``bootstrap_port``); each request's kv_transfer_params decide which one it uses.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _stage_layers(cfg: DisaggConfig, kv_caches: dict[str, Any], pp_rank: int, pp
     """P: this stage's layers [first, end) ((0, 0) with PP 1); D must run one stage (layouts.pp)."""
     if pp_size <= 1:
         return 0, 0
-    if not cfg.is_prefill:
+    if cfg.is_decode:  # D, and kv_both (pd_connector.refusals refuses its PP first)
         raise ValueError(
             f"PDConnector: this {cfg.mode} instance runs --pipeline-parallel-size {pp_size}, but decode runs one "
             "pipeline stage (as vLLM-Ascend's, whose kv_connector_extra_config.decode.pp_size must be 1); only the "
@@ -219,7 +221,7 @@ class PDWorker:
             self.d2rh = D2RHWorker(host, self.manager.stats, self.manager.pool.submit, device)
         if self.cfg.is_prefill and self.cfg.transfer_mode == "layer":
             self.layers = enable_layer_push(self.manager.prefill, spec, reshuffle is not None, kv_caches, num_blocks)
-        if self.cfg.pushes_kv:  # P, and D with migration (at D's own bootstrap_port)
+        if self.cfg.pushes_kv:  # P, kv_both, and D with migration (at D's own bootstrap_port)
             self._join_prefill_deployment(spec)
 
     def _num_blocks(self, kv_caches: dict[str, Any]) -> int:

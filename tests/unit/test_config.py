@@ -37,7 +37,7 @@ def test_defaults_decode_and_empty_extra() -> None:
     assert cfg.is_decode and not cfg.is_prefill
 
 
-@pytest.mark.parametrize("role", [None, "", "kv_both", "producer", "KV_PRODUCER"])
+@pytest.mark.parametrize("role", [None, "", "both", "producer", "KV_PRODUCER"])
 def test_wrong_role(role: str | None) -> None:
     with pytest.raises(ConfigError, match="kv_role") as info:
         parse_config(role, {})

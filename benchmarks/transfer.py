@@ -171,7 +171,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, help="default 4096 (--exposed: 2000)")
     ap.add_argument("--run", type=int, default=4, help="consecutive blocks per run on D (fragmentation)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--backend", default="mooncake", choices=known_backends(), help="transfer backend")
+    ap.add_argument(
+        "--backend",
+        default="mooncake",
+        choices=sorted({*known_backends(), "null"}),
+        help="transfer backend; null: the connector's own CPU cost, no byte moves (benchmarks/transfer_null.py)",
+    )
     ap.add_argument("--exposed", action="store_true", help="exposed transfer time, request vs layer mode")
     ap.add_argument("--layer-ms", type=float, default=20.0, help="--exposed: simulated compute per layer")
     ap.add_argument("--chunks", type=int, default=1, help="--exposed: prefill steps (chunked prefill)")
@@ -186,12 +191,30 @@ def main() -> None:
 
         print(json.dumps(run_exposed(args)))
         return
+    if args.backend == "null":
+        from benchmarks.transfer_null import measure_null
+
+        result = measure_null(
+            args.layers, args.kv_heads, args.head_dim, args.block_size, args.prompt_tokens, rounds=args.rounds
+        )
+        print(json.dumps({**result, **run_facts()}))
+        return
 
     result = measure(
         args.layers, args.kv_heads, args.head_dim, args.block_size, args.prompt_tokens,
         run=args.run, rounds=args.rounds, backend=args.backend,
     )  # fmt: skip
-    print(json.dumps(result))
+    print(json.dumps({**result, **run_facts()}))
+
+
+def run_facts() -> dict[str, Any]:
+    """The command line, the machine's cores and its load when the run ended (other work skews ratios)."""
+    return {
+        "command": " ".join(["python", *sys.argv]),
+        "cpus": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def measure(

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,42 @@ def describe(descriptor: bytes) -> str:
 
 
 BatchWrite = Callable[[list[int], list[int], list[int]], int]
+Batch = tuple[list[int], list[int], list[int]]
+
+#: Batches one write keeps in flight at most (``write_pipelined``): the next is handed to the transport
+#: while earlier ones still move, so the wire does not idle between two batches.
+PIPELINE_DEPTH = 4
+#: Bytes one write keeps in flight at most (a batch larger than this goes alone). It bounds how long a
+#: batch may wait behind the ones submitted before it, which its transport's bound (``batch_stall_s``,
+#: counted from its submission) must cover as well: 1 GiB is 1 s at 1 GB/s.
+PIPELINE_BYTES = 1 << 30
+
+
+class BatchPipe(Protocol):
+    """A transport's asynchronous batch write, as ``write_pipelined`` drives it."""
+
+    def submit(self, src: list[int], dst: list[int], lengths: list[int]) -> Any:
+        """Start writing one batch; returns the handle ``wait`` takes (never raises for a failed batch)."""
+        ...
+
+    def wait(self, handle: Any) -> int:
+        """Block until the batch of ``handle`` ended: 0 when every byte landed, else the transport's error.
+
+        It returns within the transport's bound on one batch (``batch_stall_s``) counted from ``submit``."""
+        ...
+
+
+class SyncPipe:
+    """A synchronous ``write_batch(src, dst, lengths) -> status`` as a pipe: the batch ends in ``submit``."""
+
+    def __init__(self, write_batch: BatchWrite) -> None:
+        self._write_batch = write_batch
+
+    def submit(self, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        return int(self._write_batch(src, dst, lengths))
+
+    def wait(self, handle: int) -> int:
+        return handle
 
 
 def write_in_batches(
@@ -103,66 +141,154 @@ def write_in_batches(
     stall_s: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Call ``write_batch(src, dst, lengths) -> status`` (0: ok) per batch of at most max_batch entries.
+    """Call ``write_batch(src, dst, lengths) -> status`` (0: ok) per batch of at most max_batch entries,
+    one batch after the other: ``write_pipelined`` with one batch in flight (its docstring has the rules)."""
+    write_pipelined(
+        SyncPipe(write_batch),
+        src,
+        dst,
+        lengths,
+        max_batch,
+        still_wanted,
+        what=what,
+        peer=peer,
+        depth=1,
+        retries=retries,
+        stall_s=stall_s,
+        clock=clock,
+    )
 
-    ``still_wanted()`` is asked before every batch: once the reader gave up, no further batch starts
-    (WriteStopped), so at most the batch in flight lands after a cancel; D keeps the blocks until P
-    answered, i.e. until this returned or raised. A failed batch is written again up to ``retries``
-    times unless the reader gave up; a batch that still fails raises TransferError. ``what`` and ``peer`` name the
-    write in messages ("Mooncake batch write of 12 entries to 10.0.0.3:15000 failed with -1").
 
-    ``stall_s`` (the transport's bound on one batch write, ``BackendOptions.batch_stall_s``) is P's half
-    of the timing contract: a batch and its retries end within ``batch_budget_s(stall_s, retries)`` of
-    the batch's start: retry k starts only if the k tries before it stayed within k * ``stall_s`` (give
-    or take ``overrun_tolerance_s``), so it too ends within the budget (TransferError otherwise); without
-    ``stall_s`` nothing is timed. A batch starts only while the reader wants it, and P learns that D gave
-    up within peer_timeout_s (its cancel, or liveness), so every byte lands within budget +
-    peer_timeout_s of D giving up: D's stop wait (``loads.stop_wait_s``) is that plus a margin. An
-    attempt that outlasted ``stall_s`` broke the transport's bound; it is logged with the bound.
+@dataclass
+class _InFlight:
+    """One submitted batch: its entries, its first byte index, when its first try started, its handle."""
+
+    first: int
+    batch: Batch
+    nbytes: int
+    began: float
+    handle: Any
+
+
+def write_pipelined(
+    pipe: BatchPipe,
+    src: Ints,
+    dst: Ints,
+    lengths: Ints,
+    max_batch: int,
+    still_wanted: Wanted,
+    *,
+    what: str,
+    peer: str,
+    depth: int = PIPELINE_DEPTH,
+    max_bytes: int = PIPELINE_BYTES,
+    retries: int = WRITE_RETRIES,
+    stall_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Write the entries in batches of at most max_batch through ``pipe``, up to ``depth`` batches (and
+    ``max_bytes``, unless one batch is larger) in flight; returns once every batch landed.
+
+    ``still_wanted()`` is asked before every batch is submitted: once the reader gave up, no further
+    batch starts (WriteStopped), so at most the batches in flight land after a cancel; D keeps the
+    blocks until P answered, i.e. until this returned or raised, and it never returns or raises while a
+    batch is in flight (it waits for every submitted one first). A failed batch is written again up to
+    ``retries`` times unless the reader gave up; a batch that still fails raises TransferError. ``what``
+    and ``peer`` name the write in messages ("Mooncake batch write of 12 entries to 10.0.0.3:15000
+    failed with -1").
+
+    ``stall_s`` (the transport's bound on one batch write, ``BackendOptions.batch_stall_s``, counted from
+    the batch's submission) is P's half of the timing contract: a batch and its retries end within
+    ``batch_budget_s(stall_s, retries)`` of the batch's start: retry k starts only if the k tries before
+    it stayed within k * ``stall_s`` (give or take ``overrun_tolerance_s``), so it too ends within the
+    budget (TransferError otherwise); without ``stall_s`` nothing is timed. A batch starts only while
+    the reader wants it, and P learns that D gave up within peer_timeout_s (its cancel, or liveness), so
+    every byte lands within budget + peer_timeout_s of D giving up: D's stop wait (``loads.stop_wait_s``)
+    is that plus a margin. An attempt that outlasted ``stall_s`` broke the transport's bound; it is
+    logged with the bound.
     """
-    for start in range(0, len(src), max_batch):
-        if still_wanted is not None and not still_wanted():
-            raise WriteStopped(f"{what} to {peer} stopped after {start} of {len(src)} entries: the reader gave up")
-        end = start + max_batch
-        batch = (list(src[start:end]), list(dst[start:end]), list(lengths[start:end]))
-        began = clock()
-        ret = _attempt(write_batch, batch, stall_s, clock, what, peer)
-        for attempt in range(retries):
-            if ret == 0 or (still_wanted is not None and not still_wanted()):
-                break
-            elapsed = clock() - began
-            if stall_s is not None and elapsed > (attempt + 1) * stall_s + overrun_tolerance_s(stall_s):
-                budget = batch_budget_s(stall_s, retries)
-                raise TransferError(
-                    f"{what} of {len(batch[0])} entries to {peer} failed with {ret} after {elapsed:.1f} s; not tried "
-                    f"again: a retry could end past the batch's {budget:g} s budget ({1 + retries} x the transport's "
-                    f"{stall_s:g} s batch bound, batch_stall_s) that the reader's wait counts on"
-                )
-            logger.warning(
-                "%s of %d entries to %s failed with %d; trying again (%d/%d)",
-                what,
-                len(batch[0]),
-                peer,
-                ret,
-                attempt + 1,
-                retries,
+    if depth < 1:
+        raise ValueError(f"{what}: pipeline depth must be >= 1, got {depth}")
+    total = len(src)
+    flying: deque[_InFlight] = deque()
+    flying_bytes = 0
+    try:
+        for first in range(0, total, max_batch):
+            end = first + max_batch
+            batch = (list(src[first:end]), list(dst[first:end]), list(lengths[first:end]))
+            nbytes = sum(batch[2])
+            while flying and (len(flying) >= depth or flying_bytes + nbytes > max_bytes):
+                done = flying.popleft()
+                flying_bytes -= done.nbytes
+                _settle(pipe, done, still_wanted, retries, stall_s, clock, what, peer)
+            if still_wanted is not None and not still_wanted():
+                raise WriteStopped(f"{what} to {peer} stopped after {first} of {total} entries: the reader gave up")
+            began = clock()
+            flying.append(_InFlight(first, batch, nbytes, began, pipe.submit(*batch)))
+            flying_bytes += nbytes
+        while flying:
+            _settle(pipe, flying.popleft(), still_wanted, retries, stall_s, clock, what, peer)
+    finally:
+        # Raising with batches in flight (a failed batch, the reader gone): wait for each to end first,
+        # so no byte of this write lands after the caller answered D.
+        while flying:
+            left = flying.popleft()
+            try:
+                pipe.wait(left.handle)
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                logger.exception("%s to %s: waiting for a batch in flight failed", what, peer)
+
+
+def _settle(
+    pipe: BatchPipe,
+    job: _InFlight,
+    still_wanted: Wanted,
+    retries: int,
+    stall_s: float | None,
+    clock: Callable[[], float],
+    what: str,
+    peer: str,
+) -> None:
+    """Wait for one submitted batch; a failed one is tried again (one try at a time) within its budget."""
+    ret = _ended(pipe, job.handle, job.began, len(job.batch[0]), stall_s, clock, what, peer)
+    for attempt in range(retries):
+        if ret == 0 or (still_wanted is not None and not still_wanted()):
+            break
+        elapsed = clock() - job.began
+        if stall_s is not None and elapsed > (attempt + 1) * stall_s + overrun_tolerance_s(stall_s):
+            budget = batch_budget_s(stall_s, retries)
+            raise TransferError(
+                f"{what} of {len(job.batch[0])} entries to {peer} failed with {ret} after {elapsed:.1f} s; not tried "
+                f"again: a retry could end past the batch's {budget:g} s budget ({1 + retries} x the transport's "
+                f"{stall_s:g} s batch bound, batch_stall_s) that the reader's wait counts on"
             )
-            ret = _attempt(write_batch, batch, stall_s, clock, what, peer)
-        if ret != 0:
-            raise TransferError(f"{what} of {len(batch[0])} entries to {peer} failed with {ret}")
+        logger.warning(
+            "%s of %d entries to %s failed with %d; trying again (%d/%d)",
+            what,
+            len(job.batch[0]),
+            peer,
+            ret,
+            attempt + 1,
+            retries,
+        )
+        t0 = clock()
+        ret = _ended(pipe, pipe.submit(*job.batch), t0, len(job.batch[0]), stall_s, clock, what, peer)
+    if ret != 0:
+        raise TransferError(f"{what} of {len(job.batch[0])} entries to {peer} failed with {ret}")
 
 
-def _attempt(
-    write_batch: BatchWrite,
-    batch: tuple[list[int], list[int], list[int]],
+def _ended(
+    pipe: BatchPipe,
+    handle: Any,
+    t0: float,
+    entries: int,
     stall_s: float | None,
     clock: Callable[[], float],
     what: str,
     peer: str,
 ) -> int:
-    """One try of one batch; an attempt longer than the transport's bound ``stall_s`` is logged."""
-    t0 = clock()
-    ret = write_batch(*batch)
+    """The status of one try (submitted at ``t0``); a try longer than the transport's bound is logged."""
+    ret = int(pipe.wait(handle))
     took = clock() - t0
     if stall_s is not None and took > stall_s + overrun_tolerance_s(stall_s):
         logger.error(
@@ -170,9 +296,9 @@ def _attempt(
             "timeout settings, see Timeouts in docs/configuration.md): D's stop wait counts on that bound, so a "
             "reader that gave up meanwhile may already have reused the blocks",
             what,
-            len(batch[0]),
+            entries,
             peer,
             took,
             stall_s,
         )
-    return int(ret)
+    return ret

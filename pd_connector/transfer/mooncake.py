@@ -17,10 +17,15 @@ that address (``MC_TCP_BIND_ADDRESS`` only names the address it *advertises* out
 ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` (default 15000-17000) bound the ports of both. ``open`` logs the
 listeners it made, so a firewall can be checked against them (docs/security.md, "What listens where").
 
+How one write moves (``MooncakePipe``): its entries go in batches of at most ``max_batch_entries``,
+up to ``backend.PIPELINE_DEPTH`` batches in flight (``batch_transfer_async_write``, then
+``get_batch_transfer_status`` per batch in submission order), so the transport always has the next
+batch queued; ``write`` returns once every batch landed or, failing, once none is in flight.
+
 How long one batch may take (``MooncakeOptions.batch_stall_s``, ``stall_for``): Mooncake's Python
-binding (``TransferEnginePy::batchTransferSync``) gives up on a ``batch_transfer_sync_write`` after
-``MC_TRANSFER_TIMEOUT`` s (default 30, at least 5) plus 1 ns per byte of the batch, whatever the
-transport, but the transport may still be moving that batch's bytes until its own timeout fails them:
+binding gives up on a batch (``TransferEnginePy::getBatchTransferStatus``, and ``batchTransferSync``
+alike) after ``MC_TRANSFER_TIMEOUT`` s (default 30, at least 5) plus 1 ns per byte of the batch,
+counted from its submission, whatever the transport, but the transport may still be moving that batch's bytes until its own timeout fails them:
 ``tcp`` drops a connection that made no progress for ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (``open`` sets 10
 when unset; Mooncake's own default is 30), ``ascend`` (HIXL) fails a transfer after
 ``ASCEND_TRANSFER_TIMEOUT`` ms (``ascend.settings`` derives it as vLLM-Ascend does when unset), ``rdma``
@@ -39,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from pd_connector.ascend import settings as ascend_settings
 from pd_connector.ascend.env import setup_local_comm_res
 from pd_connector.ascend.platform import on_npu
-from pd_connector.transfer.backend import Ints, TransferError, Wanted, write_in_batches
+from pd_connector.transfer.backend import PIPELINE_DEPTH, Ints, TransferError, Wanted, write_pipelined
 from pd_connector.transfer.proc_sockets import TABLES, listen_table, socket_inodes
 from pd_connector.transfer.registry import BackendSpec, OptionError
 
@@ -171,13 +176,22 @@ class MooncakeOptions:
 class MooncakeBackend:
     """One Mooncake TransferEngine per worker rank; its session is what peers write to."""
 
-    def __init__(self, engine: Any, session: str, protocol: str = "tcp", stall_s: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        session: str,
+        protocol: str = "tcp",
+        stall_s: float | None = None,
+        depth: int = PIPELINE_DEPTH,
+    ) -> None:
         """Wrap an initialized ``mooncake.engine.TransferEngine`` (see :meth:`open`); ``stall_s``: the
-        options' ``batch_stall_s``, which bounds each batch and its retries (``write_in_batches``)."""
+        options' ``batch_stall_s``, which bounds each batch and its retries (``write_pipelined``);
+        ``depth``: batches of one write in flight at most."""
         self._engine = engine
         self.session = session
         self.protocol = protocol
         self.stall_s = stall_s
+        self.depth = depth
         self._registered: list[int] = []
 
     @classmethod
@@ -236,19 +250,16 @@ class MooncakeBackend:
     def write(
         self, peer_descriptor: bytes, src: Ints, dst: Ints, lengths: Ints, max_batch: int, still_wanted: Wanted = None
     ) -> None:
-        """Write src[i] -> peer:dst[i] in batches; a failed batch is written once more while that retry
-        fits in the batch's budget (``write_in_batches``, ``stall_s``).
+        """Write src[i] -> peer:dst[i] in batches, up to ``depth`` of them in flight (``MooncakePipe``); a
+        failed batch is written once more while that retry fits in the batch's budget (``write_pipelined``,
+        ``stall_s``).
 
         Mooncake's TCP transport drops a connection that made no progress for
         MC_TCP_PROGRESS_TIMEOUT_SEC and the next try opens a fresh one.
         """
         session = peer_descriptor.decode("ascii")
-
-        def write_batch(s: list[int], d: list[int], n: list[int]) -> int:
-            return int(self._engine.batch_transfer_sync_write(session, s, d, n))
-
-        write_in_batches(
-            write_batch,
+        write_pipelined(
+            MooncakePipe(self._engine, session),
             src,
             dst,
             lengths,
@@ -256,6 +267,7 @@ class MooncakeBackend:
             still_wanted,
             what="Mooncake batch write",
             peer=session,
+            depth=self.depth,
             stall_s=self.stall_s,
         )
 
@@ -266,6 +278,34 @@ class MooncakeBackend:
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
         self._registered.clear()
+
+
+class MooncakePipe:
+    """One write's batches through Mooncake's asynchronous batch calls.
+
+    ``submit`` is ``batch_transfer_async_write`` (it returns at once with a batch id; the TCP transport
+    starts every entry as it is submitted); ``wait`` is ``get_batch_transfer_status([id])``, which
+    returns 0 once every entry of the batch completed, or -1 when one failed or the batch outlasted the
+    binding's bound (``MC_TRANSFER_TIMEOUT`` plus 1 ns per byte, counted from the submission), and
+    frees the batch id. A submission Mooncake refuses (batch id 0: no segment for the peer, or its
+    transport refused the entries) is written with ``batch_transfer_sync_write`` instead, which drops a
+    stale segment of a restarted peer and reports the status.
+    """
+
+    def __init__(self, engine: Any, session: str) -> None:
+        self._engine = engine
+        self._session = session
+
+    def submit(self, src: list[int], dst: list[int], lengths: list[int]) -> tuple[bool, int]:
+        """(True, batch id) of a batch in flight, or (False, status) of one already written synchronously."""
+        batch_id = int(self._engine.batch_transfer_async_write(self._session, src, dst, lengths))
+        if batch_id:
+            return True, batch_id
+        return False, int(self._engine.batch_transfer_sync_write(self._session, src, dst, lengths))
+
+    def wait(self, handle: tuple[bool, int]) -> int:
+        in_flight, value = handle
+        return int(self._engine.get_batch_transfer_status([value])) if in_flight else value
 
 
 def host_port_text(host: str, port: int) -> str:

@@ -10,7 +10,8 @@ Adding a backend: one module under ``pd_connector/transfer/`` that defines ``BAC
 ``(DisaggConfig) -> TransferBackend``), plus one entry in ``_MODULES`` below. Its keys are accepted at
 the top level of ``kv_connector_extra_config`` (vLLM-Ascend's ``use_ascend_direct`` and
 ``ascend_local_comm_res_path`` are the Mooncake backend's). Tests and plugins may also call
-``register_backend(name, factory)``.
+``register_backend(name, factory)``; a backend that must be enabled explicitly (``null``, the
+benchmarks' backend that moves no byte) is registered whole by ``register_spec``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,19 @@ def register_backend(
         raise ValueError("a transfer backend needs a non-empty name")
     base = spec_of(options_of or DEFAULT_BACKEND)
     _REGISTERED[name] = replace(base, open=factory, parse=parse or base.parse)
+
+
+def register_spec(name: str, spec: BackendSpec) -> None:
+    """Make ``name`` a valid ``backend`` value with a whole spec of its own (keys, parser, factory).
+
+    For backends that must never be picked by a deployment's config unless a program registered them
+    first (``null_backend.enable``): names in ``_MODULES`` are known to every process, these are not.
+    """
+    if not name:
+        raise ValueError("a transfer backend needs a non-empty name")
+    if name in _MODULES:
+        raise ValueError(f"transfer backend {name!r} is built in; register another name")
+    _REGISTERED[name] = spec
 
 
 def known_backends() -> tuple[str, ...]:

@@ -8,7 +8,15 @@ import threading
 import pytest
 
 from pd_connector.config import DisaggConfig, parse_config
-from pd_connector.transfer.backend import TransferBackend, TransferError, WriteStopped, describe, write_in_batches
+from pd_connector.transfer import null_backend
+from pd_connector.transfer.backend import (
+    TransferBackend,
+    TransferError,
+    WriteStopped,
+    describe,
+    write_in_batches,
+    write_pipelined,
+)
 from pd_connector.transfer.mooncake import MooncakeBackend
 from pd_connector.transfer.registry import (
     UnknownBackendError,
@@ -59,6 +67,27 @@ def test_unknown_backend_names_it_and_the_known_ones() -> None:
         register_backend("", lambda cfg: InprocBackend())
 
 
+def test_the_null_backend_is_known_only_once_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployment cannot pick ``backend: null`` (no byte would move); a benchmark enables it by name."""
+    from pd_connector.transfer import registry
+
+    monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
+    registry._REGISTERED.pop(null_backend.NAME, None)
+    assert null_backend.NAME not in known_backends()
+    with pytest.raises(Exception, match="unknown transfer backend 'null'"):
+        parse_config("kv_producer", {"backend": "null"})
+    null_backend.enable()
+    cfg = parse_config("kv_producer", {"backend": "null"})
+    p, d = create_backend(cfg), create_backend(cfg)
+    assert isinstance(p, null_backend.NullBackend) and isinstance(p, TransferBackend)
+    p.write(d.descriptor, range(2500), range(2500), [8] * 2500, cfg.max_batch_entries)
+    assert (p.batches, p.entries) == (3, 2500)
+    with pytest.raises(TransferError, match="not a null backend"):
+        p.write(b"10.0.0.3:15000", [1], [2], [8], 4)
+    with pytest.raises(ValueError, match="built in"):
+        registry.register_spec("mooncake", null_backend.BACKEND)
+
+
 def test_describe_descriptors() -> None:
     assert describe(b"10.0.0.3:15000") == "10.0.0.3:15000"
     assert describe(b"\x00\xff") == "00ff"
@@ -69,18 +98,42 @@ def test_describe_descriptors() -> None:
 
 
 class _FlakyEngine:
-    """Stands in for mooncake's TransferEngine: fails the first `failures` batch writes."""
+    """Stands in for mooncake's TransferEngine: fails the first `failures` batch writes (synchronous or
+    asynchronous: an asynchronous one fails when its status is asked); `refused` asynchronous submissions
+    are refused (batch id 0)."""
 
-    def __init__(self, failures: int) -> None:
+    def __init__(self, failures: int, refused: int = 0) -> None:
         self.failures = failures
+        self.refused = refused
         self.calls: list[tuple[str, list[int], list[int], list[int]]] = []
+        self.sync_calls = 0
+        self.in_flight: dict[int, int] = {}  # batch id -> its status once asked
+        self.most_in_flight = 0
+        self._ids = iter(range(1, 1 << 30))
 
-    def batch_transfer_sync_write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
-        self.calls.append((session, src, dst, lengths))
+    def _status(self) -> int:
         if self.failures > 0:
             self.failures -= 1
             return -1
         return 0
+
+    def batch_transfer_sync_write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        self.calls.append((session, src, dst, lengths))
+        self.sync_calls += 1
+        return self._status()
+
+    def batch_transfer_async_write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        if self.refused > 0:
+            self.refused -= 1
+            return 0
+        self.calls.append((session, src, dst, lengths))
+        batch_id = next(self._ids)
+        self.in_flight[batch_id] = self._status()
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+        return batch_id
+
+    def get_batch_transfer_status(self, batch_ids: list[int]) -> int:
+        return min(self.in_flight.pop(b) for b in batch_ids)
 
 
 def test_mooncake_descriptor_is_its_session() -> None:
@@ -92,10 +145,75 @@ def test_mooncake_descriptor_is_its_session() -> None:
 def test_a_failed_batch_write_is_tried_once_more(pd_logs: pytest.LogCaptureFixture) -> None:
     fake = _FlakyEngine(failures=1)
     MooncakeBackend(fake, "p:1").write(b"h:1", [1, 2, 3], [4, 5, 6], [8, 8, 8], max_batch=2)
-    # Batch [1, 2] failed and was repeated; batch [3] went through at once.
-    assert [c[1] for c in fake.calls] == [[1, 2], [1, 2], [3]]
+    # Both batches were in flight at once; batch [1, 2] failed and was repeated.
+    assert [c[1] for c in fake.calls] == [[1, 2], [3], [1, 2]]
     assert {c[0] for c in fake.calls} == {"h:1"}
+    assert fake.most_in_flight == 2 and not fake.in_flight
     assert "trying again" in pd_logs.text and "to h:1" in pd_logs.text
+    one_at_a_time = _FlakyEngine(failures=1)
+    MooncakeBackend(one_at_a_time, "p:1", depth=1).write(b"h:1", [1, 2, 3], [4, 5, 6], [8, 8, 8], max_batch=2)
+    assert [c[1] for c in one_at_a_time.calls] == [[1, 2], [1, 2], [3]]
+
+
+def test_a_refused_submission_is_written_synchronously() -> None:
+    """Mooncake refuses an asynchronous batch (id 0) when it has no segment for the peer: the synchronous
+    call, which drops a stale segment of a restarted peer, writes that batch instead."""
+    fake = _FlakyEngine(failures=0, refused=1)
+    MooncakeBackend(fake, "p:1").write(b"h:1", [1, 2, 3], [4, 5, 6], [8, 8, 8], max_batch=2)
+    assert [c[1] for c in fake.calls] == [[1, 2], [3]]
+    assert fake.sync_calls == 1
+
+
+def test_pipeline_depth_and_bytes_bound_the_batches_in_flight() -> None:
+    in_flight: list[int] = []
+    most = [0, 0]
+
+    class Pipe:
+        def submit(self, s: list[int], d: list[int], n: list[int]) -> int:
+            in_flight.append(sum(n))
+            most[0], most[1] = max(most[0], len(in_flight)), max(most[1], sum(in_flight))
+            return 0
+
+        def wait(self, handle: int) -> int:
+            in_flight.pop(0)
+            return handle
+
+    write_pipelined(Pipe(), range(40), range(40), [8] * 40, 2, None, what="w", peer="p", depth=3)
+    assert most == [3, 48] and not in_flight
+    most[:] = [0, 0]
+    write_pipelined(Pipe(), range(40), range(40), [8] * 40, 2, None, what="w", peer="p", depth=8, max_bytes=40)
+    assert most == [2, 32] and not in_flight  # a third batch would put 48 bytes in flight
+    most[:] = [0, 0]
+    write_pipelined(Pipe(), range(4), range(4), [64] * 4, 2, None, what="w", peer="p", depth=8, max_bytes=40)
+    assert most == [1, 128]  # a batch larger than max_bytes goes alone
+
+
+def test_a_stopped_or_failed_pipelined_write_waits_for_its_batches_in_flight() -> None:
+    """write_pipelined never returns or raises while a submitted batch is still in flight."""
+    waited: list[int] = []
+    wanted = [True, True, True, False]
+
+    class Pipe:
+        def __init__(self, fail: int | None) -> None:
+            self.fail, self.submitted = fail, 0
+
+        def submit(self, s: list[int], d: list[int], n: list[int]) -> int:
+            self.submitted += 1
+            return s[0]
+
+        def wait(self, handle: int) -> int:
+            waited.append(handle)
+            return -1 if handle == self.fail else 0
+
+    pipe = Pipe(fail=None)
+    with pytest.raises(WriteStopped, match="stopped after 6 of 10 entries"):
+        write_pipelined(pipe, range(10), range(10), [8] * 10, 2, lambda: wanted.pop(0), what="w", peer="p", depth=4)
+    assert pipe.submitted == 3 and sorted(waited) == [0, 2, 4]
+    waited.clear()
+    pipe = Pipe(fail=0)
+    with pytest.raises(TransferError, match="w of 2 entries to p failed with -1"):
+        write_pipelined(pipe, range(10), range(10), [8] * 10, 2, None, what="w", peer="p", depth=2, retries=0)
+    assert waited == [0, 2]  # batch 0 failed; batch 2, already in flight, was waited for before raising
 
 
 def test_a_batch_write_that_fails_twice_raises() -> None:

@@ -21,6 +21,11 @@ the call returns once the instance holds nothing, or its time limit passed:
 
 ``pd_router_drains_total{role,outcome}``, ``pd_router_drain_seconds{role}``; each moved stream is
 also a ``pd_router_resumes_total{reason="drain"}`` and carries a ``drain`` mark in its phase trace.
+
+Rebalancing (``--rebalance on``, :mod:`proxy.admin.rebalance`) moves single streams of a decoder that
+stays in the pool by the same cut (:meth:`Drains.rebalance_move`, cause :attr:`MoveCause.REBALANCE`): its
+KV leg goes to the decoder the policy chose (:meth:`Drains.planned_target`), its phase trace gets a
+``rebalance`` mark, and it is counted by the rebalancer, not as a drain's move.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.admin.rebalance import Rebalancer
 from proxy.errors import DECODE_FAILED, RouterError
 from proxy.strategies.resume_body import StreamTracker, resume_call
 from proxy.upstream.calls import Failure, FailureKind, fetch
@@ -73,6 +79,13 @@ class MoveMode(enum.Enum):
     KV = "kv"  # another decoder loaded the stream's KV from the drained one (proxy.strategies.kv_move)
     REPLAY = "replay"  # P prefilled prompt + generated tokens again (the decoder's KV was dropped)
     FAILED = "failed"  # cut, but no decoder took the stream over (the client got an error event)
+
+
+class MoveCause(enum.Enum):
+    """Why a stream was cut to move to another decoder."""
+
+    DRAIN = "drain"  # its decoder drains (POST /instances/drain, a role change)
+    REBALANCE = "rebalance"  # its decoder is overloaded and another has room (proxy.admin.rebalance)
 
 
 class LegState(enum.Enum):
@@ -136,7 +149,7 @@ class DrainReport:
 
 
 @dataclass(slots=True)
-class _Stream:
+class TrackedStream:
     """One tracked stream on a decoder: its request, its leg, the room it runs with, and the room the
     decoder keeps its KV as if it is cut (None: it is replayed)."""
 
@@ -145,6 +158,17 @@ class _Stream:
     rid: str
     room: int
     kv_room: int | None
+
+
+@dataclass(slots=True)
+class _Cut:
+    """A stream cut to move, whose next leg has not opened (or failed) yet."""
+
+    leg: DrainableLeg
+    cause: MoveCause
+    request: weakref.ref[RequestContext]
+    #: The decoder the move is meant for (a rebalance's choice; None: routing picks).
+    target: BackendState | None = None
 
 
 def held_counts(text: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -164,10 +188,16 @@ class Drains:
     def __init__(self, router: Router) -> None:
         self.router = router
         #: Per decoder: its streams relayed through a tracker (weakly held by the tracker).
-        self._streams: dict[BackendState, weakref.WeakKeyDictionary[StreamTracker, _Stream]] = {}
+        self._streams: dict[BackendState, weakref.WeakKeyDictionary[StreamTracker, TrackedStream]] = {}
         self._running: dict[tuple[str, str, int], asyncio.Task[DrainReport]] = {}
         #: Per draining decoder: its cut streams whose next leg has not opened (or failed) yet.
-        self._pending: dict[BackendState, weakref.WeakKeyDictionary[StreamTracker, DrainableLeg]] = {}
+        self._pending: dict[BackendState, weakref.WeakKeyDictionary[StreamTracker, _Cut]] = {}
+        #: Requests cut by a rebalance whose next leg has not opened: the decoder their KV leg goes to.
+        self._targets: weakref.WeakKeyDictionary[RequestContext, BackendState] = weakref.WeakKeyDictionary()
+        #: Requests a rebalance moved, until their next leg is tracked: (source decoder, how it moved).
+        self._landing: weakref.WeakKeyDictionary[RequestContext, tuple[BackendState, MoveMode]] = (
+            weakref.WeakKeyDictionary()
+        )
         #: Per draining decoder: its streams moved so far, by :class:`MoveMode` value.
         self._tally: dict[BackendState, dict[str, int]] = {}
         reg = router.metrics.registry
@@ -191,6 +221,8 @@ class Drains:
             buckets=DRAIN_BUCKETS,
             registry=reg,
         )
+        #: Moves streams off overloaded decoders (``--rebalance on``); None when off.
+        self.rebalancer = Rebalancer(router, self) if router.config.rebalance.enabled else None
 
     # -- the relay's side ----------------------------------------------------------------------
 
@@ -209,40 +241,80 @@ class Drains:
         streams = self._streams.get(d)
         if streams is None:
             streams = self._streams[d] = weakref.WeakKeyDictionary()
-        stream = streams[tracker] = _Stream(weakref.ref(request), leg, request.rid, room, kv_room)
+        stream = streams[tracker] = TrackedStream(weakref.ref(request), leg, request.rid, room, kv_room)
+        landing = self._landing.pop(request, None)
+        if landing is not None and self.rebalancer is not None:
+            self.rebalancer.landed(landing[0], d, landing[1], request.rid, room)
+        if self.rebalancer is not None:
+            self.rebalancer.start()
         if d.draining:
             self._move(d, tracker, stream)  # opened while its decoder drains
 
-    def _move(self, d: BackendState, tracker: StreamTracker, stream: _Stream) -> bool:
+    def streaming(self, d: BackendState) -> list[tuple[StreamTracker, TrackedStream, RequestContext]]:
+        """The streams relayed from decoder ``d`` now (their leg streaming, no finish reason out yet)."""
+        out = []
+        for tracker, stream in list(self._streams.get(d, {}).items()):
+            request = stream.request()
+            if request is not None and not tracker.finished and stream.leg.leg_state() is LegState.STREAMING:
+                out.append((tracker, stream, request))
+        return out
+
+    def rebalance_move(self, d: BackendState, tracker: StreamTracker, target: BackendState) -> bool:
+        """Cut ``tracker``'s stream on ``d`` so that it goes on on ``target`` with its KV (a
+        rebalance: ``d`` stays in the pool); False when it cannot move (see :meth:`_move`)."""
+        stream = self._streams.get(d, {}).get(tracker)
+        if stream is None or stream.kv_room is None:
+            return False  # only a move by KV: a replay would prefill it all again
+        return self._move(d, tracker, stream, MoveCause.REBALANCE, target)
+
+    def planned_target(self, request: RequestContext) -> BackendState | None:
+        """The decoder a rebalance cut ``request``'s stream for (once; None: routing picks)."""
+        return self._targets.pop(request, None)
+
+    def _move(
+        self,
+        d: BackendState,
+        tracker: StreamTracker,
+        stream: TrackedStream,
+        cause: MoveCause = MoveCause.DRAIN,
+        target: BackendState | None = None,
+    ) -> bool:
         """Cut the stream's leg with a drain failure (the relay resumes it); False when it cannot
-        move (ended, nothing to resume from, no resumed leg left)."""
+        move (ended, nothing to resume from, no resumed leg left, nowhere to go)."""
         request = stream.request()
         state = stream.leg.leg_state()
         if request is None or state is LegState.CUT_BY_DRAIN:
-            return request is not None
+            return request is not None and cause is MoveCause.DRAIN
         if state is not LegState.STREAMING or tracker.finished:
             return False
         if request.progress.resumes >= self.router.config.resume_attempts or resume_call(tracker) is None:
             return False
-        if not any(s.healthy for s in self.router.pool.active["decode"]):
+        if target is not None and not target.healthy:
+            return False
+        if not any(s.healthy for s in self.router.pool.active["decode"] if s is not d):
             return False  # nowhere to go: it finishes in place
         name = d.backend.name
-        error = RouterError(503, f"{name} is draining; the stream moves to another decoder", DECODE_FAILED)
-        request.progress.moves.append(("drain", time.time()))
+        why = "is draining" if cause is MoveCause.DRAIN else "is overloaded"
+        error = RouterError(503, f"{name} {why}; the stream moves to another decoder", DECODE_FAILED)
+        request.progress.moves.append((cause.value, time.time()))
         pending = self._pending.get(d)
         if pending is None:
             pending = self._pending[d] = weakref.WeakKeyDictionary()
-        pending[tracker] = stream.leg
+        pending[tracker] = _Cut(stream.leg, cause, stream.request, target)
+        if target is not None:
+            self._targets[request] = target
         mode = MoveMode.KV if stream.kv_room is not None else MoveMode.REPLAY
         logger.info(
-            "rid=%s room=%s moving off draining %s (%s%s)",
+            "rid=%s room=%s moving off %s %s (%s%s%s)",
             stream.rid,
             stream.room,
+            "draining" if cause is MoveCause.DRAIN else "overloaded",
             name,
             mode.value,
             f", migrate room {stream.kv_room}" if mode is MoveMode.KV else "",
+            f", to {target.backend.name}" if target is not None else "",
         )
-        stream.leg.cut_for_drain(Failure(d, FailureKind.DRAIN, error, True, detail="drain"))
+        stream.leg.cut_for_drain(Failure(d, FailureKind.DRAIN, error, True, detail=cause.value))
         return True
 
     def settled(self, d: BackendState, tracker: StreamTracker, mode: MoveMode | None, rid: str, room: int) -> None:
@@ -252,7 +324,16 @@ class Drains:
         pending = self._pending.get(d)
         if pending is None or tracker not in pending:
             return
-        del pending[tracker]
+        cut = pending.pop(tracker)
+        request = cut.request()
+        if request is not None:
+            self._targets.pop(request, None)
+        if cut.cause is MoveCause.REBALANCE:
+            if mode is MoveMode.FAILED and self.rebalancer is not None:
+                self.rebalancer.landed(d, None, mode, rid, room)
+            elif mode is not None and request is not None:
+                self._landing[request] = (d, mode)  # counted once its next leg is tracked (on which decoder)
+            return
         if mode is None:
             return
         tally = self._tally.setdefault(d, {})
@@ -265,7 +346,7 @@ class Drains:
         """Whether a stream cut on ``state`` has not gone on yet (one that ended cleanly at the cut
         needs nothing)."""
         pending = self._pending.get(state)
-        return pending is not None and any(leg.leg_state() is not LegState.ENDED for leg in pending.values())
+        return pending is not None and any(cut.leg.leg_state() is not LegState.ENDED for cut in pending.values())
 
     # -- the admin call ------------------------------------------------------------------------
 

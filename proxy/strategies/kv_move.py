@@ -16,7 +16,8 @@ a while (``migrate_hold_s``). The stream then goes on on another decoder by an o
 The leg is an attempt with ``p_answered`` whose "prefiller" is the drained decoder (the
 :class:`proxy.request.attempt.Cut`'s ``d``), made and settled by the request's
 :class:`proxy.request.loop.AttemptLoop`: it holds no lease
-there (the drain waits for nothing of it). A leg that fails before its first chunk leaves the stream
+there (the drain waits for nothing of it). A rebalance's move (:mod:`proxy.admin.rebalance`) goes to the
+decoder its policy chose, while that one is active and healthy; a drain's to the one routing picks. A leg that fails before its first chunk leaves the stream
 to a replay leg (:mod:`proxy.strategies.resume`); the target is avoided then only where it was
 unreachable (a failed KV load is most often the source's doing: :func:`proxy.request.failure_policy.settle`).
 """
@@ -32,6 +33,7 @@ from proxy.request.loop import Won
 
 if TYPE_CHECKING:
     from proxy.request.context import RequestContext
+    from proxy.upstream.pool import BackendState
 
 logger = logging.getLogger("proxy")
 
@@ -45,6 +47,15 @@ def prefilled_tokens(call: Call) -> int | None:
     return len(prompt) - 1
 
 
+def _planned(ctx: RequestContext, source: BackendState, tried: Tried) -> BackendState | None:
+    """The decoder a rebalance cut the stream for (:meth:`proxy.admin.drain.Drains.planned_target`),
+    while it is active, healthy and has not failed the request; None: routing picks."""
+    target = ctx.router.drains.planned_target(ctx)
+    if target is None or target is source or target in tried.d or not target.healthy:
+        return None
+    return target if target in ctx.router.pool.active["decode"] else None
+
+
 async def kv_leg(ctx: RequestContext, cut: Cut, call: Call, tried: Tried) -> Won | None:
     """Open the leg that continues ``cut``'s stream on another decoder with the KV the drained
     decoder holds as ``cut.kv_room`` (``call``: :func:`proxy.strategies.resume_body.resume_call`'s);
@@ -55,7 +66,7 @@ async def kv_leg(ctx: RequestContext, cut: Cut, call: Call, tried: Tried) -> Won
     prefilled = prefilled_tokens(call)
     if room is None or prefilled is None:
         return None
-    d = loop.pick("decode", call, room, tried.d)
+    d = _planned(ctx, source, tried) or loop.pick("decode", call, room, tried.d)
     if d is None or d in tried.d or loop.remaining() <= 0:
         logger.warning("rid=%s room=%s no decoder to move to by KV; replaying", ctx.rid, room)
         return None

@@ -278,7 +278,18 @@ class Exchange:
         """A whole answer for the client, as it is (its first byte is now)."""
         self.status = status
         self.first_byte()
-        return passthrough_response(status, body, content_type, self.out_headers)
+        reply = passthrough_response(status, body, content_type, self.out_headers)
+        reply.usage_path = self.usage_path  # usage.pd_kv.path (proxy.server.reply)
+        return reply
+
+    def usage_path(self) -> str:
+        """The path the answer took, for its ``usage.pd_kv.path``: ``local`` (D prefilled it), else the
+        path choice's (``pd``, ``delta``), ``pd`` without one."""
+        attempt = self.loop.current
+        if attempt is not None and attempt.local:
+            return "local"
+        choice = self.decided.choice if self.decided is not None else None
+        return "pd" if choice is None or choice.local else choice.path.value
 
     def first_byte(self, source: FirstTokenFrom | None = None) -> None:
         """The client got the answer's first byte now (``source``: who sent its first token)."""
@@ -299,7 +310,9 @@ class Exchange:
             "Cache-Control": "no-cache",
             "X-Request-Id": self.rid,
         }
-        return StreamReply(status, headers)
+        reply = StreamReply(status, headers)
+        reply.usage_path = self.usage_path  # usage.pd_kv.path (proxy.server.reply)
+        return reply
 
     async def relay(
         self,

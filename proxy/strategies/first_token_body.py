@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from pd_connector.accounting import ACCOUNT_KEY, RecomputeReason
 from pd_connector.kv_params import KV_PARAMS_KEY as KV_KEY
 from pd_connector.kv_params import PREFILL_WITHOUT_LAST_TOKEN, PrefillParams
 from pd_connector.kv_params import ROOM as ROOM_KEY
@@ -269,7 +270,9 @@ def wants_token_ids(body: dict[str, Any]) -> bool:
 class ContinuationFix:
     """Rewrites D's events for the client: token 1 was D's prompt, the client counts it as generated.
 
-    ``usage``: the usage event's counts move one token from prompt to completion. ``token_ids``:
+    ``usage``: the usage event's counts move one token from prompt to completion, and D's KV account
+    (``usage.pd_kv``, pd_connector.accounting) no longer counts token 1 as a prompt token D computed
+    (``prefilled_part``: P's KV covered all but that token). ``token_ids``:
     D's first event names D's prompt ids (the client's prompt plus token 1); the client had its
     prompt's ids with token 1, so they are dropped (``null``, as on vLLM's later events).
     """
@@ -295,6 +298,7 @@ class ContinuationFix:
                 if usage and isinstance(payload.get("usage"), dict):
                     payload["usage"]["prompt_tokens"] -= 1
                     payload["usage"]["completion_tokens"] += 1
+                    _uncount_token_1(payload["usage"].get(ACCOUNT_KEY))
                     changed = True
                 for choice in payload.get("choices") or () if prompt_ids else ():
                     if choice.get("prompt_token_ids") is not None:
@@ -305,6 +309,17 @@ class ContinuationFix:
             if changed:
                 events[i] = b"data: " + _ENCODER.encode(payload)
         return b"\n\n".join(events)
+
+
+def _uncount_token_1(account: Any) -> None:
+    """D's KV account without token 1, which D computed as the last token of its prompt."""
+    if not isinstance(account, dict):
+        return
+    recomputed = account.get("recomputed_tokens")
+    if isinstance(recomputed, int) and recomputed > 0:
+        account["recomputed_tokens"] = recomputed - 1
+        if recomputed == 1 and account.get("recompute_reason") == RecomputeReason.PREFILLED_PART.value:
+            account["recompute_reason"] = RecomputeReason.NONE.value
 
 
 class DropRepeatedFirst:

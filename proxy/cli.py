@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.access.flags import add_security_flags, security_from_args
 from proxy.admin.rebalance_flags import add_rebalance_flags, rebalance_config_from_args
+from proxy.both_flags import add_both_flags, both_from_args
 from proxy.planning.flags import add_path_flags, path_config_from_args
 from proxy.router_config import ROUTING_POLICIES, Backend, RouterConfig
 from proxy.upstream.routing import RoutingOptions, describe
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "applies to all, 0 for a decoder without migration. A drain then moves their streams with their KV (D -> D push) instead of prefilling the "
         "tokens again (default: none, drains replay)",
     )
+    add_both_flags(parser)
     policies = "; ".join(f"'{name}' = {describe(name)}" for name in ROUTING_POLICIES).replace("%", "%%")
     add(
         "--routing",
@@ -268,10 +270,17 @@ def _positive(parser: argparse.ArgumentParser, flag: str, value: float, *, allow
 
 
 def _pair(
-    parser: argparse.ArgumentParser, kind: str, hosts: list[str] | None, ports: list[int] | None
+    parser: argparse.ArgumentParser,
+    kind: str,
+    hosts: list[str] | None,
+    ports: list[int] | None,
+    *,
+    optional: bool = False,
 ) -> list[tuple[str, int]]:
+    if optional and not hosts and not ports:
+        return []  # kv_both instances serve this role
     if not hosts or not ports:
-        parser.error(f"at least one {kind} is required: give --{kind}-hosts and --{kind}-ports")
+        parser.error(f"at least one {kind} is required: give --{kind}-hosts and --{kind}-ports (or --both-hosts)")
     if len(hosts) != len(ports):
         parser.error(f"--{kind}-hosts has {len(hosts)} values but --{kind}-ports has {len(ports)}")
     for host in hosts:
@@ -306,8 +315,13 @@ def _one_or_each(
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RouterConfig:
     """Validate parsed arguments and turn them into a :class:`RouterConfig` (errors exit with code 2)."""
     _check_port(parser, "--port", args.port)
-    prefill_pairs = _pair(parser, "prefiller", args.prefiller_hosts, args.prefiller_ports)
-    decode_pairs = _pair(parser, "decoder", args.decoder_hosts, args.decoder_ports)
+    both = both_from_args(parser, args)
+    prefill_pairs = _pair(parser, "prefiller", args.prefiller_hosts, args.prefiller_ports, optional=bool(both))
+    decode_pairs = _pair(parser, "decoder", args.decoder_hosts, args.decoder_ports, optional=bool(both))
+    listed = [*prefill_pairs, *decode_pairs]
+    for backend in both:
+        if (backend.host, backend.port) in listed:
+            parser.error(f"--both-hosts/--both-ports: {backend.address} is also listed as a prefiller or decoder")
 
     count = len(prefill_pairs)
     bootstrap_ports = _one_or_each(
@@ -370,6 +384,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         Backend("decode", host, port, bootstrap)
         for (host, port), bootstrap in zip(decode_pairs, decoder_bootstrap, strict=True)
     )
+    # a kv_both instance is in both pools; its decode side is not movable by KV (kv_both refuses migration)
+    prefillers += tuple(both)
+    decoders += tuple(Backend("decode", b.host, b.port, both=True) for b in both)
     security = security_from_args(args, parser)
     return RouterConfig(
         prefillers=prefillers,

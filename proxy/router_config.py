@@ -78,6 +78,9 @@ class Backend:
     instance's DP rank within its deployment, sent to D as ``prefill_dp_rank``; ``None`` (the
     default) leaves it out, and D then asks the bootstrap server which DP rank holds the room
     (the only way for vLLM's internal DP, where the API server picks the engine).
+
+    ``both``: one side of a kv_role kv_both instance (``--both-hosts``): the pool holds it once per
+    role, and never pairs it with itself (:meth:`same_instance`).
     """
 
     role: Role
@@ -86,6 +89,11 @@ class Backend:
     bootstrap_port: int | None = None
     bootstrap_host: str | None = None
     dp_rank: int | None = None
+    both: bool = False
+
+    def same_instance(self, other: Backend) -> bool:
+        """Whether ``other`` is this very vLLM instance (a kv_both instance's other role)."""
+        return (self.host, self.port) == (other.host, other.port)
 
     @property
     def bootstrap_address(self) -> tuple[str, int | None]:
@@ -111,7 +119,7 @@ class Backend:
     def name(self) -> str:
         """Short name used in logs and error messages, e.g. ``prefiller 10.0.0.1:8001``."""
         kind = "prefiller" if self.role == "prefill" else "decoder"
-        return f"{kind} {self.address}"
+        return f"{kind} {self.address}{' (kv_both)' if self.both else ''}"
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -193,7 +201,12 @@ class RouterConfig:
         """One-line summary of the backends, e.g. ``P: h:8001 (bootstrap 18800); D: h:8002``."""
         prefill = ", ".join(_describe_prefiller(b) for b in self.prefillers)
         decode = ", ".join(
-            f"{b.address} (bootstrap {b.bootstrap_port})" if b.movable else b.address for b in self.decoders
+            f"{b.address} (bootstrap {b.bootstrap_port})"
+            if b.movable
+            else f"{b.address} (kv_both)"
+            if b.both
+            else b.address
+            for b in self.decoders
         )
         return f"P: {prefill}; D: {decode}; routing: {self.routing}"
 
@@ -203,4 +216,6 @@ def _describe_prefiller(backend: Backend) -> str:
     where = f"bootstrap {port}" if host == backend.host else f"bootstrap {url_host(host)}:{port}"
     if backend.dp_rank is not None:
         where += f", dp rank {backend.dp_rank}"
+    if backend.both:
+        where += ", kv_both"
     return f"{backend.address} ({where})"

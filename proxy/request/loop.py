@@ -373,7 +373,8 @@ class AttemptLoop:
             if self.remaining() <= 0:
                 return Lost(failure, "no time left")
             self.progress.attempts = number
-            got = await self.run(self.new_attempt(call, p, d, room), tried)
+            local = p.backend.same_instance(d.backend)  # a kv_both instance alone: it serves the request itself
+            got = await self.run(self.new_attempt(call, p, d, room, local=local), tried)
             if isinstance(got, Won):
                 return got
             failure = got.failure

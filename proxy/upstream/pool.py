@@ -7,6 +7,10 @@ Everything here runs on the Router's one event loop, so plain attributes need no
 - Health: an instance is *healthy* until a connection to it fails or its ``GET /health`` does
   not answer 2xx; it is then skipped until a health check succeeds again. When no instance of a
   role is healthy, all of them are tried anyway (health information may be stale).
+- kv_both instances (``--both-hosts``) are in both roles' lists, one state per role; a decoder is
+  never the prefiller picked for the same room (its twin) while another decoder is a candidate.
+  When the twin is all that is left, it is returned, and the attempt serves the request on that one
+  instance alone (:meth:`proxy.request.loop.AttemptLoop.pairs`, the local path).
 - Membership at run time: :meth:`BackendPool.add` and :meth:`BackendPool.remove`. A removed
   instance is *draining*: it gets no new request, its in-flight requests finish, and it leaves
   the pool when the last one ends.
@@ -15,6 +19,7 @@ Everything here runs on the Router's one event loop, so plain attributes need no
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
@@ -23,6 +28,9 @@ from proxy.router_config import ROLES, Backend, Role
 from proxy.upstream.routing import POLICIES, Choice, PoolPolicy, RouteRequest, RoutingOptions, candidates, make_policy
 
 logger = logging.getLogger("proxy")
+
+#: Rooms whose prefiller the pool remembers (a kv_both prefiller's decoder twin is avoided for them).
+ROOMS_REMEMBERED = 4096
 
 
 class BackendState:
@@ -63,6 +71,8 @@ class BackendState:
             "status_code": self.status_code,
             "error": self.last_error,
         }
+        if backend.both:
+            out["kv_both"] = True
         if backend.role == "prefill":
             out["bootstrap_port"] = backend.bootstrap_port
             out["bootstrap_host"] = backend.bootstrap_address[0]
@@ -125,6 +135,8 @@ class BackendPool:
             self.active[backend.role].append(BackendState(backend))
         #: Called with an instance taken out of routing (what others keep about it is dropped).
         self.on_remove: list[Callable[[BackendState], None]] = []
+        #: The prefiller picked for each recent room (kv_both: its decode side is not picked for that room).
+        self._room_prefiller: OrderedDict[int, BackendState] = OrderedDict()
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -158,10 +170,34 @@ class BackendPool:
         """
         active = self.active[role]
         if len(active) <= 1 and (self._skip_single or not active):
-            return active[0] if active else None
-        if request is None or request.room != room:
-            request = RouteRequest(room) if request is None else replace(request, room=room)
-        return self.policy(Choice(role, active, candidates(active, exclude), request))
+            picked = active[0] if active else None
+        else:
+            if request is None or request.room != room:
+                request = RouteRequest(room) if request is None else replace(request, room=room)
+            eligible = candidates(active, exclude)
+            twin = self._twin_of_prefiller(room) if role == "decode" else None
+            if twin is not None and len(eligible) > 1:
+                eligible = [s for s in eligible if s is not twin]  # a kv_both instance is not its own decoder
+            picked = self.policy(Choice(role, active, eligible, request))
+        if role == "prefill":
+            self._note_prefiller(room, picked)
+        return picked
+
+    def _note_prefiller(self, room: int, picked: BackendState | None) -> None:
+        if picked is None or not picked.backend.both:
+            self._room_prefiller.pop(room, None)
+            return
+        self._room_prefiller[room] = picked
+        self._room_prefiller.move_to_end(room)
+        while len(self._room_prefiller) > ROOMS_REMEMBERED:
+            self._room_prefiller.popitem(last=False)
+
+    def _twin_of_prefiller(self, room: int) -> BackendState | None:
+        """The decode side of the kv_both instance picked as ``room``'s prefiller, if it was one."""
+        p = self._room_prefiller.get(room)
+        if p is None:
+            return None
+        return next((s for s in self.active["decode"] if s.backend.same_instance(p.backend)), None)
 
     def lease(self, state: BackendState, tokens: int = 0) -> Lease:
         """Count a request in flight on ``state`` until the returned lease is released."""

@@ -100,7 +100,7 @@ def test_drained_decoder_stream_moves_by_replay(backends: Backends, fresh_router
 def test_unmovable_stream_finishes_in_place(backends: Backends, fresh_router: RouterFactory) -> None:
     router = fresh_router(backends.ok_p, (backends.slow_short, backends.ok_d))
     rid = new_rid("drain-chat")
-    client = _Client(router, rid, "/v1/chat/completions")  # chat streams are not resumed
+    client = _Client(router, rid, "/v1/chat/completions", n=2)  # n > 1: not resumed
     client.start()
     wait_state(backends.slow_short, rid, "started")
     answer = _drain(router, backends.slow_short)
@@ -115,7 +115,7 @@ def test_unmovable_stream_finishes_in_place(backends: Backends, fresh_router: Ro
 def test_drain_timeout_answers_504(backends: Backends, fresh_router: RouterFactory) -> None:
     router = fresh_router(backends.ok_p, (backends.slow_stream2, backends.ok_d))
     rid = new_rid("drain-timeout")
-    client = _Client(router, rid, "/v1/chat/completions")
+    client = _Client(router, rid, "/v1/chat/completions", n=2)  # n > 1: not resumed, it stays
     client.start()
     wait_state(backends.slow_stream2, rid, "started")
     answer = _drain(router, backends.slow_stream2, timeout_s=0.5)

@@ -261,7 +261,7 @@ class StreamTracker:
         if self.chat and not self.reshape:
             delta = choice.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else None
-            refusal = delta_refusal(delta)
+            refusal = delta_refusal(delta, len(steps))
             if refusal is None and text and not steps:
                 refusal = "no token ids in the chat stream (a parser hides them)"
             if refusal is not None and self.refusal is None:

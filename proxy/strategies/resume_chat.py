@@ -14,7 +14,7 @@ the usage event when asked. Greedy output is then token for token the uninterrup
 
 Not resumed (:func:`chat_ineligible_reason`, and what the first leg's events show:
 :func:`delta_refusal`): a request with ``tools`` and a stream whose deltas carry ``reasoning`` or
-``tool_calls`` (a tool or reasoning parser on the server): a parser's deltas are not the tokens'
+``tool_calls``, or name token ids with no ``content`` (a tool or reasoning parser on the server): a parser's deltas are not the tokens'
 text, and its state (inside a reasoning section, a half-parsed tool call) is not in a completions
 leg; a parser that hides the token ids (reasoning not included) leaves the Router nothing to resume from.
 """
@@ -54,7 +54,7 @@ SHARED_FIELDS = (
 #: ``delta`` (``content`` its last key without a parser).
 HELD_CONTENT = (b'"content":""}', b'\xef\xbf\xbd"}', b'\\ufffd"}')
 #: A delta key a tool or reasoning parser writes (never in JSON-escaped content: its quotes are escaped).
-PARSER_MARKS = (b'"reasoning":', b'"reasoning_content":', b'"tool_calls":')
+PARSER_MARKS = (b'"reasoning":', b'"reasoning_content":', b'"tool_calls":', b'"delta":{}')
 _PARSER_KEYS = {"reasoning": "reasoning parser", "reasoning_content": "reasoning parser", "tool_calls": "tool calls"}
 
 
@@ -81,13 +81,18 @@ def leg_body(body: dict[str, Any]) -> dict[str, Any]:
     return {key: body[key] for key in SHARED_FIELDS if key in body}
 
 
-def delta_refusal(delta: Any) -> str | None:
-    """What a chat chunk's ``delta`` shows of a server-side parser (None: plain content)."""
+def delta_refusal(delta: Any, steps: int) -> str | None:
+    """What a chat chunk's ``delta`` (its chunk naming ``steps`` token ids) shows of a server-side
+    parser (None: plain content). Without a parser vLLM writes ``content`` in every delta, the text
+    of the chunk's tokens; a parser that holds a chunk's text (a ``<think>`` token, the start of a
+    tool call) sends its ids with an empty delta."""
     if not isinstance(delta, dict):
-        return None
+        return "a chunk without a delta" if steps else None
     for key, reason in _PARSER_KEYS.items():
         if delta.get(key) not in (None, "", []):
             return reason
+    if steps and "content" not in delta:
+        return "a parser held a chunk's text"
     return None
 
 

@@ -242,7 +242,11 @@ def test_completions_leg_reads_as_chat_chunks() -> None:
 
 
 def test_parser_output_stops_resume() -> None:
-    for delta, reason in (({"reasoning": "hm"}, "reasoning parser"), ({"tool_calls": [{"index": 0}]}, "tool calls")):
+    for delta, reason in (
+        ({"reasoning": "hm"}, "reasoning parser"),
+        ({"tool_calls": [{"index": 0}]}, "tool calls"),
+        ({}, "a parser held a chunk's text"),
+    ):
         tracker = StreamTracker(_call())
         tracker.feed(ROLE + _chunk({"content": "a"}, [7]) + _chunk(delta, [8]))
         assert resume_call(tracker) is None and why_not_resumed(tracker) == reason

@@ -105,14 +105,12 @@ class RoomEnds:
                 room.released, room.state = why, RoomState.DRAINING
                 streamed = list(room.submitted_ids - room.cancelled)
                 self._finish_if_served(room)
-            message = self._closed.message(room_id, CloseReason.CANCELLED) if not waiting else ""
-        if waiting:
-            message = f"prefill released room {room_id}: {why}"
+        message = f"prefill released room {room_id}: {why}"
         for w in waiting:
             self._reply(w.req, DoneStatus.ROOM_CLOSED, message)
         if self.layers is not None:
-            for key in streamed:
-                self.layers.stop(room_id, key, DoneStatus.ROOM_CLOSED, f"prefill released room {room_id}: {why}")
+            for key in streamed:  # a layer-wise reader stops and answers once its writes ended
+                self.layers.stop(room_id, key, DoneStatus.ROOM_CLOSED, message)
         logger.info("room=%d: released (%s); this rank %s", room_id, why, _held_before(before))
         return before
 

@@ -22,6 +22,7 @@ from pd_connector.metadata import SendJob
 from pd_connector.transfer.states import RoomState
 from tests.support.loopback import HOST, free_port, wait_for
 from tests.support.transfer_rig import BLOCK_SIZE, Rig, Side, recv_job
+from tests.unit.test_write_after_free import D_BLOCKS, P_BLOCKS, _assert_nothing_landed_after, _slow_pair
 
 TOKEN = b"release-room-test-token-0123456789"
 
@@ -137,3 +138,25 @@ def test_without_prefill_ranks_the_room_calls_answer_503() -> None:
         assert reply.status_code == 400 and "ReleaseRoom" in reply.json()["error"]
     finally:
         server.stop()
+
+
+def test_a_release_during_a_push_stops_it_between_batches_and_nothing_lands_after_d_let_go(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The room is released while P is inside a 1 s batch and D's request is aborted at once: P starts no
+    further batch, D hands its blocks back only after P answered (the batch in flight landed first), and
+    P frees the room once that batch returned."""
+    p, d, slow, hand = _slow_pair(rig, monkeypatch, 1.0)
+    p.mgr.add_sends([SendJob("p-1", 66, P_BLOCKS, BLOCK_SIZE * len(P_BLOCKS))])
+    d.mgr.add_recvs([recv_job(rig, "d-1", 66, D_BLOCKS)])
+    assert slow.started.wait(10)  # P is inside its first batch
+    assert p.mgr.prefill is not None and d.mgr.decode is not None
+    assert p.mgr.prefill.release_room(66, "client disconnected mid-push") == "held"
+    d.mgr.decode.cancel(["d-1"])  # the client's request is gone on D too
+    d.wait_recv("d-1", timeout=20)
+    p.wait_sent("p-1", timeout=20)  # the room is freed once the batch in flight returned
+    handed_back, failed = hand.at["d-1"]
+    assert failed == D_BLOCKS
+    _assert_nothing_landed_after(slow, d, handed_back)
+    assert len(slow.landed) == 1  # no batch started after the release
+    assert p.idle() and d.idle()

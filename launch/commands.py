@@ -38,7 +38,7 @@ def vllm_serve_cmd(
 ) -> list[str]:
     """Command line of one `vllm serve` of `model` on this CPU machine (via `launch.vllm_cli`).
 
-    With `kv_role` ("kv_producer" for P, "kv_consumer" for D) it adds a PDConnector
+    With `kv_role` ("kv_producer" for P, "kv_consumer" for D, "kv_both" for either) it adds a PDConnector
     `--kv-transfer-config` (`extra_config` entries are merged into `kv_connector_extra_config`)
     and, unless `validate_kv_params` is False, the `--middleware` that rejects malformed
     `kv_transfer_params` with HTTP 400.
@@ -65,8 +65,8 @@ def vllm_serve_cmd(
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if kv_role is not None:
-        if kv_role not in ("kv_producer", "kv_consumer"):
-            raise ValueError(f"kv_role must be 'kv_producer' or 'kv_consumer', not {kv_role!r}")
+        if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(f"kv_role must be 'kv_producer', 'kv_consumer' or 'kv_both', not {kv_role!r}")
         extra: dict[str, Any] = {"bootstrap_port": bootstrap_port, "local_ip": host, "protocol": "tcp"}
         extra.update(extra_config or {})
         kv_config = {"kv_connector": "PDConnector", "kv_role": kv_role, "kv_connector_extra_config": extra}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ __all__ = [
     "REPO_ROOT",
     "STOP_GRACE_S",
     "ManagedProcess",
+    "BothStack",
     "PDStack",
     "ProcessFailed",
     "ProcessGroup",
@@ -62,6 +64,7 @@ __all__ = [
     "port_in_use",
     "router_cmd",
     "signal_group",
+    "start_both_stack",
     "start_pd_stack",
     "tail",
     "vllm_env",
@@ -198,3 +201,59 @@ def start_pd_stack(
         router=router,
         log_dir=group.log_dir,
     )
+
+
+# -- kv_both instances ------------------------------------------------------------------------
+@dataclass
+class BothStack:
+    """Where a running deployment of kv_role kv_both instances (each P or D per request) answers."""
+
+    model: str
+    host: str
+    ports: list[int]
+    bootstrap_ports: list[int]
+    router_port: int
+    instances: list[ManagedProcess]
+    router: ManagedProcess
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.router_port}"
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{self.host}:{port}" for port in self.ports]
+
+
+def start_both_stack(
+    group: ProcessGroup,
+    model: str | Path,
+    *,
+    cpus: Sequence[str] = ("0", "1"),
+    extra_config: Mapping[str, Any] | None = None,
+    timeout: float = DEFAULT_START_TIMEOUT_S,
+    host: str = LOOPBACK,
+    router_args: Sequence[str] = (),
+) -> BothStack:
+    """Start one kv_both instance per entry of `cpus` (its cores), each with its own bootstrap server, and the
+    Router with all of them as `--both-hosts`; wait until all are healthy. The processes belong to `group`."""
+    count = len(cpus)
+    ports = free_ports(2 * count + 1)
+    http, bootstrap, router_port = ports[:count], ports[count : 2 * count], ports[-1]
+    instances = []
+    for i, (port, bport, cpu) in enumerate(zip(http, bootstrap, cpus, strict=True)):
+        cmd = vllm_serve_cmd(model, port, kv_role="kv_both", bootstrap_port=bport, extra_config=extra_config, host=host)
+        instances.append(group.start(f"both{i}", cmd, env=vllm_env(cpu)))
+    r_cmd = [
+        sys.executable, "-m", "proxy", "--host", host, "--port", str(router_port),
+        "--both-hosts", *[host] * count,
+        "--both-ports", *map(str, http),
+        "--both-bootstrap-ports", *map(str, bootstrap),
+        *router_args,
+    ]  # fmt: skip
+    router = group.start("router", r_cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), cpus="")
+    t0 = time.monotonic()
+    targets = [(f"http://{host}:{port}/health", proc) for port, proc in zip(http, instances, strict=True)]
+    wait_all_healthy(targets, timeout, watch=[router])
+    wait_http_ok(f"http://{host}:{router_port}/health", max(30.0, timeout - (time.monotonic() - t0)), router)
+    return BothStack(str(model), host, http, bootstrap, router_port, instances, router)

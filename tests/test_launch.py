@@ -246,7 +246,7 @@ def test_kv_params_middleware_importable() -> None:
 
 def test_vllm_serve_cmd_rejects_unknown_role() -> None:
     with pytest.raises(ValueError):
-        vllm_serve_cmd("/m", 8100, kv_role="kv_both")
+        vllm_serve_cmd("/m", 8100, kv_role="kv_either")
 
 
 def test_vllm_env() -> None:

@@ -11,6 +11,11 @@ PrefillStateExtension   P     the model has recurrent-state KV cache groups
 LayerChunksExtension    P     ``transfer_mode`` "layer"
 DpRoomsExtension        P     the deployment has several DP ranks (``dp_size``, else vLLM's)
 ======================  ====  ======================================================================
+
+A kv_both instance (``config.Mode.BOTH``) is both roles: it runs D's extensions and P's. Each of them
+acts only on requests whose kv_transfer_params make them its side's (D first on DecodeParams naming a
+metaserver); those that would act on every request (D2RH, migration, layer mode, recurrent state, DP
+rooms) are refused with kv_both at start-up (``config``, ``refusals.both_problem``).
 """
 
 from __future__ import annotations

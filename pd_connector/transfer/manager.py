@@ -3,7 +3,8 @@
 It wires the pieces together: the ZMQ ``Channel`` (sockets and listener), the ``TaskPool``
 (backend writes, handshakes), the ``Outbox`` (finished requests for vLLM), ``TransferStats``,
 and the side this rank plays: ``PrefillSide`` (rooms and pushes) on P, ``DecodeSide`` (loads)
-on D; a D with ``migration`` has both (its aborted requests' KV is held as rooms other decoders load:
+on D; a kv_both rank has both (each request uses the one its kv_transfer_params name), and so has a D
+with ``migration`` (its aborted requests' KV is held as rooms other decoders load:
 pd_connector.scheduling.migration). The transfer backend is the caller's: it opens it, registers the KV memory and closes it
 after ``close()``.
 """
@@ -139,12 +140,14 @@ class KVTransferManager:
 
     def _prefill(self, what: str) -> PrefillSide:
         if self.prefill is None:
-            raise RuntimeError(f"{what} on a {self.cfg.mode} rank: only prefill ranks (and migration decode) send KV")
+            raise RuntimeError(
+                f"{what} on a {self.cfg.mode} rank: only prefill and kv_both ranks (and migration decode) send KV"
+            )
         return self.prefill
 
     def _decode(self, what: str) -> DecodeSide:
         if self.decode is None:
-            raise RuntimeError(f"{what} on a {self.cfg.mode} rank: only decode ranks load KV")
+            raise RuntimeError(f"{what} on a {self.cfg.mode} rank: only decode and kv_both ranks load KV")
         return self.decode
 
     def _on_message(self, msg: proto.Message) -> None:

@@ -39,12 +39,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Histogram
-from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.admin.held import HELD_METRICS as HELD_METRICS  # re-exported: launch.drain, tests
+from proxy.admin.held import held_counts as held_counts
+from proxy.admin.held import sent_bytes, wait_empty
 from proxy.admin.rebalance import Rebalancer
 from proxy.errors import DECODE_FAILED, RouterError
 from proxy.strategies.resume_body import StreamTracker, resume_call
-from proxy.upstream.calls import Failure, FailureKind, fetch
+from proxy.upstream.calls import Failure, FailureKind
 from proxy.upstream.pool import BackendState
 
 if TYPE_CHECKING:
@@ -56,20 +58,6 @@ logger = logging.getLogger("proxy")
 #: Default bound of one drain (``timeout_s`` in the call's body).
 DEFAULT_DRAIN_TIMEOUT_S = 300.0
 POLL_S = 0.05
-#: How often the instance's ``/metrics`` is read once the Router has nothing in flight there.
-METRICS_POLL_S = 0.25
-#: What an instance still holds, by role: metric names whose sum must reach 0.
-HELD_METRICS: dict[str, tuple[str, ...]] = {
-    "decode": (
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:pd_kv_loads_waiting",
-        "vllm:pd_kv_rooms_held",  # KV held for a move by KV, until pushed or expired
-    ),
-    "prefill": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:pd_kv_rooms_held"),
-}
-#: A decoder's KV pushed to others (a move by KV), bytes (the counter's sample name).
-SENT_BYTES = "vllm:pd_kv_sent_bytes_total"
 DRAIN_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -169,17 +157,6 @@ class _Cut:
     request: weakref.ref[RequestContext]
     #: The decoder the move is meant for (a rebalance's choice; None: routing picks).
     target: BackendState | None = None
-
-
-def held_counts(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """The sums of ``names``' samples in Prometheus ``text`` (names absent there are left out)."""
-    wanted = set(names)
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
 
 
 class Drains:
@@ -369,7 +346,7 @@ class Drains:
         if not state.draining:
             self.router.pool.remove(state)
         logger.info("%s draining (%d in flight, %.0f s at most)", backend.name, state.in_flight, timeout)
-        sent_before = await self._sent_bytes(state, deadline) if backend.movable else None
+        sent_before = await sent_bytes(self.router, state, deadline) if backend.movable else None
         moved: set[int] = set()
         stuck: set[int] = set()
         self._tally[state] = {}
@@ -389,10 +366,10 @@ class Drains:
         if state.in_flight > 0 or self._unsettled(state):
             report.outcome = DrainOutcome.TIMEOUT
         else:
-            report.held = await self._wait_empty(state, deadline)
+            report.held = await wait_empty(self.router, state, deadline)
             if report.held and any(v > 0 for v in report.held.values()):
                 report.outcome = DrainOutcome.TIMEOUT
-            if sent_before is not None and (sent_after := await self._sent_bytes(state, deadline)) is not None:
+            if sent_before is not None and (sent_after := await sent_bytes(self.router, state, deadline)) is not None:
                 report.kv_bytes_moved = max(0, int(sent_after - sent_before))
         self._streams.pop(state, None)
         self._pending.pop(state, None)
@@ -411,33 +388,3 @@ class Drains:
             report.held,
         )
         return report
-
-    async def _metrics(self, state: BackendState, deadline: float) -> str | None:
-        """The instance's ``/metrics`` text (None: not answered)."""
-        config = self.router.config
-        headers = {"Authorization": config.backend_authorization} if config.backend_authorization else None
-        left = deadline - time.monotonic()
-        reply = await fetch(self.router.http, state, "GET", "/metrics", max(0.5, min(5.0, left)), None, headers)
-        if isinstance(reply, Failure) or reply.status != 200:
-            return None
-        return reply.body.decode("utf-8", "replace")
-
-    async def _sent_bytes(self, state: BackendState, deadline: float) -> float | None:
-        """The KV bytes the instance has pushed so far (None: no such metric, or no answer)."""
-        text = await self._metrics(state, deadline)
-        return None if text is None else held_counts(text, (SENT_BYTES,)).get(SENT_BYTES)
-
-    async def _wait_empty(self, state: BackendState, deadline: float) -> dict[str, float] | None:
-        """Read the instance's ``/metrics`` until it holds nothing (or the deadline); its last
-        counts, None when it has no such metrics (not vLLM, or not answering)."""
-        names = HELD_METRICS[state.backend.role]
-        while True:
-            text = await self._metrics(state, deadline)
-            if text is None:
-                return None
-            held = held_counts(text, names)
-            if not held:
-                return None
-            if not any(v > 0 for v in held.values()) or time.monotonic() + METRICS_POLL_S > deadline:
-                return held
-            await asyncio.sleep(METRICS_POLL_S)

@@ -5,6 +5,8 @@
   instance joins once it answers its health check (:class:`Membership`); a removed one drains;
 - ``POST /instances/drain`` (same bodies, ``timeout_s`` optional): removed, its streams moved, the
   answer once it holds nothing (:mod:`proxy.admin.drain`);
+- ``POST /instances/role``: a kv_role kv_both instance serves as a prefiller, a decoder or both, the
+  role it gives up drained first (:mod:`proxy.admin.roles`);
 - ``POST /reset_prefix_cache``: forwarded to every active backend.
 
 Every one of them is behind the admin token (:mod:`proxy.access.api_keys`; loopback callers only when
@@ -22,6 +24,7 @@ from aiohttp import web
 
 from pd_connector.kv_params import DEFAULT_BOOTSTRAP_PORT
 from proxy.admin.drain import DEFAULT_DRAIN_TIMEOUT_S
+from proxy.admin.roles import RoleChanges, parse_role_change
 from proxy.errors import INVALID_REQUEST, NOT_FOUND, RouterError, json_response
 from proxy.request.incoming import read_json
 from proxy.router_config import ROLES, Backend, Role
@@ -38,7 +41,7 @@ Handler = Callable[[web.Request], Awaitable[Answer]]
 
 #: The admin routes' paths (:mod:`proxy.access.api_keys` guards them with the admin token).
 ADMIN_PATHS = frozenset(
-    {"/instances", "/instances/add", "/instances/remove", "/instances/drain", "/reset_prefix_cache"}
+    {"/instances", "/instances/add", "/instances/remove", "/instances/drain", "/instances/role", "/reset_prefix_cache"}
 )
 
 
@@ -168,6 +171,8 @@ def parse_instances(payload: Any) -> list[Backend]:
     (its own bootstrap server, connector ``migration``: a drain moves its streams with their KV);
     ``bootstrap_host`` and ``dp_rank``
     (see :class:`proxy.router_config.Backend`) may be given at the top level or per item.
+    ``"kv_role": "kv_both"`` (top level) says the instances were started with kv_role kv_both: they
+    may change pools later (``/instances/role``); a kv_both decoder has no bootstrap port (no migration).
     """
     if not isinstance(payload, dict):
         raise RouterError(400, "request body must be a JSON object", INVALID_REQUEST)
@@ -177,6 +182,13 @@ def parse_instances(payload: Any) -> list[Backend]:
     # A decoder has a bootstrap port only when one is given (it is then movable by KV: proxy.strategies.kv_move).
     default_bootstrap = payload.get("bootstrap_port", DEFAULT_BOOTSTRAP_PORT if role == "prefill" else None)
     default_bootstrap_host = payload.get("bootstrap_host")
+    kv_role = payload.get("kv_role")
+    if kv_role not in (None, "kv_both", "kv_producer" if role == "prefill" else "kv_consumer"):
+        raise RouterError(
+            400, f"'kv_role' of a {role} instance must be 'kv_both' or its own, got {kv_role!r}", INVALID_REQUEST,
+            "kv_role",
+        )  # fmt: skip
+    both = {"both": True} if kv_role == "kv_both" else {}
     default_dp_rank = payload.get("dp_rank")
     items = payload.get("instances")
     if items is None:
@@ -220,11 +232,17 @@ def parse_instances(payload: Any) -> list[Backend]:
                     bootstrap,
                     bootstrap_host.strip() if bootstrap_host else None,
                     dp_rank,
+                    **both,
                 )
             )
         else:
             movable = None if bootstrap is None else _check_port(bootstrap, "bootstrap_port")
-            backends.append(Backend("decode", host.strip(), port, movable))
+            if both and movable is not None:
+                raise RouterError(
+                    400, "'bootstrap_port' of a kv_both decoder: kv_role kv_both runs no migration", INVALID_REQUEST,
+                    "bootstrap_port",
+                )  # fmt: skip
+            backends.append(Backend("decode", host.strip(), port, movable, **both))
     return backends
 
 
@@ -232,6 +250,7 @@ def routes(router: Router) -> list[tuple[str, str, Handler]]:
     """The admin endpoints: ``(method, path, handler)``."""
     membership = router.membership
     config = router.config
+    roles = RoleChanges(router)
 
     async def list_instances(_request: web.Request) -> web.StreamResponse:
         return json_response(membership.listing())
@@ -273,6 +292,11 @@ def routes(router: Router) -> list[tuple[str, str, Handler]]:
         logger.info("instances/drain: %s", message)
         return json_response({"message": message, "results": results, **membership.listing()}, 200 if drained else 504)
 
+    async def change_role(request: web.Request) -> web.StreamResponse:
+        host, port, serves, timeout, bootstrap_port = parse_role_change(await read_json(request, config.max_body_size))
+        status, body = await roles.change(host, port, serves, timeout, bootstrap_port)
+        return json_response(body, status)
+
     async def reset_prefix_cache(request: web.Request) -> web.StreamResponse:
         query = request.rel_url.raw_query_string
         path = "/reset_prefix_cache" + (f"?{query}" if query else "")
@@ -295,5 +319,6 @@ def routes(router: Router) -> list[tuple[str, str, Handler]]:
         ("POST", "/instances/add", add_instances),
         ("POST", "/instances/remove", remove_instances),
         ("POST", "/instances/drain", drain_instances),
+        ("POST", "/instances/role", change_role),
         ("POST", "/reset_prefix_cache", reset_prefix_cache),
     ]

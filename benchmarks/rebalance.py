@@ -1,0 +1,327 @@
+"""Rebalancing benchmark: p99 TPOT and throughput with ``--rebalance on`` vs off, in one run.
+
+Real ``vllm serve`` instances of the tiny model (``launch/tiny_model.py``): one prefiller (core 0)
+and two decoders started with the connector's ``migration`` (each its own bootstrap server, known to
+the Router by ``--decoder-bootstrap-ports``: their streams move by KV), started once. Two Routers in
+front of them, one with ``--rebalance off`` and one with ``--rebalance on``; rounds alternate between
+them (off, on, off, on, ...), the same requests in every round.
+
+The load is skewed by prefix affinity: two prompt families (a long shared prefix each, a short
+unique tail per request), ``--skew`` of the requests (default 0.7) of family A. Each family sticks to
+one decoder: the Routers run ``--routing room --trust-client-room`` and the client gives family A even
+rooms (decoder 0) and family B odd rooms (decoder 1), as a prefix-affine decoder choice would place
+them (``--routing cache-aware`` chooses P by prefix but D by load, so it would not skew the decoders).
+``--concurrency`` clients (closed loop) send ``--requests`` streamed completions per round,
+``--max-tokens`` tokens each (``ignore_eos``).
+
+TPOT of a request: (last token event - first token event) / (completion tokens - 1), from the
+client's side. ``--tpot-ms auto`` (default) sets the rebalancer's target after the first (off) round:
+the mean of the two decoders' TPOT p50 there (between the loaded and the idle one).
+
+Printed JSON (one object): per round its mode, TPOT p50/p99 (all, and per family), throughput
+(completion tokens / round wall time), requests, failed, and the on-Router's moves in the round;
+``summary``: per mode, pooled over its rounds, and the ratios on / off.
+
+    flock /tmp/pdc-e2e.lock .venv/bin/python benchmarks/rebalance.py            # the measurement
+    flock /tmp/pdc-e2e.lock .venv/bin/python benchmarks/rebalance.py --smoke    # does it run (short)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.serving_trace import ms, percentile  # noqa: E402
+from launch.processes import (  # noqa: E402
+    LOOPBACK,
+    ProcessGroup,
+    free_ports,
+    router_cmd,
+    vllm_env,
+    vllm_serve_cmd,
+    wait_all_healthy,
+    wait_http_ok,
+)
+from launch.tiny_model import make_tiny_model  # noqa: E402
+
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny-llama"
+WORDS = "alpha beta gamma delta kappa lambda sigma omega river stone cloud ember maple quartz".split()
+MOVES = re.compile(r"^pd_router_rebalance_moves_total\{([^}]*)\}\s+(\S+)$", re.MULTILINE)
+REQUEST_TIMEOUT_S = 300.0
+
+
+def say(message: str) -> None:
+    print(f"[rebalance-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- the deployment: 1 prefiller, 2 decoders with migration, 2 Routers --------------------------------
+
+
+@dataclass
+class Stack:
+    """P's (HTTP, bootstrap) ports and each decoder's (HTTP, own bootstrap) ports."""
+
+    prefiller: tuple[int, int]
+    decoders: list[tuple[int, int]]
+
+
+def start_stack(group: ProcessGroup, model: str, d_cpus: tuple[str, str], timeout: float) -> Stack:
+    p, bp, d0, b0, d1, b1 = free_ports(6)
+    targets = [
+        (
+            f"http://{LOOPBACK}:{p}/health",
+            group.start(
+                "prefill", vllm_serve_cmd(model, p, kv_role="kv_producer", bootstrap_port=bp), env=vllm_env("0")
+            ),
+        )
+    ]
+    for name, port, bootstrap, cpus in (("decode0", d0, b0, d_cpus[0]), ("decode1", d1, b1, d_cpus[1])):
+        cmd = vllm_serve_cmd(
+            model, port, kv_role="kv_consumer", bootstrap_port=bootstrap, extra_config={"migration": True}
+        )
+        targets.append((f"http://{LOOPBACK}:{port}/health", group.start(name, cmd, env=vllm_env(cpus))))
+    say(f"starting P :{p} (cpu 0), D0 :{d0} (cpu {d_cpus[0]}), D1 :{d1} (cpu {d_cpus[1]}), both with migration")
+    wait_all_healthy(targets, timeout)
+    return Stack((p, bp), [(d0, b0), (d1, b1)])
+
+
+def start_router(group: ProcessGroup, stack: Stack, name: str, rebalance: list[str]) -> str:
+    port = free_ports(1)[0]
+    p, bp = stack.prefiller
+    cmd = router_cmd(port, [(LOOPBACK, p, bp)], [(LOOPBACK, d) for d, _ in stack.decoders])
+    cmd += ["--routing", "room", "--trust-client-room", "--log-level", "WARNING"]
+    cmd += ["--decoder-bootstrap-ports", *(str(b) for _, b in stack.decoders), *rebalance]
+    process = group.start(name, cmd)
+    url = f"http://{LOOPBACK}:{port}"
+    wait_http_ok(f"{url}/health", 60, process)
+    say(f"{name} on {url}: {' '.join(rebalance)}")
+    return url
+
+
+# -- the load ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    family: str
+    tokens: int = 0
+    tpot_s: float | None = None
+    error: str | None = None
+
+
+def prompts(seed: int, count: int, skew: float, prefix_chars: int) -> list[tuple[str, str]]:
+    """``count`` (family, prompt): family A with probability ``skew``; a shared prefix per family."""
+    rng = random.Random(seed)
+
+    def words(n_chars: int, head: str) -> str:
+        out = head
+        while len(out) < n_chars:
+            out += " " + rng.choice(WORDS)
+        return out[:n_chars]
+
+    prefix = {f: words(prefix_chars, f"Family {f} context:") for f in ("A", "B")}
+    out = []
+    for i in range(count):
+        family = "A" if rng.random() < skew else "B"
+        out.append((family, f"{prefix[family]} Request {i}: {words(40, '')}"))
+    return out
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, family: str, prompt: str, room: int, max_tokens: int
+) -> Result:
+    result = Result(family)
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "bootstrap_room": room,
+    }
+    first = last = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    result.error = f"error event: {event['error']}"
+                    return result
+                if event.get("usage"):
+                    result.tokens = int(event["usage"].get("completion_tokens") or 0)
+                if event.get("choices"):
+                    last = time.monotonic()
+                    first = first or last
+    except (httpx.HTTPError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    if first is not None and last is not None and result.tokens > 1:
+        result.tpot_s = (last - first) / (result.tokens - 1)
+    return result
+
+
+async def run_round(
+    url: str, model: str, work: list[tuple[str, str]], concurrency: int, max_tokens: int, room_base: int
+) -> tuple[list[Result], float]:
+    """Closed loop: ``concurrency`` clients take the next request until none is left."""
+    queue = list(enumerate(work))
+    results: list[Result] = []
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while queue:
+            i, (family, prompt) = queue.pop(0)
+            room = room_base + 2 * i + (0 if family == "A" else 1)  # A: decoder 0, B: decoder 1 (room rule)
+            results.append(await one_request(client, url, model, family, prompt, room, max_tokens))
+
+    start = time.monotonic()
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return results, time.monotonic() - start
+
+
+def moves(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    return sum(float(value) for _labels, value in MOVES.findall(text))
+
+
+@dataclass
+class Pooled:
+    results: list[Result] = field(default_factory=list)
+    seconds: float = 0.0
+    moves: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return stats(self.results, self.seconds) | {"moves": self.moves}
+
+
+def stats(results: list[Result], seconds: float) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    out: dict[str, Any] = {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "throughput_tok_s": round(sum(r.tokens for r in ok) / seconds, 2) if seconds > 0 else None,
+    }
+    for name, group in (
+        ("all", ok),
+        ("A", [r for r in ok if r.family == "A"]),
+        ("B", [r for r in ok if r.family == "B"]),
+    ):
+        tpots = [r.tpot_s for r in group if r.tpot_s is not None]
+        out[f"tpot_ms_p50_{name}"] = ms(percentile(tpots, 0.5))
+        out[f"tpot_ms_p99_{name}"] = ms(percentile(tpots, 0.99))
+    errors = [r.error for r in results if r.error]
+    if errors:
+        out["errors"] = errors[:5]
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="model dir (built if missing)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds, alternating off / on (default: 6)")
+    parser.add_argument("--requests", type=int, default=48, help="requests per round (default: 48)")
+    parser.add_argument("--concurrency", type=int, default=8, help="clients at once (default: 8)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default: 256)")
+    parser.add_argument("--prefix-chars", type=int, default=600, help="shared prefix per family (default: 600)")
+    parser.add_argument("--skew", type=float, default=0.7, help="share of family A, decoder 0 (default: 0.7)")
+    parser.add_argument("--tpot-ms", default="auto", help="--rebalance-tpot-ms, or auto (default: auto)")
+    parser.add_argument("--max-moves-per-s", type=float, default=4.0, help="--rebalance-max-moves-per-s (default: 4)")
+    parser.add_argument("--d-cpus", nargs=2, default=["1", "0"], help="cores of D0 and D1 (default: 1 0)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a temporary folder)")
+    parser.add_argument("--smoke", action="store_true", help="2 rounds of 8 requests, 4 clients, 48 tokens")
+    args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.requests, args.concurrency, args.max_tokens = 2, 8, 4, 48
+    if args.rounds < 2:
+        parser.error(f"--rounds must be at least 2 (one off, one on), got {args.rounds}")
+
+    model = str(make_tiny_model(args.model))
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rebalance-bench-"))
+    say(f"logs in {log_dir}")
+    work = prompts(args.seed, args.requests, args.skew, args.prefix_chars)
+    pooled = {"off": Pooled(), "on": Pooled()}
+    rounds: list[dict[str, Any]] = []
+    started = time.monotonic()
+    tpot_ms: float | None = None if args.tpot_ms == "auto" else float(args.tpot_ms)
+    with ProcessGroup(log_dir, report=say) as group:
+        stack = start_stack(group, model, (args.d_cpus[0], args.d_cpus[1]), args.start_timeout)
+        urls = {"off": start_router(group, stack, "router-off", ["--rebalance", "off"])}
+        for index in range(args.rounds):
+            mode = "off" if index % 2 == 0 else "on"
+            if mode == "on" and "on" not in urls:
+                if tpot_ms is None:
+                    first = rounds[0]
+                    measured = [v for v in (first["tpot_ms_p50_A"], first["tpot_ms_p50_B"]) if v is not None]
+                    tpot_ms = round(sum(measured) / len(measured), 1) if measured else 100.0
+                flags = ["--rebalance", "on", "--rebalance-tpot-ms", str(tpot_ms)]
+                flags += ["--rebalance-max-moves-per-s", str(args.max_moves_per_s), "--rebalance-min-tokens-left", "8"]
+                urls["on"] = start_router(group, stack, "router-on", flags)
+            before = moves(urls[mode])
+            results, seconds = asyncio.run(
+                run_round(urls[mode], model, work, args.concurrency, args.max_tokens, 1_000_000 * (index + 1))
+            )
+            moved = moves(urls[mode]) - before
+            record = {"round": index, "rebalance": mode, "seconds": round(seconds, 2), **stats(results, seconds)}
+            record["moves"] = moved
+            rounds.append(record)
+            pool = pooled[mode]
+            pool.results += results
+            pool.seconds += seconds
+            pool.moves += moved
+            say(f"round {index} ({mode}): {json.dumps(record)}")
+    summary = {mode: p.summary() for mode, p in pooled.items()}
+    off, on = summary["off"], summary["on"]
+    report = {
+        "rounds": rounds,
+        "summary": summary,
+        "on_vs_off": {
+            "tpot_ms_p99_all": _ratio(on["tpot_ms_p99_all"], off["tpot_ms_p99_all"]),
+            "tpot_ms_p99_A": _ratio(on["tpot_ms_p99_A"], off["tpot_ms_p99_A"]),
+            "throughput_tok_s": _ratio(on["throughput_tok_s"], off["throughput_tok_s"]),
+        },
+        "config": {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "skew": args.skew,
+            "prefix_chars": args.prefix_chars,
+            "rebalance_tpot_ms": tpot_ms,
+            "max_moves_per_s": args.max_moves_per_s,
+            "cpus": {"P": "0", "D0": args.d_cpus[0], "D1": args.d_cpus[1]},
+            "smoke": args.smoke,
+        },
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,9 @@ Names (``backend`` = ``host:port``, ``role`` = ``prefill``/``decode``, ``endpoin
   another decoder (:mod:`proxy.strategies.resume`), ``reason`` the failure's ``kind``;
   ``pd_router_resume_replayed_tokens_total{endpoint}``: generated tokens prefilled again for them;
   ``pd_router_resume_seconds{endpoint}``: histogram, from the cut to the resumed leg's first chunk;
+- ``pd_router_rebalance_moves_total{from,to,mode}``: streams moved off an overloaded decoder
+  (``--rebalance on``, :mod:`proxy.admin.rebalance`), and ``pd_router_rebalance_itl_ms{backend}``: each
+  decoder's inter-token latency as the rebalancer measures it (both registered there);
 - ``pd_router_path_total{path,reason}``: requests by the path ``--path-policy`` chose (``pd``, ``delta``:
   P prefills and pushes the KV; ``local``: D prefills) and why (:mod:`proxy.planning.path_policy`);
 - ``pd_router_auth_refused_total{endpoint,reason}``: calls refused by :mod:`proxy.access.api_keys`,

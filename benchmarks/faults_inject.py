@@ -56,44 +56,46 @@ class Injector:
             record.call = send()
         elif fault is Fault.ABORT_BEFORE_ROUTING:
             record.call = abort_before_routing(url, body)
-        elif fault is Fault.ABORT_AFTER_P_ACCEPTED:
-            record.call = send(abort_after_s=plan.param)
-        elif fault in (Fault.ABORT_DURING_PUSH, Fault.ABORT_BEFORE_FIRST_TOKEN):
+        elif fault in (Fault.ABORT_AFTER_P_ACCEPTED, Fault.ABORT_DURING_PUSH, Fault.ABORT_BEFORE_FIRST_TOKEN):
             record.call = send(abort_after_s=plan.param * ttft)
             record.note = f"aborted at {plan.param * ttft:.3f} s (time to first token measured {ttft:.3f} s)"
         elif fault is Fault.ABORT_MID_STREAM:
             record.call = send(abort_after_events=plan.events)
         elif fault is Fault.ABORT_AFTER_DONE:
             record.call = send(reset_after_done=True)
-        elif fault is Fault.ABORT_DURING_RESUME:
-            record.call = self._during_resume(plan, record, send)
-        elif fault is Fault.ABORT_DURING_DRAIN:
-            record.call = self._during_drain(plan, record, send, ttft)
+        elif fault in (Fault.ABORT_DURING_RESUME, Fault.ABORT_DURING_DRAIN):
+            with self.stack.lock:  # held until the decoder is back in routing
+                record.call = self._with_drain(plan, record, send, ttft, rid)
         else:
             with self.stack.lock:
-                record.call = self._with_env_fault(plan, record, send)
+                record.call = self._with_env_fault(plan, record, send, rid)
         return record
 
     # -- environment faults ------------------------------------------------------------------
-    def _with_env_fault(self, plan: RequestPlan, record: RequestRecord, send: Callable[..., Call]) -> Call:
+    def _target(self, role: str, rid: str, fallback: int) -> Instance:
+        """The instance of ``role`` serving ``rid`` (found in D's log), else a busy one."""
+        decode, prefill = self.stack.locate(rid)
+        found = decode if role == "decode" else prefill
+        return found if found is not None else self.stack.busy(role, fallback)
+
+    def _with_env_fault(self, plan: RequestPlan, record: RequestRecord, send: Callable[..., Call], rid: str) -> Call:
         fault, stack = plan.fault, self.stack
         future: Future[Call] = self._pool.submit(send)
         t0 = time.monotonic()
         if fault in (Fault.KILL_P, Fault.KILL_D):
-            time.sleep(0.1 + 0.1 * plan.param)
-            inst = stack.busy("prefill" if fault is Fault.KILL_P else "decode", plan.target)
+            time.sleep(0.1 * plan.param)
+            inst = self._target("prefill" if fault is Fault.KILL_P else "decode", rid, plan.target)
             record.applied = stack.kill(inst)
             record.note = f"SIGKILL {inst.name}" if record.applied else f"{inst.name}'s role has an instance down"
         elif fault in (Fault.STOP_P, Fault.STOP_D):
-            time.sleep(0.1)
-            inst = stack.busy("prefill" if fault is Fault.STOP_P else "decode", plan.target)
+            inst = self._target("prefill" if fault is Fault.STOP_P else "decode", rid, plan.target)
             record.applied = stack.freeze(inst, plan.param)
             record.note = f"SIGSTOP {inst.name} for {plan.param:.1f} s" if record.applied else f"{inst.name} is down"
         elif fault in ZMQ_RATES:
             before = _zmq_counts(stack)
             for shim in stack.shims:
                 shim.set_zmq_rates(ZMQ_RATES[fault])
-            _wait(future, t0 + plan.param)
+            _wait(t0 + plan.param)
             for shim in stack.shims:
                 shim.set_zmq_rates(NO_FAULTS)
             hit = _zmq_counts(stack) - before
@@ -102,7 +104,7 @@ class Injector:
             before = _boot_counts(stack)
             for shim in stack.shims:
                 shim.set_mode(BOOTSTRAP_MODES[fault], slow_s=plan.param)
-            _wait(future, t0 + plan.param)
+            _wait(t0 + plan.param)
             for shim in stack.shims:
                 shim.set_mode(BootstrapMode.PASS)
             record.note = f"bootstrap shims {BOOTSTRAP_MODES[fault].value}: {_boot_counts(stack) - before} call(s) hit"
@@ -127,52 +129,47 @@ class Injector:
         logger.info("%s", result)
         return result
 
-    def _start_drain(self, plan: RequestPlan, record: RequestRecord) -> bool:
-        """Take the lock and start draining the busy decoder; the lock is released once it is back."""
-        if not self.stack.lock.acquire(timeout=5):
-            record.applied, record.note = False, "another environment fault held the stack"
-            return False
-        if self.stack.any_down():
-            self.stack.lock.release()
-            record.applied, record.note = False, "an instance is down: no drain"
-            return False
-        inst = self.stack.busy("decode", plan.target)
+    def _with_drain(
+        self, plan: RequestPlan, record: RequestRecord, send: Callable[..., Call], ttft: float, rid: str
+    ) -> Call:
+        """The request; once its decoder has it (a first event, or D's log line), that decoder is drained
+        (under ``Stack.lock``, held by the caller) and the client leaves while the drain runs: a stream
+        while the Router moves it to the other decoder, a non-streamed answer while it finishes in place."""
+        drains: list[threading.Thread] = []
 
-        def drain() -> None:
-            try:
+        def start() -> None:
+            if self.stack.any_down():
+                record.applied, record.note = False, "an instance is down: no drain"
+                return
+            inst = self._target("decode", rid, plan.target)
+
+            def drain() -> None:
                 record.note = self._drain(inst)
-            finally:
-                self.stack.lock.release()
 
-        threading.Thread(target=drain, name=f"drain-{plan.index}", daemon=True).start()
-        return True
+            drains.append(threading.Thread(target=drain, name=f"drain-{plan.index}", daemon=True))
+            drains[-1].start()
 
-    def _during_resume(self, plan: RequestPlan, record: RequestRecord, send: Callable[..., Call]) -> Call:
-        started: list[bool] = []
+        if plan.fault is Fault.ABORT_DURING_RESUME:
 
-        def on_event(n: int) -> float | None:
-            if started:
-                return None
-            started.append(self._start_drain(plan, record))
-            return 0.05 + 0.1 * plan.param  # the client leaves while the Router moves the stream
+            def on_event(n: int) -> float | None:
+                if n != 1:
+                    return None
+                start()
+                return 0.05 + 0.1 * plan.param
 
-        return send(on_event=on_event)
-
-    def _during_drain(self, plan: RequestPlan, record: RequestRecord, send: Callable[..., Call], ttft: float) -> Call:
-        def later() -> None:
-            time.sleep(0.5 * ttft)
-            self._start_drain(plan, record)
-
-        threading.Thread(target=later, daemon=True).start()
-        return send(abort_after_s=ttft * (1.0 + 0.2 * plan.param))
+            result = send(on_event=on_event)
+        else:
+            threading.Thread(target=start, daemon=True).start()
+            result = send(abort_after_s=ttft + 0.3 + 0.25 * plan.param)
+        if drains:
+            drains[0].join(DRAIN_TIMEOUT_S + 20)
+        elif record.applied:
+            record.applied, record.note = False, record.note or "the request ended before its decoder was found"
+        return result
 
 
-def _wait(future: Future[Call], until: float) -> None:
-    """Until ``future`` is done and ``until`` passed (a fault window lasts the request and at least that)."""
-    try:
-        future.result(timeout=CLIENT_DEADLINE_S + 5)
-    except Exception:  # the caller takes the result (or its exception) again
-        pass
+def _wait(until: float) -> None:
+    """Until ``until`` (the fault window's end: its length is drawn, whether the request ended or not)."""
     rest = until - time.monotonic()
     if rest > 0:
         time.sleep(rest)

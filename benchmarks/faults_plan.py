@@ -59,6 +59,10 @@ ZMQ_RATES = {
     Fault.ZMQ_TRUNCATE: FaultRates(truncate=0.3),
 }
 
+#: Tokens of the long answers the drain faults use (a few seconds of decoding here).
+LONG_OUTPUT = 300
+LONG_FAULTS = (Fault.ABORT_DURING_RESUME, Fault.ABORT_DURING_DRAIN)
+
 #: Share of requests with no fault; the rest spread evenly over the fault classes.
 NONE_SHARE = 0.15
 #: Kills are costly here (a restart takes most of a minute on two cores): at most one in this many requests.
@@ -80,8 +84,9 @@ class RequestPlan:
     prompt: Prompt
     stream: bool
     fault: Fault
-    #: Fault parameters drawn with the plan: seconds (stop length, abort time as a share of the
-    #: prompt's measured time to first token, shim window) and the event count of a mid-stream abort.
+    #: Fault parameters drawn with the plan: ``param`` is seconds (stop length, shim window, bootstrap
+    #: down time) or, for the timed aborts, the abort time as a share of the prompt's measured time to
+    #: first token; ``events`` is the event count of a mid-stream abort.
     param: float
     events: int
     #: Which instance of the role an environment fault acts on (0 or 1).
@@ -94,9 +99,11 @@ class RequestPlan:
 
 
 def prompt_pool(rng: random.Random, size: int = 12) -> list[Prompt]:
-    """``size`` prompts of mixed lengths (1..400 tokens: within a block, several blocks) and outputs."""
+    """``size`` prompts of mixed lengths (1..400 tokens: within a block, several blocks) and short outputs,
+    and two with `LONG_OUTPUT` tokens: the streams a drain moves must still be running when it starts."""
     lengths = [1, 33, 129, 300, *[rng.randint(2, 400) for _ in range(max(0, size - 4))]][:size]
-    return [Prompt(n, rng.randint(0, 150), rng.choice((8, 16, 24, 32))) for n in lengths]
+    short = [Prompt(n, rng.randint(0, 150), rng.choice((8, 16, 24, 32))) for n in lengths]
+    return [*short, Prompt(40, rng.randint(0, 150), LONG_OUTPUT), Prompt(200, rng.randint(0, 150), LONG_OUTPUT)]
 
 
 def draw_plans(rng: random.Random, pool: list[Prompt], n: int, *, every_class: bool) -> list[RequestPlan]:
@@ -117,6 +124,13 @@ def draw_plans(rng: random.Random, pool: list[Prompt], n: int, *, every_class: b
             fault = Fault.NONE
         faults.append(fault)
     rng.shuffle(faults)
+    # kills in the last quarter: a restart takes most of a minute, and while one runs no drain is set off
+    late = [i for i in range(n * 3 // 4, n) if faults[i] not in kills]
+    rng.shuffle(late)
+    for i in [i for i in range(n * 3 // 4) if faults[i] in kills]:
+        if late:
+            j = late.pop()
+            faults[i], faults[j] = faults[j], faults[i]
     # the first requests run on a quiet stack (they measure the prompts' times to first token)
     quiet = [i for i, f in enumerate(faults) if f is Fault.NONE][:2]
     for j, i in enumerate(quiet):
@@ -125,12 +139,13 @@ def draw_plans(rng: random.Random, pool: list[Prompt], n: int, *, every_class: b
 
 
 def _plan(rng: random.Random, index: int, pool: list[Prompt], fault: Fault) -> RequestPlan:
-    prompt = rng.choice(pool)
+    long = fault in LONG_FAULTS
+    prompt = rng.choice([p for p in pool if (p.max_tokens == LONG_OUTPUT) == long])
     stream = True if fault.needs_stream else (False if fault is Fault.ABORT_DURING_DRAIN else rng.random() < 0.5)
     if fault in (Fault.STOP_P, Fault.STOP_D):
         param = rng.uniform(1.0, 5.0)  # stopped seconds: shorter and longer than the peer timeout
     elif fault is Fault.ABORT_AFTER_P_ACCEPTED:
-        param = rng.uniform(0.05, 0.4)
+        param = rng.uniform(0.1, 0.5)
     elif fault is Fault.ABORT_DURING_PUSH:
         param = rng.uniform(0.6, 0.95)
     elif fault is Fault.ABORT_BEFORE_FIRST_TOKEN:

@@ -145,6 +145,28 @@ class Stack:
                 return inst
         return self.of_role(role)[fallback % 2]
 
+    def locate(self, rid: str, timeout: float = 1.5) -> tuple[Instance | None, Instance | None]:
+        """The decoder serving the Router's request ``rid`` and the prefiller it loads from (D's log line
+        ``req=cmpl-<rid>-... loading N prompt tokens ... from prefill H:<bootstrap shim port>``); Nones
+        if D did not log it within ``timeout``."""
+        pattern = re.compile(rf"req=cmpl-{re.escape(rid)}-\S*: loading .* from prefill \S+:(\d+)")
+        deadline = time.monotonic() + timeout
+        while True:
+            for inst in self.of_role("decode"):
+                path = inst.proc.log_path
+                if path is None or not path.exists():
+                    continue
+                with path.open("rb") as f:
+                    f.seek(max(0, path.stat().st_size - 512 * 1024))
+                    found = pattern.findall(f.read().decode(errors="replace"))
+                if found:
+                    port = int(found[-1])
+                    prefill = [i for i in self.of_role("prefill") if i.shim is not None and i.shim.port == port]
+                    return inst, (prefill[0] if prefill else None)
+            if time.monotonic() > deadline:
+                return None, None
+            time.sleep(0.05)
+
     def kill(self, inst: Instance) -> bool:
         """SIGKILL ``inst``'s process group and restart it in the background; False if one of its role is down."""
         if any(i.down.is_set() for i in self.of_role(inst.role)):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import sys
@@ -47,6 +48,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.serving_trace import ms, percentile  # noqa: E402
+from launch.commands import EAGER_ENV  # noqa: E402
 from launch.processes import (  # noqa: E402
     LOOPBACK,
     ProcessGroup,
@@ -256,10 +258,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a temporary folder)")
-    parser.add_argument("--smoke", action="store_true", help="2 rounds of 8 requests, 4 clients, 48 tokens")
+    parser.add_argument("--eager", action="store_true", help="vLLM with --enforce-eager (no compile warm-up)")
+    parser.add_argument("--smoke", action="store_true", help="2 rounds of 8 requests, 4 clients, 48 tokens, --eager")
     args = parser.parse_args()
     if args.smoke:
-        args.rounds, args.requests, args.concurrency, args.max_tokens = 2, 8, 4, 48
+        args.rounds, args.requests, args.concurrency, args.max_tokens, args.eager = 2, 8, 4, 48, True
+    if args.eager:
+        os.environ[EAGER_ENV] = "1"  # launch.commands.vllm_serve_cmd adds --enforce-eager
     if args.rounds < 2:
         parser.error(f"--rounds must be at least 2 (one off, one on), got {args.rounds}")
 
@@ -317,6 +322,7 @@ def main() -> None:
             "max_moves_per_s": args.max_moves_per_s,
             "cpus": {"P": "0", "D0": args.d_cpus[0], "D1": args.d_cpus[1]},
             "smoke": args.smoke,
+            "eager": args.eager,
         },
         "wall_s": round(time.monotonic() - started, 1),
     }

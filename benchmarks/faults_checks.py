@@ -80,7 +80,11 @@ def check_pd_kv(pd_kv: object) -> list[str]:
             bad.append(f"usage.pd_kv is not an object: {item!r}")
             continue
         recomputed = item.get("recomputed_tokens") or 0
-        if isinstance(recomputed, (int, float)) and recomputed > 0 and not item.get("recompute_reason"):
+        if (
+            isinstance(recomputed, (int, float))
+            and recomputed > 0
+            and item.get("recompute_reason") in (None, "", "none")
+        ):
             bad.append(f"{recomputed} token(s) recomputed without a recompute_reason: {item}")
     return bad
 
@@ -108,7 +112,8 @@ def check_settle(settles: Sequence[Settle], limit_s: float) -> list[str]:
 
 
 def summarize(records: Sequence[RequestRecord], pd_kv_seen: bool) -> dict[str, object]:
-    """Per fault class {requests, ok, explicit_errors, aborted, applied, violations}, and totals."""
+    """Per fault class {requests, ok, explicit_errors, aborted, applied, recomputes (by reason),
+    violations}, and totals."""
     classes: dict[str, dict[str, object]] = {}
     for fault in Fault:
         mine = [r for r in records if r.plan.fault is fault]
@@ -121,6 +126,7 @@ def summarize(records: Sequence[RequestRecord], pd_kv_seen: bool) -> dict[str, o
             "explicit_errors": counts[Outcome.ERROR],
             "aborted": counts[Outcome.ABORTED],
             "applied": sum(r.applied for r in mine),
+            "recomputes": dict(Counter(reason for r in mine for reason in recompute_reasons(r.call.pd_kv))),
             "violations": [{"request": r.plan.index, "details": r.violations} for r in mine if r.violations],
         }
     counts = Counter(r.call.outcome for r in records)
@@ -135,6 +141,14 @@ def summarize(records: Sequence[RequestRecord], pd_kv_seen: bool) -> dict[str, o
         },
         "recompute_labels": "checked" if pd_kv_seen else "skipped: no answer carried usage.pd_kv",
     }
+
+
+def recompute_reasons(pd_kv: object) -> list[str]:
+    """The ``recompute_reason`` of each record in ``pd_kv`` that recomputed tokens."""
+    items = pd_kv if isinstance(pd_kv, list) else [pd_kv] if pd_kv is not None else []
+    return [
+        str(i.get("recompute_reason")) for i in items if isinstance(i, dict) and (i.get("recomputed_tokens") or 0) > 0
+    ]
 
 
 def error_samples(records: Sequence[RequestRecord], limit: int = 8) -> Mapping[str, list[str]]:

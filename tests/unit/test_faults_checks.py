@@ -60,6 +60,7 @@ def test_recompute_without_a_reason_is_a_violation() -> None:
     assert check_pd_kv({"recomputed_tokens": 12, "recompute_reason": "kv_load_failed"}) == []
     bad = check_pd_kv([{"recomputed_tokens": 12, "recompute_reason": "x"}, {"recomputed_tokens": 3}])
     assert len(bad) == 1 and "3 token(s) recomputed without a recompute_reason" in bad[0]
+    assert len(check_pd_kv({"recomputed_tokens": 2, "recompute_reason": "none"})) == 1  # "none" is no reason
     unlabelled = Call(Outcome.OK, 200, text=REF, pd_kv={"recomputed_tokens": 5, "recompute_reason": ""})
     assert len(check_request(record(Fault.NONE, unlabelled), REF, DEADLINE)) == 1
 
@@ -73,8 +74,9 @@ def test_settle_within_the_room_lease_plus_one_second() -> None:
 
 
 def test_summary_counts_per_class_and_says_when_recompute_labels_were_skipped() -> None:
+    recomputed = {"pushed_tokens": 30, "recomputed_tokens": 3, "recompute_reason": "load_failed"}
     records = [
-        record(Fault.NONE, Call(Outcome.OK, 200, text=REF), 0),
+        record(Fault.NONE, Call(Outcome.OK, 200, text=REF, pd_kv=recomputed), 0),
         record(Fault.NONE, Call(Outcome.OK, 200, text="wrong"), 1),
         record(Fault.KILL_P, Call(Outcome.ERROR, 502, detail="HTTP 502: prefill_failed"), 2),
     ]
@@ -84,6 +86,7 @@ def test_summary_counts_per_class_and_says_when_recompute_labels_were_skipped() 
     none = summary["classes"]["none"]  # type: ignore[index]
     assert (none["requests"], none["ok"], none["explicit_errors"]) == (2, 2, 0)
     assert none["violations"][0]["request"] == 1
+    assert none["recomputes"] == {"load_failed": 1}
     assert summary["classes"]["kill_p"]["explicit_errors"] == 1  # type: ignore[index]
     assert summary["totals"] == {"requests": 3, "ok": 2, "explicit_errors": 1, "aborted": 0, "violations": 1}
     assert summary["recompute_labels"].startswith("skipped")  # type: ignore[union-attr]

@@ -9,6 +9,10 @@ strides, so every layout in docs/design.md is handled by the same code:
 - vLLM-Ascend: a tuple per layer, k and v `[num_blocks, block_size, heads, dim]`
   (MLA: latent and rope; sparse attention: more parts) -> 1 region per part;
 - CUDA FlashAttention: `[2, num_blocks, block_size, heads, dim]` -> K and V regions.
+
+Regions laid out block by block next to each other (block i of one ends where block i of the next
+starts, as in a layout that keeps every layer of a block together) describe one larger piece per
+block: `fuse_adjacent` merges them, and P's write plans (`transfer.plan_cache`) write them as one entry.
 """
 
 from __future__ import annotations
@@ -131,6 +135,26 @@ def memory_ranges(kv_caches: Mapping[str, Any]) -> list[tuple[int, int]]:
         else:
             merged.append((addr, length))
     return merged
+
+
+def fuse_adjacent(regions: Sequence[Region]) -> list[Region]:
+    """The regions by base, those laid out block by block next to each other fused: a region whose block i
+    starts where the previous one's block i ends (same stride) joins it, as the regions of consecutive
+    layers do in a layout that keeps all layers of a block together. The bytes covered stay the same."""
+    fused: list[Region] = []
+    for r in sorted(regions, key=lambda r: (r.base, r.block_stride)):
+        if fused:
+            last = fused[-1]
+            joined = last.block_bytes + r.block_bytes
+            if (
+                r.block_stride == last.block_stride
+                and r.base == last.base + last.block_bytes
+                and joined <= r.block_stride
+            ):
+                fused[-1] = Region(last.base, last.block_stride, joined)
+                continue
+        fused.append(r)
+    return fused
 
 
 def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -93,7 +93,7 @@ def push_room(
             if summed is not None:
                 summed.add(src, dst, lengths)
 
-        nbytes, entries = write_room(ctx.spec, ctx, peer, job, req, write)
+        nbytes, entries = write_room(ctx.spec, ctx, peer, job, req, write, ctx.plans)
     except _Refused as exc:
         status, error = exc.status, str(exc)
     except BlockRangeError as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pd_connector import messages as proto
@@ -13,6 +13,7 @@ from pd_connector.refusals import VLLM_DEFAULT_KV_PORT
 from pd_connector.trace import TraceBook
 from pd_connector.transfer.device_sync import NO_DEVICE, DeviceSync
 from pd_connector.transfer.outbox import Outbox
+from pd_connector.transfer.plan_cache import PlanCache
 from pd_connector.transfer.stats import TransferStats
 
 if TYPE_CHECKING:
@@ -110,3 +111,4 @@ class RankContext:
     device: DeviceSync = (
         NO_DEVICE  # the KV's device: events, streams, thread binding (pd_connector.transfer.device_sync)
     )
+    plans: PlanCache = field(default_factory=PlanCache, compare=False)  # P's write plans per peer (plan_cache)

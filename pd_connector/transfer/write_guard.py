@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pd_connector import messages as proto
-from pd_connector.layouts.regions import LayoutError, Region
+from pd_connector.layouts.regions import LayoutError, Region, fuse_adjacent
 from pd_connector.transfer.checksum import RunningChecksum, reader_for
 from pd_connector.transfer.context import RankSpec
 from pd_connector.transfer.write_plans import BlockRangeError
@@ -67,7 +67,7 @@ class WriteGuard:
     def __init__(self, regions: Sequence[Region], num_blocks: int, peer: str) -> None:
         self.peer = peer
         self.num_blocks = num_blocks
-        ordered = sorted(regions, key=lambda r: r.base)
+        ordered = fuse_adjacent(regions)  # sorted by base; P's plans write fused regions as one piece
         self._base = np.array([r.base for r in ordered], dtype=np.int64)
         self._stride = np.array([max(r.block_stride, 1) for r in ordered], dtype=np.int64)
         self._bytes = np.array([r.block_bytes for r in ordered], dtype=np.int64)

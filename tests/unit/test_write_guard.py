@@ -29,9 +29,11 @@ def cpu_layout_regions() -> list[Region]:
 
 
 def interleaved_regions() -> list[Region]:
-    """K and V views of one [num_blocks, 2, heads, block_size, head_dim] buffer: regions interleaved block by block."""
-    buf = torch.zeros(NB, 2, 2, 4, 8, dtype=torch.float16)
-    regions = regions_of_kv_caches({"l0": (buf[:, 0], buf[:, 1])}, NB)
+    """K and V views of one [num_blocks, 3, heads, block_size, head_dim] buffer (parts 0 and 2; part 1 is
+    not KV): regions interleaved block by block. (K and V right next to each other are one region to the
+    guard, ``regions.fuse_adjacent``: tests/unit/test_plan_cache.py.)"""
+    buf = torch.zeros(NB, 3, 2, 4, 8, dtype=torch.float16)
+    regions = regions_of_kv_caches({"l0": (buf[:, 0], buf[:, 2])}, NB)
     assert len(regions) == 2 and not regions[0].blocks_contiguous
     return regions
 
@@ -56,7 +58,7 @@ def test_a_run_of_blocks_is_one_entry_only_where_blocks_are_dense() -> None:
     dense = cpu_layout_regions()[1]
     WriteGuard([dense], NB, "d0").check([dense.base + 2 * dense.block_stride], [5 * dense.block_bytes])
     k, v = interleaved_regions()
-    with pytest.raises(WriteTargetError):  # two K blocks in one entry would write V's block between them
+    with pytest.raises(WriteTargetError):  # two K blocks in one entry would write the bytes between them
         WriteGuard([k, v], NB, "d0").check([k.base], [2 * k.block_bytes])
 
 
@@ -84,7 +86,7 @@ def test_interleaved_regions_refuse_the_other_regions_bytes_only_when_outside_al
     k, v = interleaved_regions()
     guard = WriteGuard([k, v], NB, "d0")
     guard.check([v.base + 3 * v.block_stride], [v.block_bytes])  # V's block 3 sits between K's 3 and 4
-    with pytest.raises(WriteTargetError):  # straddles K's block 3 and V's block 3
+    with pytest.raises(WriteTargetError):  # straddles K's block 3 and the bytes after it
         guard.check([k.base + 3 * k.block_stride + 8], [k.block_bytes])
     with pytest.raises(WriteTargetError):  # V's block NB: past the tensor
         guard.check([v.base + NB * v.block_stride], [v.block_bytes])

@@ -13,6 +13,10 @@ by the tests below, which run in file order:
    test SIGKILLs its process group while streams run on both decoders: they resume on the live one.
 3. no KV left on P for the dead decoder.
 
+Between 1 and 2, chat: one greedy streamed chat on each decoder, the extra one drained while its stream
+runs; the moved chat goes on as a completions leg re-shaped into chat chunks, equal to its twin and
+beginning with the colocated reference's chat answer.
+
 Each test starts its own Router (``--trust-client-room``: even rooms go to the stack's decoder, odd
 rooms to the extra one), so the drain's removal of the extra decoder does not carry over. Rooms 2k
 and 2k+1 stream the same prompt: the even room's stream, never moved, is the uninterrupted run the
@@ -22,6 +26,7 @@ event is tests/proxy/test_resume.py's.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -231,6 +236,102 @@ def test_drained_decoder_hands_its_streams_over_without_an_error(
     assert wait_kv_free(pd_stack.decode_url, timeout=30) == 0.0
     assert wait_kv_free(pd_stack.prefill_url, timeout=60) == 0.0
     assert not any(held(pd_stack.prefill_url, "prefill").values())
+
+
+#: Chat drain: one greedy chat stream this long on the extra decoder (its twin on the stack's), drained under way.
+CHAT_STREAM_TOKENS = 800
+
+
+def stream_chat(url: str, model: str, room: int, started: list[int], timeout_s: float) -> Outcome:
+    """A greedy streamed chat of CHAT_STREAM_TOKENS tokens (``ignore_eos``) on the reference's second chat
+    prompt in ``room``; ``room`` goes into ``started`` once its first token's chunk came (after the role's)."""
+    from tests.support.serving import CHAT_PROMPTS
+
+    outcome = Outcome(room)
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": CHAT_PROMPTS[1]}],
+        "max_tokens": CHAT_STREAM_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "bootstrap_room": room,
+    }
+    try:
+        with httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
+            with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                outcome.status = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        outcome.events.append(line[len("data: ") :])
+                        if len(outcome.events) == 2:
+                            started.append(room)
+    except httpx.HTTPError as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    return outcome
+
+
+def chat_text(outcome: Outcome) -> str:
+    """The assistant's text as the client assembles it from the chunks' ``delta.content``."""
+    return "".join(
+        (c.get("delta") or {}).get("content") or ""
+        for e in outcome.events
+        if e != "[DONE]"
+        for c in json.loads(e).get("choices") or ()
+    )
+
+
+def test_drained_decoders_chat_stream_goes_on_as_the_same_chat(
+    pd_stack: PDStack, extra_decoder: ExtraDecoder, reference: dict
+) -> None:
+    """A greedy streamed chat cut by a drain goes on on the stack's decoder (a completions leg re-shaped into
+    chat chunks: proxy/strategies/resume_chat.py): the client's chat text is its uncut twin's, and begins with
+    the colocated reference's chat answer (greedy, 12 tokens) to the same prompt."""
+    from tests.support.serving import CHAT_PROMPTS
+
+    router = start_router(pd_stack, extra_decoder, "router-chat")
+    try:
+        model = pd_stack.model
+        warm_up(router, model)
+        started: list[int] = []
+        with ThreadPoolExecutor(2) as pool:
+            futures = [
+                pool.submit(stream_chat, router.url, model, room, started, DRAIN_CLIENT_BOUND_S) for room in (40, 41)
+            ]
+            wait_streams_on_extra([41], started, extra_decoder.url, poll_s=0.02)
+            body = {"role": "decode", "host": extra_decoder.host, "port": extra_decoder.port, "timeout_s": 120}
+            answer = httpx.post(
+                f"{router.url}/instances/drain",
+                json=body,
+                headers=admin_headers(router.port),
+                timeout=180,
+                trust_env=False,
+            )
+            twin, moved = (f.result(timeout=DRAIN_CLIENT_BOUND_S) for f in futures)
+        assert answer.status_code == 200, answer.text
+        (result,) = answer.json()["results"]
+        print(f"\nchat drain: moved {result['moved']}, finished in place {result['waited']}")
+        assert result["result"] == "drained" and sum(result["moved"].values()) == 1, result
+        for outcome in (twin, moved):
+            assert outcome.status == 200 and outcome.error is None, outcome
+            assert outcome.error_event is None and outcome.done, outcome.events[-2:]
+            assert outcome.finish_reason == "length", outcome.events[-2:]
+            assert outcome.usage is not None and outcome.usage["completion_tokens"] == CHAT_STREAM_TOKENS
+            assert {json.loads(e)["object"] for e in outcome.events[:-1]} == {"chat.completion.chunk"}
+            assert len(outcome.answer_ids) == 1
+        got, want = chat_text(moved), chat_text(twin)
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        assert got == want, f"the moved chat differs from its twin at character {at}: {got[at - 40 : at + 80]!r}"
+        colocated = reference["chat"][True][CHAT_PROMPTS.index(CHAT_PROMPTS[1])]
+        assert colocated and got.startswith(colocated), (got[:80], colocated)
+        roles = [c["delta"].get("role") for e in moved.events[:-1] for c in json.loads(e)["choices"]]
+        assert roles[0] == "assistant" and not any(roles[1:])
+        log = Path(router.process.log_path or "").read_text(errors="replace")
+        assert re.search(r"stream cut on decoder \S+ \(drain\) after \d+ token\(s\); resumed on", log), log[-2000:]
+        assert wait_kv_free(extra_decoder.url, timeout=30) == 0.0
+    finally:
+        extra_decoder.group.stop(router.process)
 
 
 def test_killed_decoders_streams_resume_on_the_live_one_and_traffic_moves_there(

@@ -26,6 +26,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     pool = prompt_pool(rng)
     plans = draw_plans(rng, pool, args.requests, every_class=args.ci or args.requests >= len(Fault))
+    if args.plan_only:
+        counts = Counter(p.fault.value for p in plans)
+        print(
+            json.dumps({"seed": args.seed, "requests": len(plans), "classes": dict(sorted(counts.items()))}, indent=2)
+        )
+        return 0
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pd-faults-"))
     work.mkdir(parents=True, exist_ok=True)
     model = tiny_model(work)
@@ -146,6 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: %(default)s)")
     parser.add_argument("--out", help="write the JSON summary here too")
     parser.add_argument("--records", help="write every request's record here (JSON lines)")
+    parser.add_argument("--plan-only", action="store_true", help="print the plans' fault classes and start nothing")
     parser.add_argument("--work-dir", help="model and logs (default: a new temporary directory)")
     args = parser.parse_args(argv)
     if args.requests is None:

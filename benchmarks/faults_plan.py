@@ -67,6 +67,8 @@ LONG_FAULTS = (Fault.ABORT_DURING_RESUME, Fault.ABORT_DURING_DRAIN)
 NONE_SHARE = 0.15
 #: Kills are costly here (a restart takes most of a minute on two cores): at most one in this many requests.
 KILL_EVERY = 40
+#: From this many requests on, kills may come anywhere in the run.
+SPREAD_KILLS_FROM = 200
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,9 @@ def draw_plans(rng: random.Random, pool: list[Prompt], n: int, *, every_class: b
             fault = Fault.NONE
         faults.append(fault)
     rng.shuffle(faults)
-    # kills in the last quarter: a restart takes most of a minute, and while one runs no drain is set off
-    late = [i for i in range(n * 3 // 4, n) if faults[i] not in kills]
+    # short runs: kills in the last quarter (a restart takes most of a minute here, and while one runs
+    # no drain is set off); long runs spread them
+    late = [i for i in range(n * 3 // 4, n) if faults[i] not in kills] if n < SPREAD_KILLS_FROM else []
     rng.shuffle(late)
     for i in [i for i in range(n * 3 // 4) if faults[i] in kills]:
         if late:

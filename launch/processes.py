@@ -19,10 +19,12 @@ stays the one import for callers:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,5 +257,30 @@ def start_both_stack(
     t0 = time.monotonic()
     targets = [(f"http://{host}:{port}/health", proc) for port, proc in zip(http, instances, strict=True)]
     wait_all_healthy(targets, timeout, watch=[router])
-    wait_http_ok(f"http://{host}:{router_port}/health", max(30.0, timeout - (time.monotonic() - t0)), router)
+    router_url = f"http://{host}:{router_port}"
+    wait_http_ok(f"{router_url}/health", max(30.0, timeout - (time.monotonic() - t0)), router)
+    _wait_router_sees_all(router_url, router, max(30.0, timeout - (time.monotonic() - t0)))
     return BothStack(str(model), host, http, bootstrap, router_port, instances, router)
+
+
+def _wait_router_sees_all(router_url: str, router: ManagedProcess, timeout: float) -> None:
+    """Until the Router's /health counts every instance of both roles healthy (its health checks run on
+    an interval: the first healthy one alone would otherwise take every request)."""
+    deadline = time.monotonic() + timeout
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no HTTP proxy
+    while True:
+        try:
+            with opener.open(f"{router_url}/health", timeout=5) as answer:
+                health = json.load(answer)
+            roles = ("prefill", "decode")
+            if all(health[f"{role}_healthy"] == health[f"{role}_instances"] for role in roles):
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        if router.poll() is not None:
+            raise ProcessFailed(f"the Router exited before it saw every instance healthy\n{tail(router.log_path)}")
+        if time.monotonic() > deadline:
+            raise ProcessFailed(
+                f"the Router did not see every instance healthy in {timeout:.0f} s: {router_url}/health"
+            )
+        time.sleep(0.5)

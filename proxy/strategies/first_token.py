@@ -126,7 +126,7 @@ class FirstTokenPath:
 
     # -- 1. P's first token --------------------------------------------------------------------
 
-    async def _first_token(self) -> PrefillAnswer | ClientReply:
+    async def _first_token(self) -> PrefillAnswer | ClientReply | Next:
         ctx, loop, call = self.ctx, self.loop, self.call
         config = self.router.config
         failure: Failure | None = None
@@ -137,6 +137,8 @@ class FirstTokenPath:
             p = loop.pick("prefill", call, self.progress.room, loop.tried.p)
             if p is None:
                 return ctx.error(RouterError(503, "no prefill instance is available", UPSTREAM_UNAVAILABLE))
+            if self.router.pool.alone_with_itself(p, loop.tried.d):
+                return Next.TWO_INSTANCE  # a kv_both instance with no other decoder: served by it alone
             remaining = loop.remaining()
             if remaining <= 0:
                 break

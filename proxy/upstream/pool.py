@@ -183,6 +183,14 @@ class BackendPool:
             self._note_prefiller(room, picked)
         return picked
 
+    def alone_with_itself(self, p: BackendState, exclude: Collection[BackendState] = ()) -> bool:
+        """Whether ``p`` is a kv_both prefiller whose only decoder candidate (``exclude`` avoided, as
+        :meth:`pick` does) is its own decode side: the request is then served by that instance alone."""
+        if not p.backend.both:
+            return False
+        eligible = candidates(self.active["decode"], exclude)
+        return all(s.backend.same_instance(p.backend) for s in eligible)
+
     def _note_prefiller(self, room: int, picked: BackendState | None) -> None:
         if picked is None or not picked.backend.both:
             self._room_prefiller.pop(room, None)

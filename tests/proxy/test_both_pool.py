@@ -91,6 +91,17 @@ def test_the_twin_is_left_only_when_nothing_else_is_free() -> None:
     assert pool.pick("decode", 1) is not other  # 8002's twin is avoided; 8001 is healthy
 
 
+def test_alone_with_itself_names_an_instance_whose_only_decoder_is_its_own() -> None:
+    pool = _pool()
+    p0, p1 = pool.active["prefill"]
+    assert not pool.alone_with_itself(p0)
+    pool.mark_unhealthy(pool.active["decode"][1], "down")
+    assert pool.alone_with_itself(p0)  # 8001: only its own decode side is healthy
+    assert not pool.alone_with_itself(p1)  # 8002 may decode on 8001
+    fixed = BackendState(Backend("prefill", "h", 8001))
+    assert not pool.alone_with_itself(fixed)  # only a kv_both prefiller is ever alone
+
+
 def test_a_fixed_prefiller_may_pair_with_any_decoder() -> None:
     pool = BackendPool((Backend("prefill", "h", 7001, 18800),), (Backend("decode", "h", 8001, both=True),))
     assert _port(pool.pick("prefill", 5)) == 7001
@@ -101,13 +112,13 @@ def test_a_fixed_prefiller_may_pair_with_any_decoder() -> None:
 # -- a real Router in front of fake backends ------------------------------------------------
 
 
-def _router(proc_dir: Path, ports: tuple[int, ...]) -> Proc:
+def _router(proc_dir: Path, ports: tuple[int, ...], *extra: str) -> Proc:
     port = free_port()
     args = [
         sys.executable, "-m", "proxy", "--host", HOST, "--port", str(port),
         "--both-hosts", *[HOST] * len(ports), "--both-ports", *map(str, ports),
         "--both-bootstrap-ports", str(free_port()),
-        "--connect-timeout", "2", "--trust-client-room", "--no-first-token-from-prefill",
+        "--connect-timeout", "2", "--trust-client-room", *(extra or ["--no-first-token-from-prefill"]),
     ]  # fmt: skip
     proc = Proc(f"router {port}", port, args, proc_dir / f"router-both-{port}.log").start()
     try:
@@ -118,9 +129,9 @@ def _router(proc_dir: Path, ports: tuple[int, ...]) -> Proc:
     return proc
 
 
-def _post(router: Proc, rid: str, room: int) -> httpx.Response:
+def _post(router: Proc, rid: str, room: int, stream: bool = False) -> httpx.Response:
     with httpx.Client(timeout=20, trust_env=False) as client:
-        body = request_body("/v1/completions", bootstrap_room=room)
+        body = request_body("/v1/completions", bootstrap_room=room, stream=stream)
         return client.post(f"{router.url}/v1/completions", json=body, headers={"X-Request-Id": rid})
 
 
@@ -143,11 +154,12 @@ def test_two_both_instances_prefill_for_each_other(backends: Backends, proc_dir:
         router.stop()
 
 
-def test_one_both_instance_alone_serves_requests_itself(backends: Backends, proc_dir: Path) -> None:
-    router = _router(proc_dir, (backends.ok_d2,))
+@pytest.mark.parametrize("path", ["--no-first-token-from-prefill", "--first-token-from-prefill"])
+def test_one_both_instance_alone_serves_requests_itself(backends: Backends, proc_dir: Path, path: str) -> None:
+    router = _router(proc_dir, (backends.ok_d2,), path)
     try:
         rid = new_rid("both-alone")
-        assert _post(router, rid, 3).status_code == 200
+        assert _post(router, rid, 3, stream=True).status_code == 200  # a stream: the first-token path's
         (only,) = records(backends.ok_d2, rid)
         assert not _kv(only).get("do_remote_decode") and not _kv(only).get("do_remote_prefill")
     finally:

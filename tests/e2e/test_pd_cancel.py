@@ -38,7 +38,7 @@ from tests.support.serving import (
     wait_kv_free,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.both_lines]
 
 FAKE_BACKEND = Path(__file__).parents[1] / "support" / "fake_backend.py"
 #: P's KV must be free well before room_timeout_s would have freed it.

@@ -196,6 +196,8 @@ class _Connection:
 
     def _forward(self, message: list[bytes], last_flags: int, last_body: bytes) -> None:
         fault = self.proxy.draw()
+        if fault is FrameFault.REORDER and self.held is not None:
+            fault = None  # one message held at a time: this one overtakes it
         if fault is not None:
             self.proxy.count(fault.value)
         if fault is FrameFault.DROP:
@@ -204,7 +206,7 @@ class _Connection:
             message = [*message[:-1], encode_frame(last_flags, last_body[: self.proxy.randbelow(len(last_body))])]
         if fault is FrameFault.DELAY:
             time.sleep(self.proxy.rates.delay_s)
-        if fault is FrameFault.REORDER and self.held is None:
+        if fault is FrameFault.REORDER:
             self.held, self.held_until = message, time.monotonic() + self.proxy.rates.hold_s
             return
         self._send(message)

@@ -4,7 +4,7 @@ Real ``vllm serve`` instances of the tiny model (``launch/tiny_model.py``): one 
 and two decoders started with the connector's ``migration`` (each its own bootstrap server, known to
 the Router by ``--decoder-bootstrap-ports``: their streams move by KV), started once. Two Routers in
 front of them, one with ``--rebalance off`` and one with ``--rebalance on``; rounds alternate between
-them (off, on, off, on, ...), the same requests in every round.
+them (off, on, off, on, ...), the same requests in every round, after one warm-up pass (not counted).
 
 The load is skewed by prefix affinity: two prompt families (a long shared prefix each, a short
 unique tail per request), ``--skew`` of the requests (default 0.7) of family A. Each family sticks to
@@ -254,15 +254,16 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=0.7, help="share of family A, decoder 0 (default: 0.7)")
     parser.add_argument("--tpot-ms", default="auto", help="--rebalance-tpot-ms, or auto (default: auto)")
     parser.add_argument("--max-moves-per-s", type=float, default=4.0, help="--rebalance-max-moves-per-s (default: 4)")
+    parser.add_argument("--interval-s", type=float, default=0.2, help="--rebalance-interval-s (default: 0.2)")
     parser.add_argument("--d-cpus", nargs=2, default=["1", "0"], help="cores of D0 and D1 (default: 1 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a temporary folder)")
     parser.add_argument("--eager", action="store_true", help="vLLM with --enforce-eager (no compile warm-up)")
-    parser.add_argument("--smoke", action="store_true", help="2 rounds of 8 requests, 4 clients, 48 tokens, --eager")
+    parser.add_argument("--smoke", action="store_true", help="2 rounds of 8 requests, 4 clients, 160 tokens, --eager")
     args = parser.parse_args()
     if args.smoke:
-        args.rounds, args.requests, args.concurrency, args.max_tokens, args.eager = 2, 8, 4, 48, True
+        args.rounds, args.requests, args.concurrency, args.max_tokens, args.eager = 2, 8, 4, 160, True
     if args.eager:
         os.environ[EAGER_ENV] = "1"  # launch.commands.vllm_serve_cmd adds --enforce-eager
     if args.rounds < 2:
@@ -279,6 +280,8 @@ def main() -> None:
     with ProcessGroup(log_dir, report=say) as group:
         stack = start_stack(group, model, (args.d_cpus[0], args.d_cpus[1]), args.start_timeout)
         urls = {"off": start_router(group, stack, "router-off", ["--rebalance", "off"])}
+        warm = prompts(args.seed + 1, args.concurrency, args.skew, args.prefix_chars)  # not counted
+        asyncio.run(run_round(urls["off"], model, warm, args.concurrency, args.max_tokens, 0))
         for index in range(args.rounds):
             mode = "off" if index % 2 == 0 else "on"
             if mode == "on" and "on" not in urls:
@@ -288,6 +291,7 @@ def main() -> None:
                     tpot_ms = round(sum(measured) / len(measured), 1) if measured else 100.0
                 flags = ["--rebalance", "on", "--rebalance-tpot-ms", str(tpot_ms)]
                 flags += ["--rebalance-max-moves-per-s", str(args.max_moves_per_s), "--rebalance-min-tokens-left", "8"]
+                flags += ["--rebalance-interval-s", str(args.interval_s)]
                 urls["on"] = start_router(group, stack, "router-on", flags)
             before = moves(urls[mode])
             results, seconds = asyncio.run(
@@ -320,6 +324,7 @@ def main() -> None:
             "prefix_chars": args.prefix_chars,
             "rebalance_tpot_ms": tpot_ms,
             "max_moves_per_s": args.max_moves_per_s,
+            "interval_s": args.interval_s,
             "cpus": {"P": "0", "D0": args.d_cpus[0], "D1": args.d_cpus[1]},
             "smoke": args.smoke,
             "eager": args.eager,

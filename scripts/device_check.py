@@ -21,6 +21,9 @@ two metadata base classes). On a GPU machine (torch, Mooncake's CUDA build
   and (on a GPU) in device memory; ``ratio`` = raw_s / connector_s, the connector's throughput as a share
   of one raw Mooncake write of the same bytes. ``--sweep small`` (default: a 256 KiB transfer, seconds on
   CPU) or ``big`` (benchmarks/transfer.py's default, 512 MiB a transfer).
+- ``own_cost`` (unless ``--sweep off``): ``benchmarks/transfer.py --backend null`` for the 4096-token,
+  32-layer request in 16-token blocks: the connector's own CPU per entry (``cpu_us_per_entry``) and per
+  transfer (``cpu_ms_per_transfer``) on this machine, no byte moved.
 - ``ok``: every claim held (ordered runs exact, no case failed, every byte check exact, ratios > 0 and,
   on a GPU, corruption shown without the ordering); the exit status is 0 exactly then.
 
@@ -45,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # pd_connector,
 from device_check_ordering import run_case  # noqa: E402
 from device_check_transfer import d2rh_copy, mooncake_connector, mooncake_missing, sweep  # noqa: E402
 
+from benchmarks.transfer import DEFAULT_SHAPE  # noqa: E402
 from pd_connector.vllm_lines.bases import VLLM_BASES  # noqa: E402
 
 ORDERING_BACKENDS = ("torch", "mooncake")
@@ -67,6 +71,18 @@ def _ordering_run(device: torch.device, mode: str, ordered: bool, args: argparse
                 "layers_exact": 0, "layers_stale": args.layers, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
 
 
+def own_cost(rounds: int) -> dict[str, Any]:
+    """The connector's own CPU per transfer and per entry (``benchmarks/transfer.py --backend null``: the
+    whole transfer path, no byte moved) for benchmarks/transfer.py's 4096-token, 32-layer request in
+    16-token blocks; ``status`` failed with the error when it raised."""
+    try:
+        from benchmarks.transfer_null import measure_null
+
+        return {"status": "ok", **measure_null(**DEFAULT_SHAPE, block_size=16, rounds=rounds)}
+    except Exception as exc:  # noqa: BLE001 - the report names the failure
+        return {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+
+
 def _claims_hold(report: dict[str, Any]) -> bool:
     """Every byte check exact, no case failed, every ratio positive (and, on a GPU, corruption shown)."""
     cases = list(report["cases"].values())
@@ -84,6 +100,7 @@ def _claims_hold(report: dict[str, Any]) -> bool:
         and exact
         and loaded
         and sweep_ok
+        and report["own_cost"]["status"] != "failed"
     )
 
 
@@ -122,8 +139,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cases["d2rh_host_to_device"] = d2rh_copy(device, args.layers, args.blocks)
     if args.sweep == "off":
         swept: dict[str, Any] = {"status": "skipped", "reason": "--sweep off", "rows": []}
+        cost: dict[str, Any] = {"status": "skipped", "reason": "--sweep off"}
     else:
         swept = sweep(device, args.sweep, args.sweep_rounds or (5 if args.sweep == "big" else 3))
+        cost = own_cost(args.sweep_rounds or 5)
     report: dict[str, Any] = {
         "gpu": gpu,
         "device": torch.cuda.get_device_name(device) if gpu else "cpu (no GPU: CPU kernels are synchronous)",
@@ -137,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": runs,
         "cases": cases,
         "sweep": swept,
+        "own_cost": cost,
     }
     report["ok"] = _claims_hold(report)
     report["seconds"] = round(time.perf_counter() - t0, 2)

@@ -113,6 +113,9 @@ class BatchPipe(Protocol):
         It returns within the transport's bound on one batch (``batch_stall_s``) counted from ``submit``."""
         ...
 
+    # Optional: ``ready(entries) -> bool``, whether a batch of that many entries can be submitted without
+    # waiting (a transport's queue per peer); when not, ``write_pipelined`` first waits for its oldest batch.
+
 
 class SyncPipe:
     """A synchronous ``write_batch(src, dst, lengths) -> status`` as a pipe: the batch ends in ``submit``."""
@@ -187,7 +190,8 @@ def write_pipelined(
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Write the entries in batches of at most max_batch through ``pipe``, up to ``depth`` batches (and
-    ``max_bytes``, unless one batch is larger) in flight; returns once every batch landed.
+    ``max_bytes``, unless one batch is larger; and what ``pipe.ready`` allows) in flight; returns once
+    every batch landed. When a batch failed, the others in flight end before it is tried again.
 
     ``still_wanted()`` is asked before every batch is submitted: once the reader gave up, no further
     batch starts (WriteStopped), so at most the batches in flight land after a cancel; D keeps the
@@ -211,23 +215,40 @@ def write_pipelined(
         raise ValueError(f"{what}: pipeline depth must be >= 1, got {depth}")
     total = len(src)
     flying: deque[_InFlight] = deque()
-    flying_bytes = 0
+    ready = getattr(pipe, "ready", None)
+
+    def settle_oldest() -> None:
+        job = flying.popleft()
+        ret = _ended(pipe, job.handle, job.began, len(job.batch[0]), stall_s, clock, what, peer)
+        if ret == 0:
+            return
+        # A batch failed: the others in flight end first, so its retries (one try at a time) run alone.
+        failed = [(job, ret)]
+        while flying:
+            other = flying.popleft()
+            status = _ended(pipe, other.handle, other.began, len(other.batch[0]), stall_s, clock, what, peer)
+            if status != 0:
+                failed.append((other, status))
+        for job, ret in failed:
+            _retry(pipe, job, ret, still_wanted, retries, stall_s, clock, what, peer)
+
     try:
         for first in range(0, total, max_batch):
             end = first + max_batch
             batch = (list(src[first:end]), list(dst[first:end]), list(lengths[first:end]))
             nbytes = sum(batch[2])
-            while flying and (len(flying) >= depth or flying_bytes + nbytes > max_bytes):
-                done = flying.popleft()
-                flying_bytes -= done.nbytes
-                _settle(pipe, done, still_wanted, retries, stall_s, clock, what, peer)
+            while flying and (
+                len(flying) >= depth
+                or sum(f.nbytes for f in flying) + nbytes > max_bytes
+                or (ready is not None and not ready(len(batch[0])))
+            ):
+                settle_oldest()
             if still_wanted is not None and not still_wanted():
                 raise WriteStopped(f"{what} to {peer} stopped after {first} of {total} entries: the reader gave up")
             began = clock()
             flying.append(_InFlight(first, batch, nbytes, began, pipe.submit(*batch)))
-            flying_bytes += nbytes
         while flying:
-            _settle(pipe, flying.popleft(), still_wanted, retries, stall_s, clock, what, peer)
+            settle_oldest()
     finally:
         # Raising with batches in flight (a failed batch, the reader gone): wait for each to end first,
         # so no byte of this write lands after the caller answered D.
@@ -239,9 +260,10 @@ def write_pipelined(
                 logger.exception("%s to %s: waiting for a batch in flight failed", what, peer)
 
 
-def _settle(
+def _retry(
     pipe: BatchPipe,
     job: _InFlight,
+    ret: int,
     still_wanted: Wanted,
     retries: int,
     stall_s: float | None,
@@ -249,8 +271,7 @@ def _settle(
     what: str,
     peer: str,
 ) -> None:
-    """Wait for one submitted batch; a failed one is tried again (one try at a time) within its budget."""
-    ret = _ended(pipe, job.handle, job.began, len(job.batch[0]), stall_s, clock, what, peer)
+    """A failed batch (status ``ret``) tried again, one try at a time, while within its budget."""
     for attempt in range(retries):
         if ret == 0 or (still_wanted is not None and not still_wanted()):
             break

@@ -20,7 +20,9 @@ listeners it made, so a firewall can be checked against them (docs/security.md, 
 How one write moves (``MooncakePipe``): its entries go in batches of at most ``max_batch_entries``,
 up to ``backend.PIPELINE_DEPTH`` batches in flight (``batch_transfer_async_write``, then
 ``get_batch_transfer_status`` per batch in submission order), so the transport always has the next
-batch queued; ``write`` returns once every batch landed or, failing, once none is in flight.
+batch queued; ``write`` returns once every batch landed or, failing, once none is in flight. All
+writes of a backend together keep at most the TCP transport's queue per peer in flight
+(``PeerCredits``, ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, 1024): Mooncake fails entries past it.
 
 How long one batch may take (``MooncakeOptions.batch_stall_s``, ``stall_for``): Mooncake's Python
 binding gives up on a batch (``TransferEnginePy::getBatchTransferStatus``, and ``batchTransferSync``
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -66,6 +69,8 @@ _KEY = "kv_connector_extra_config"
 
 #: The binding's bound on one batch write (seconds): MC_TRANSFER_TIMEOUT, its default, its floor.
 CALL_TIMEOUT_ENV, CALL_TIMEOUT_DEFAULT_S, CALL_TIMEOUT_FLOOR_S = "MC_TRANSFER_TIMEOUT", 30, 5
+#: Entries Mooncake's TCP transport queues per peer (``PeerCredits``): its setting and default.
+QUEUE_ENV, QUEUE_DEFAULT = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", 1024
 #: The TCP transport's no-progress bound (seconds): what ``open`` sets when unset, and what Mooncake
 #: uses for a value it ignores (not a positive integer).
 TCP_PROGRESS_ENV, TCP_PROGRESS_S, TCP_PROGRESS_MOONCAKE_S = "MC_TCP_PROGRESS_TIMEOUT_SEC", 10, 30
@@ -192,6 +197,9 @@ class MooncakeBackend:
         self.protocol = protocol
         self.stall_s = stall_s
         self.depth = depth
+        # TCP: the transport's queue per peer; other transports: Mooncake's batch limit (what one sync
+        # batch of max_batch_entries put in flight before writes were pipelined).
+        self.credits = PeerCredits(queue_limit(os.environ) if protocol == "tcp" else BATCH_LIMIT)
         self._registered: list[int] = []
 
     @classmethod
@@ -250,20 +258,23 @@ class MooncakeBackend:
     def write(
         self, peer_descriptor: bytes, src: Ints, dst: Ints, lengths: Ints, max_batch: int, still_wanted: Wanted = None
     ) -> None:
-        """Write src[i] -> peer:dst[i] in batches, up to ``depth`` of them in flight (``MooncakePipe``); a
-        failed batch is written once more while that retry fits in the batch's budget (``write_pipelined``,
-        ``stall_s``).
+        """Write src[i] -> peer:dst[i] in batches, up to ``depth`` of them in flight (``MooncakePipe``),
+        each of at most ``max_batch`` entries and of at most a ``depth``-th of what one peer may have in
+        flight (``PeerCredits``); a failed batch is written once more while that retry fits in the batch's
+        budget (``write_pipelined``, ``stall_s``).
 
         Mooncake's TCP transport drops a connection that made no progress for
         MC_TCP_PROGRESS_TIMEOUT_SEC and the next try opens a fresh one.
         """
         session = peer_descriptor.decode("ascii")
+        # Batches small enough that ``depth`` of them fit in the entries one peer may have in flight.
+        per_batch = max(1, min(max_batch, self.credits.limit // self.depth))
         write_pipelined(
-            MooncakePipe(self._engine, session),
+            MooncakePipe(self._engine, session, self.credits),
             src,
             dst,
             lengths,
-            max_batch,
+            per_batch,
             still_wanted,
             what="Mooncake batch write",
             peer=session,
@@ -280,6 +291,54 @@ class MooncakeBackend:
         self._registered.clear()
 
 
+class PeerCredits:
+    """Entries one engine has in flight per peer, at most ``limit`` (all writes, all threads together).
+
+    Mooncake's TCP transport queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (default 1024)
+    entries per peer and fails what it cannot queue (the rest wait for admission at most
+    ``MC_TCP_ADMISSION_TIMEOUT_MS``, 1 s, then fail too): several batches in flight must stay inside it.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"Mooncake entries in flight per peer must be >= 1, got {limit}")
+        self.limit = limit
+        self._used: dict[str, int] = {}
+        self._cond = threading.Condition()
+
+    def ready(self, peer: str, entries: int) -> bool:
+        """Whether ``entries`` more fit now (a peer with nothing in flight takes any batch)."""
+        with self._cond:
+            used = self._used.get(peer, 0)
+            return used == 0 or used + entries <= self.limit
+
+    def take(self, peer: str, entries: int) -> None:
+        """Count ``entries`` in flight to ``peer``, once they fit (waits for other writes' batches)."""
+        with self._cond:
+            while (used := self._used.get(peer, 0)) and used + entries > self.limit:
+                self._cond.wait()
+            self._used[peer] = used + entries
+
+    def give(self, peer: str, entries: int) -> None:
+        with self._cond:
+            left = self._used.get(peer, 0) - entries
+            if left > 0:
+                self._used[peer] = left
+            else:
+                self._used.pop(peer, None)
+            self._cond.notify_all()
+
+    def in_flight(self, peer: str) -> int:
+        with self._cond:
+            return self._used.get(peer, 0)
+
+
+def queue_limit(env: Mapping[str, str]) -> int:
+    """Entries Mooncake's TCP transport queues per peer (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``)."""
+    given = _env_seconds(env, QUEUE_ENV, "entries Mooncake's TCP transport queues per peer")
+    return QUEUE_DEFAULT if given is None or given < 1 else given
+
+
 class MooncakePipe:
     """One write's batches through Mooncake's asynchronous batch calls.
 
@@ -292,20 +351,38 @@ class MooncakePipe:
     stale segment of a restarted peer and reports the status.
     """
 
-    def __init__(self, engine: Any, session: str) -> None:
+    def __init__(self, engine: Any, session: str, credits: PeerCredits) -> None:
         self._engine = engine
         self._session = session
+        self._credits = credits
 
-    def submit(self, src: list[int], dst: list[int], lengths: list[int]) -> tuple[bool, int]:
-        """(True, batch id) of a batch in flight, or (False, status) of one already written synchronously."""
-        batch_id = int(self._engine.batch_transfer_async_write(self._session, src, dst, lengths))
-        if batch_id:
-            return True, batch_id
-        return False, int(self._engine.batch_transfer_sync_write(self._session, src, dst, lengths))
+    def ready(self, entries: int) -> bool:
+        return self._credits.ready(self._session, entries)
 
-    def wait(self, handle: tuple[bool, int]) -> int:
-        in_flight, value = handle
-        return int(self._engine.get_batch_transfer_status([value])) if in_flight else value
+    def submit(self, src: list[int], dst: list[int], lengths: list[int]) -> tuple[bool, int, int]:
+        """(True, batch id, entries) of a batch in flight, or (False, status, 0) of one written synchronously."""
+        entries = len(src)
+        self._credits.take(self._session, entries)
+        try:
+            batch_id = int(self._engine.batch_transfer_async_write(self._session, src, dst, lengths))
+            if batch_id:
+                return True, batch_id, entries  # its credits go back in wait
+            return False, int(self._engine.batch_transfer_sync_write(self._session, src, dst, lengths)), 0
+        except BaseException:
+            batch_id = 0
+            raise
+        finally:
+            if not batch_id:
+                self._credits.give(self._session, entries)
+
+    def wait(self, handle: tuple[bool, int, int]) -> int:
+        in_flight, value, entries = handle
+        if not in_flight:
+            return value
+        try:
+            return int(self._engine.get_batch_transfer_status([value]))
+        finally:
+            self._credits.give(self._session, entries)
 
 
 def host_port_text(host: str, port: int) -> str:

@@ -302,3 +302,41 @@ def test_stats_count_from_many_threads() -> None:
     assert snap.recvs_failed == 0
     with pytest.raises(KeyError, match="unknown transfer stat 'bytes'"):
         stats.inc("bytes")  # type: ignore[arg-type]
+
+
+def test_entries_in_flight_per_peer_stay_within_the_tcp_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake's TCP transport fails entries past its queue per peer: all writes of a backend together
+    keep at most MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER in flight, in batches of a depth-th of it."""
+    monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "64")
+    lock = threading.Lock()
+    in_flight: dict[int, int] = {}
+    seen = {"most": 0, "entries": 0, "sizes": set()}
+
+    class Engine:
+        def batch_transfer_async_write(self, session: str, src: list[int], dst: list[int], n: list[int]) -> int:
+            with lock:
+                batch_id = len(in_flight) + 1000 * (seen["entries"] + 1)
+                in_flight[batch_id] = len(src)
+                seen["most"] = max(seen["most"], sum(in_flight.values()))
+                seen["entries"] += len(src)
+                seen["sizes"].add(len(src))
+            return batch_id
+
+        def get_batch_transfer_status(self, batch_ids: list[int]) -> int:
+            threading.Event().wait(0.001)  # the batch moves
+            with lock:
+                in_flight.pop(batch_ids[0])
+            return 0
+
+    backend = MooncakeBackend(Engine(), "p:1")
+    assert backend.credits.limit == 64
+    writers = [
+        threading.Thread(target=backend.write, args=(b"h:1", range(1000), range(1000), [8] * 1000, 1024))
+        for _ in range(3)
+    ]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join(30)
+    assert seen["entries"] == 3000 and 0 < seen["most"] <= 64
+    assert seen["sizes"] <= {16, 1000 % 16} and not in_flight and backend.credits.in_flight("h:1") == 0

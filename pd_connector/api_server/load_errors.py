@@ -109,7 +109,7 @@ def named_load_errors(send: Send, params: DecodeParams, namer: LoadErrorNamer) -
                 await send({"type": "http.response.body", "body": whole})
                 return
             text = await namer.name(params)
-            logger.error("room=%d KV load failed: HTTP %d %s", params.room, LOAD_FAILED_STATUS, text)
+            logger.error("room=%d answering HTTP %d: %s", params.room, LOAD_FAILED_STATUS, text)
             new = json.dumps(_error_body(text)).encode()
             headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",)]
             headers.append((b"content-length", str(len(new)).encode()))
@@ -118,7 +118,7 @@ def named_load_errors(send: Send, params: DecodeParams, namer: LoadErrorNamer) -
             return
         if chunk.startswith(b'data: {"error"') and VLLM_BARE_ERROR in chunk:  # a stream's error event
             text = await namer.name(params)
-            logger.error("room=%d KV load failed (stream): %s", params.room, text)
+            logger.error("room=%d answering an error event: %s", params.room, text)
             event = b"data: " + json.dumps(_error_body(text)).encode() + b"\n\n"
             rest = chunk.split(b"\n\n", 1)[1] if b"\n\n" in chunk else b""
             message = {**message, "body": event + rest}

@@ -184,6 +184,8 @@ class PDScheduler:
                 self._account_load(rid, blocks, num_external_tokens)
             return
         if not self.cfg.is_decode or rid in self._recv_planned or not isinstance(params, DecodeParams):
+            if self.cfg.is_decode and num_external_tokens > 0:  # an extension's load (D first, layer mode)
+                self._account_load(rid, blocks, num_external_tokens)
             return
         local = self._local_hits.pop(rid, 0)
         start_block = local // self.block_size

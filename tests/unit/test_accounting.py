@@ -250,3 +250,28 @@ def test_json_answer_gets_the_record_and_its_length() -> None:
 
 def test_without_an_engine_client_nothing_is_hooked() -> None:
     assert not hook_engine(SimpleNamespace())
+
+
+def test_a_load_an_extension_took_is_counted_as_pushed() -> None:
+    """D first / layer mode: an extension takes the load; the core plans none but books it."""
+    from vllm.v1.request import RequestStatus
+
+    from pd_connector.config import parse_config
+    from pd_connector.scheduler import PDScheduler
+    from pd_connector.scheduling.extension import Match, Plan, SchedulerExtension
+    from tests.support.fake_scheduler import D_PARAMS, FakeBlocks, FakeRequest
+
+    class Taker(SchedulerExtension):
+        def take_load(self, request: Any, params: Any, num_computed_tokens: int, covered: int) -> Match | None:
+            return Match(covered - num_computed_tokens, True, Plan.PUSH)
+
+    sched = PDScheduler(parse_config("kv_consumer", {}), BS, extensions=[Taker()], group_block_bytes=[100])
+    req = FakeRequest("d-1", dict(D_PARAMS), 40)
+    assert sched.get_num_new_matched_tokens(req, 16) == (24, True)  # type: ignore[arg-type]
+    sched.update_state_after_alloc(req, FakeBlocks([3, 4, 5]), 24)  # type: ignore[arg-type]
+    req.status = RequestStatus.FINISHED_STOPPED
+    _, answer = sched.request_finished(req, [3, 4, 5])  # type: ignore[arg-type]
+    assert answer is not None
+    account = answer["pd_kv"]
+    assert (account["prefix_hit_tokens"], account["pushed_tokens"], account["recomputed_tokens"]) == (16, 24, 0)
+    assert account["kv_bytes"] == 2 * 100  # blocks 1 and 2 of the request: tokens 16..39

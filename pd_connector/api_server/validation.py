@@ -196,6 +196,7 @@ class KVParamsValidationMiddleware:
         self.load_errors = LoadErrorNamer(lambda: self.compat._routes)  # its token, CA bundle, trusted hosts
         self._side: Side | None = None
         self._side_known = False
+        self._decoder: bool | None = None
 
     def _side_of(self, scope: Scope) -> Side | None:
         """PREFILL / DECODE on a PDConnector instance (from vLLM's app state), else None."""
@@ -208,6 +209,17 @@ class KVParamsValidationMiddleware:
                 self._side = {"kv_producer": Side.PREFILL, "kv_consumer": Side.DECODE}.get(kv.kv_role)
             self._side_known = True
         return self._side
+
+    def _decodes(self, scope: Scope) -> bool:
+        """Whether this is a PDConnector instance that decodes (kv_consumer, or kv_both), whose answers
+        carry the KV account in ``usage`` (pd_connector.api_server.usage)."""
+        if self._decoder is None:
+            vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            if vllm_config is None:
+                return False  # set up at startup; ask again on the next request
+            kv = vllm_config.kv_transfer_config
+            self._decoder = kv is not None and kv.kv_connector == "PDConnector" and kv.kv_role != "kv_producer"
+        return self._decoder
 
     def _translate(self, scope: Scope, raw: bytes) -> tuple[bytes, str | None]:
         """Other routers' PD fields (sglang-router, vllm-router mooncake) as kv_transfer_params (front_ends)."""
@@ -277,7 +289,7 @@ class KVParamsValidationMiddleware:
                 return
             send = named_load_errors(send, params, self.load_errors)  # a failed KV load names its room
         replay = _replay([{"type": "http.request", "body": raw, "more_body": False}], receive)
-        if self._side_of(scope) is not Side.DECODE or not hook_engine(getattr(scope.get("app"), "state", None)):
+        if not self._decodes(scope) or not hook_engine(getattr(scope.get("app"), "state", None)):
             await self.app(scope, replay, send)
             return
         records, token = collecting()  # the engine's final outputs add their KV accounts (usage.pd_kv)

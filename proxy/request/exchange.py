@@ -102,6 +102,8 @@ class Exchange:
         #: The last bytes relayed to the client; a stream whose tail is ``data: [DONE]`` is complete
         #: even if the client hangs up before the Router ends the chunked body.
         self._tail = b""
+        #: the error type a begun stream was ended with (its status stays the 200 already sent)
+        self.stream_error: str | None = None
         #: The request's path choice (``--path-policy``), once made.
         self.decided: Decided | None = None
         self._decided_at = 0.0
@@ -193,9 +195,11 @@ class Exchange:
     def _phase_trace(self, attempt: Attempt, elapsed: float) -> PhaseTrace:
         """The request's phases as the Router saw them (pd_connector.trace's summary line)."""
         received = time.time() - elapsed
-        trace = PhaseTrace(
-            "router", attempt.room, self.rid, outcome="ok" if self.status < 300 else f"http_{self.status}"
-        )
+        if self.stream_error is not None:
+            outcome = f"stream_error:{self.stream_error}"
+        else:
+            outcome = "ok" if self.status < 300 else f"http_{self.status}"
+        trace = PhaseTrace("router", attempt.room, self.rid, outcome=outcome)
         trace.mark("received", received)
         if self.decided is not None:  # path_pd, path_delta or path_local (--path-policy)
             trace.mark(f"path_{self.decided.choice.path.value}", self._decided_at)
@@ -397,6 +401,7 @@ class Exchange:
     def stream_cut(self, cut: Cut) -> None:
         """A stream that began ends with ``cut``'s failure: counted, logged."""
         self.loop.count_cut(cut)
+        self.stream_error = cut.failure.error.error_type
         self.router.metrics.error(self.endpoint, cut.failure.error.error_type)
         logger.error(
             "rid=%s room=%s stream cut after it started: %s; ending it with an error event",

@@ -26,6 +26,7 @@ from tests.support.router_rig import (
     records,
     request_body,
     sse_events,
+    wait_until,
 )
 
 OFF = "--no-first-token-from-prefill"  # the rig's default too
@@ -112,6 +113,11 @@ def test_resume_off_keeps_the_error_event(backends: Backends, router_factory: Ro
     events = _stream(router, rid)
     assert "[DONE]" not in events and json.loads(events[-1])["error"]["code"] == 502
     assert records(backends.resume_d, rid) == []
+    # The request's line says the stream ended with an error, though its status was the 200 sent first.
+    line = wait_until(
+        lambda: next((x for x in router.proc.log_text().splitlines() if f"rid={rid} " in x and " POST " in x), None), 10
+    )
+    assert "status=200" in line and "outcome=stream_error:" in line, line
 
 
 # --- pure rules -------------------------------------------------------------------------------

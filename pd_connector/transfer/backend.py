@@ -113,8 +113,11 @@ class BatchPipe(Protocol):
         It returns within the transport's bound on one batch (``batch_stall_s``) counted from ``submit``."""
         ...
 
-    # Optional: ``ready(entries) -> bool``, whether a batch of that many entries can be submitted without
-    # waiting (a transport's queue per peer); when not, ``write_pipelined`` first waits for its oldest batch.
+    # Optional, for a transport with a queue per peer: ``ready(entries) -> bool``, whether a batch of that
+    # many entries fits now (when not, ``write_pipelined`` first waits for its own oldest batch);
+    # ``reserve(entries)``, taking room for one (waiting until it fits), asked before the reader is asked
+    # and before every ``submit``, which then owns the room (given back when its batch ended); and
+    # ``release(entries)``, giving back a reservation no batch was submitted for.
 
 
 class SyncPipe:
@@ -243,10 +246,11 @@ def write_pipelined(
                 or (ready is not None and not ready(len(batch[0])))
             ):
                 settle_oldest()
-            if still_wanted is not None and not still_wanted():
+            undo = _reserve(pipe, len(batch[0]))  # may wait for other writes' batches: ask the reader after it
+            if still_wanted is not None and not _wanted(still_wanted, undo):
                 raise WriteStopped(f"{what} to {peer} stopped after {first} of {total} entries: the reader gave up")
             began = clock()
-            flying.append(_InFlight(first, batch, nbytes, began, pipe.submit(*batch)))
+            flying.append(_InFlight(first, batch, nbytes, began, pipe.submit(*batch)))  # it owns the reservation
         while flying:
             settle_oldest()
     finally:
@@ -273,10 +277,14 @@ def _retry(
 ) -> None:
     """A failed batch (status ``ret``) tried again, one try at a time, while within its budget."""
     for attempt in range(retries):
-        if ret == 0 or (still_wanted is not None and not still_wanted()):
+        if ret == 0:
+            break
+        undo = _reserve(pipe, len(job.batch[0]))
+        if still_wanted is not None and not _wanted(still_wanted, undo):
             break
         elapsed = clock() - job.began
         if stall_s is not None and elapsed > (attempt + 1) * stall_s + overrun_tolerance_s(stall_s):
+            undo()
             budget = batch_budget_s(stall_s, retries)
             raise TransferError(
                 f"{what} of {len(job.batch[0])} entries to {peer} failed with {ret} after {elapsed:.1f} s; not tried "
@@ -296,6 +304,28 @@ def _retry(
         ret = _ended(pipe, pipe.submit(*job.batch), t0, len(job.batch[0]), stall_s, clock, what, peer)
     if ret != 0:
         raise TransferError(f"{what} of {len(job.batch[0])} entries to {peer} failed with {ret}")
+
+
+def _reserve(pipe: BatchPipe, entries: int) -> Callable[[], None]:
+    """Room for a batch of ``entries`` in a pipe with a queue (``reserve``, waiting until it fits); returns
+    what gives the room back when no batch is submitted after all."""
+    reserve = getattr(pipe, "reserve", None)
+    if reserve is None:
+        return lambda: None
+    reserve(entries)
+    return lambda: pipe.release(entries)  # type: ignore[attr-defined]
+
+
+def _wanted(still_wanted: Callable[[], bool], undo: Callable[[], None]) -> bool:
+    """``still_wanted()``; when False (or raising), the reservation ``undo`` gives back goes back."""
+    try:
+        wanted = still_wanted()
+    except BaseException:
+        undo()
+        raise
+    if not wanted:
+        undo()
+    return wanted
 
 
 def _ended(

@@ -359,18 +359,24 @@ class MooncakePipe:
     def ready(self, entries: int) -> bool:
         return self._credits.ready(self._session, entries)
 
-    def submit(self, src: list[int], dst: list[int], lengths: list[int]) -> tuple[bool, int, int]:
-        """(True, batch id, entries) of a batch in flight, or (False, status, 0) of one written synchronously."""
-        entries = len(src)
+    def reserve(self, entries: int) -> None:
         self._credits.take(self._session, entries)
+
+    def release(self, entries: int) -> None:
+        self._credits.give(self._session, entries)
+
+    def submit(self, src: list[int], dst: list[int], lengths: list[int]) -> tuple[bool, int, int]:
+        """(True, batch id, entries) of a batch in flight, or (False, status, 0) of one written synchronously.
+
+        Its entries were reserved (``reserve``); they are given back when the batch ended (``wait``),
+        or here when it did not go in flight."""
+        entries = len(src)
+        batch_id = 0
         try:
             batch_id = int(self._engine.batch_transfer_async_write(self._session, src, dst, lengths))
             if batch_id:
-                return True, batch_id, entries  # its credits go back in wait
+                return True, batch_id, entries
             return False, int(self._engine.batch_transfer_sync_write(self._session, src, dst, lengths)), 0
-        except BaseException:
-            batch_id = 0
-            raise
         finally:
             if not batch_id:
                 self._credits.give(self._session, entries)

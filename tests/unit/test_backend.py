@@ -340,3 +340,29 @@ def test_entries_in_flight_per_peer_stay_within_the_tcp_queue(monkeypatch: pytes
         t.join(30)
     assert seen["entries"] == 3000 and 0 < seen["most"] <= 64
     assert seen["sizes"] <= {16, 1000 % 16} and not in_flight and backend.credits.in_flight("h:1") == 0
+
+
+def test_the_reader_is_asked_after_the_wait_for_room_in_the_queue() -> None:
+    """A batch that waited for room (other writes to the peer filled its queue) starts only if the reader
+    still wants it then; its room goes back unused otherwise."""
+    gave_up = threading.Event()
+    log: list[str] = []
+
+    class Pipe:
+        def reserve(self, entries: int) -> None:
+            log.append(f"reserve {entries}")
+            gave_up.set()  # D gave up while this write waited for room
+
+        def release(self, entries: int) -> None:
+            log.append(f"release {entries}")
+
+        def submit(self, s: list[int], d: list[int], n: list[int]) -> int:
+            log.append("submit")
+            return 0
+
+        def wait(self, handle: int) -> int:
+            return handle
+
+    with pytest.raises(WriteStopped, match="stopped after 0 of 3 entries"):
+        write_pipelined(Pipe(), [1, 2, 3], [4, 5, 6], [8] * 3, 4, lambda: not gave_up.is_set(), what="w", peer="p")
+    assert log == ["reserve 3", "release 3"]

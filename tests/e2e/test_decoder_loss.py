@@ -9,8 +9,9 @@ by the tests below, which run in file order:
    streams are under way. Its streams move WITH THEIR KV (proxy/strategies/kv_move.py): the extra decoder
    holds each aborted request's blocks as its migrate room and pushes them to the stack's decoder,
    which computes nothing of the prompt or the tokens already sent (``kv_bytes_moved`` > 0, no replay).
-2. kill: the drained decoder is idle again (checked); a fresh Router sends it streams again and the
-   test SIGKILLs its process group while streams run on both decoders: they resume on the live one.
+2. kill: the drained decoder is idle again (checked); a fresh Router sends it streams again (completions
+   and one chat) and the test SIGKILLs its process group while streams run on both decoders: they resume on
+   the live one, the chat as the same chat.
 3. no KV left on P for the dead decoder.
 
 Between 1 and 2, chat: one greedy streamed chat on each decoder, the extra one drained while its stream
@@ -347,15 +348,19 @@ def test_killed_decoders_streams_resume_on_the_live_one_and_traffic_moves_there(
 
     rooms = list(range(10, 18))  # concurrency 8; even: live decoder, odd: extra decoder
     on_extra = [room for room in rooms if room % 2]
+    chats = (50, 51)  # a greedy streamed chat on each decoder: the extra one's resumes as a chat
     started: list[int] = []
-    with ThreadPoolExecutor(len(rooms)) as pool:
+    with ThreadPoolExecutor(len(rooms) + len(chats)) as pool:
         futures = [
             pool.submit(
                 stream_completion, router.url, model, room, KILL_STREAM_TOKENS, started, KILL_CLIENT_BOUND_S * 2
             )
             for room in rooms
         ]
-        running = wait_streams_on_extra(on_extra, started, extra_decoder.url, poll_s=0.02)
+        chat_futures = [
+            pool.submit(stream_chat, router.url, model, room, started, KILL_CLIENT_BOUND_S * 2) for room in chats
+        ]
+        running = wait_streams_on_extra([*on_extra, chats[1]], started, extra_decoder.url, poll_s=0.02)
         assert running >= 1, (
             "the extra decoder runs none of the odd rooms' streams (the Router sent them elsewhere): "
             f"running on the live one: {running_requests(pd_stack.decode_url)}; "
@@ -364,6 +369,7 @@ def test_killed_decoders_streams_resume_on_the_live_one_and_traffic_moves_there(
         os.killpg(extra_decoder.process.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         outcomes = [f.result(timeout=KILL_CLIENT_BOUND_S + 60) for f in futures]
+        chat_twin, chat_cut = (f.result(timeout=KILL_CLIENT_BOUND_S + 60) for f in chat_futures)
         finished_within = time.monotonic() - killed_at
     assert finished_within < KILL_CLIENT_BOUND_S, f"clients still waiting {finished_within:.0f}s after the kill"
 
@@ -387,6 +393,15 @@ def test_killed_decoders_streams_resume_on_the_live_one_and_traffic_moves_there(
         assert got == want, (
             f"room {room}'s stream differs from room {room - 1}'s at character {at}: {got[at - 40 : at + 40]!r}"
         )
+    # The chat stream cut by the kill goes on as the same chat (replayed: the dead decoder's KV is gone).
+    for outcome in (chat_twin, chat_cut):
+        assert outcome.status == 200 and outcome.error is None, outcome
+        assert outcome.error_event is None and outcome.done, outcome.events[-2:]
+        assert outcome.usage is not None and outcome.usage["completion_tokens"] == CHAT_STREAM_TOKENS
+        assert {json.loads(e)["object"] for e in outcome.events[:-1]} == {"chat.completion.chunk"}
+    got, want = chat_text(chat_cut), chat_text(chat_twin)
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    assert got == want, f"the killed decoder's chat differs from its twin at character {at}: {got[at - 40 : at + 80]!r}"
     router_log = Path(router.process.log_path or "").read_text(errors="replace")
     resumed = re.findall(
         r"stream cut on decoder \S+ \((\w+)\) after (\d+) token\(s\); resumed on .*? in ([\d.]+) ms", router_log

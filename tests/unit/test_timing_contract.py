@@ -195,8 +195,11 @@ def landings() -> Landings:
 
 
 def _timed_out_load(rig: Rig, monkeypatch: pytest.MonkeyPatch, room: int) -> tuple[Side, Side, dict[str, float]]:
-    """P pushes 8 one-entry batches of BATCH_S each; D's load times out (0.3 s) inside the first one."""
-    return start_slow_push(rig, monkeypatch, room, (P_BLOCKS, D_BLOCKS), PEER_TIMEOUT_S, kv_wait_timeout_s=0.3)
+    """P pushes 8 one-entry batches of BATCH_S each; D's load times out (0.8 s) inside the first one.
+
+    0.8 s leaves P's push time to start on a loaded machine (tests on both cores): a load that timed out
+    before P's first batch began would see nothing land, and neither test could show anything."""
+    return start_slow_push(rig, monkeypatch, room, (P_BLOCKS, D_BLOCKS), PEER_TIMEOUT_S, kv_wait_timeout_s=0.8)
 
 
 def test_d_holds_the_blocks_while_a_slow_transports_batch_lands(
@@ -213,7 +216,7 @@ def test_d_holds_the_blocks_while_a_slow_transports_batch_lands(
     assert landings.at, "the slow push wrote nothing: the test proves nothing"
     assert late_landings(landings, d, handed["d-1"]) == []
     assert len(landings.at) == 1  # P started no batch after D gave up
-    assert "KV load failed: no KV from prefill within 0.3 s; prefill answered" in pd_logs.text
+    assert "KV load failed: no KV from prefill within 0.8 s; prefill answered" in pd_logs.text
     assert any(r.levelno == logging.ERROR and "d-1" in r.getMessage() for r in pd_logs.records)
 
 
@@ -226,5 +229,6 @@ def test_a_transport_blind_wait_would_hand_the_blocks_back_too_early(
     p, d, handed = _timed_out_load(rig, monkeypatch, 7302)
     d.wait_recv("d-1", timeout=20)
     p.wait_sent("p-1", timeout=20)
+    assert landings.at, "the slow push wrote nothing: the test proves nothing"
     late = late_landings(landings, d, handed["d-1"])
     assert late and {block for _, block in late} <= set(D_BLOCKS)

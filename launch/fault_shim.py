@@ -124,23 +124,30 @@ class _Connection:
                 pass
             sock.close()
 
+    def _recv_chunk(self, n: int) -> bytes | None:
+        """At most ``n`` bytes from D, None when the socket's timeout passed first; _Closed when D or
+        the shim is gone."""
+        try:
+            chunk = self.client.recv(n)
+        except TimeoutError:
+            if self.closed.is_set():
+                raise _Closed from None
+            return None
+        except OSError:
+            raise _Closed from None
+        if not chunk:
+            raise _Closed
+        return chunk
+
     def _recv(self, n: int) -> bytes:
         """Exactly ``n`` bytes from D; flushes a held message whose hold ran out while waiting."""
         out = bytearray()
         while len(out) < n:
             if self.held is not None and time.monotonic() >= self.held_until:
                 self._send_held()
-            try:
-                chunk = self.client.recv(n - len(out))
-            except TimeoutError:
-                if self.closed.is_set():
-                    raise _Closed from None
-                continue
-            except OSError:
-                raise _Closed from None
-            if not chunk:
-                raise _Closed
-            out += chunk
+            chunk = self._recv_chunk(n - len(out))
+            if chunk is not None:
+                out += chunk
         return bytes(out)
 
     def _send(self, frames: list[bytes]) -> None:
@@ -158,18 +165,10 @@ class _Connection:
         try:
             got = 0
             while got < GREETING_BYTES:  # relayed as it comes: each side waits for the other's signature
-                try:
-                    chunk = self.client.recv(GREETING_BYTES - got)
-                except TimeoutError:
-                    if self.closed.is_set():
-                        raise _Closed from None
-                    continue
-                except OSError:
-                    raise _Closed from None
-                if not chunk:
-                    raise _Closed
-                got += len(chunk)
-                self._send([chunk])
+                chunk = self._recv_chunk(GREETING_BYTES - got)
+                if chunk is not None:
+                    got += len(chunk)
+                    self._send([chunk])
             message: list[bytes] = []
             while True:
                 flags = self._recv(1)[0]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from benchmarks.faults_plan import RequestPlan
+from tests.support.chaos_tools import error_message
 
 
 class Outcome(enum.Enum):
@@ -58,21 +59,6 @@ def body_of(model: str, plan: RequestPlan, prompt: str) -> dict:
     if plan.stream:
         body["stream_options"] = {"include_usage": True}
     return body
-
-
-def error_message(body: object) -> str | None:
-    if not isinstance(body, dict):
-        return None
-    err = body.get("error")
-    if isinstance(err, dict):
-        return str(err.get("message") or err)
-    if isinstance(err, str) and err:
-        return err
-    if body.get("object") == "error" and body.get("message"):
-        return str(body["message"])
-    if "detail" in body:
-        return str(body["detail"])
-    return None
 
 
 def abort_before_routing(url: str, body: dict) -> Call:

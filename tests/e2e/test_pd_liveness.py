@@ -170,8 +170,13 @@ def test_client_gone_before_decode_asked_frees_prefill_kv_within_1s(liveness: Li
     assert freed <= FREE_BOUND_S, f"P2 held the KV {freed:.2f} s after the client left (bound {FREE_BOUND_S} s)"
     told = count_in_log(s.d2.log_path, rf"room={room} .*before its KV was asked for; prefill told")
     cancelled = count_in_log(s.p2.log_path, rf"room={room} .*decode cancelled the transfer")
-    print(f"[liveness] D2 told P2 {told} time(s); P2 logged {cancelled} cancel(s) for room {room}")
-    assert told >= 1 and cancelled >= 1
+    # The Router tells P2's bootstrap server itself (release_room); D2's own cancel to P2 is the fallback path,
+    # and which of the two reaches P2 first depends on timing.
+    released = count_in_log(s.p2.log_path, rf"room={room}:? released \(")
+    print(
+        f"[liveness] D2 told P2 {told} time(s); P2 logged {cancelled} cancel(s), {released} release(s) for room {room}"
+    )
+    assert (told >= 1 and cancelled >= 1) or released >= 1
     assert count_in_log(s.p2.log_path, rf"room={room} .*prefill ended as") == 0  # P's prefill was not aborted
     assert wait_kv_free(s.d2_url) == 0.0
     # Both still serve.

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from benchmarks.faults_plan import RequestPlan
+from launch.sse import sse_lines
 from tests.support.chaos_tools import error_message
 
 
@@ -178,7 +179,7 @@ def _read_stream(
 ) -> Call:
     out = Call(Outcome.UNCLEAR, 200)
     parts: list[str] = []
-    for line in resp.iter_lines():
+    for line in sse_lines(resp):
         if time.monotonic() > deadline:
             out.outcome, out.detail = Outcome.HANG, f"stream still open after its deadline ({out.events} events)"
             break

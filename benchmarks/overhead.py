@@ -44,6 +44,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from launch.processes import ProcessGroup, start_pd_stack  # noqa: E402
+from launch.sse import sse_lines  # noqa: E402
 from pd_connector.trace import TraceRecord, parse_trace_line  # noqa: E402
 
 REFERENCE_SHAPE = {"num_layers": 6, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2}
@@ -103,7 +104,7 @@ def stream_ttft(url: str, body: dict, headers: dict[str, str] | None = None) -> 
         with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers or {}) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code} from {url}: {resp.read()[:300]!r}")
-            for line in resp.iter_lines():
+            for line in sse_lines(resp):
                 if ttft is None and line.startswith("data: ") and '"text"' in line:
                     ttft = time.perf_counter() - t0
     if ttft is None:

@@ -59,9 +59,17 @@ from launch.processes import (  # noqa: E402
     wait_all_healthy,
     wait_http_ok,
 )
+from launch.sse import asse_lines  # noqa: E402
 from launch.tiny_model import make_tiny_model  # noqa: E402
 
-DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny-llama"
+#: Model shapes (``launch.tiny_model.make_tiny_model``): "tiny" decodes in about the same time at any batch
+#: size on a CPU core (the step is vLLM's fixed cost), "reference" (the serving benchmarks' shape) spends
+#: most of a step in the model, so a decoder's step time grows with its batch as on a real accelerator.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "reference": {"num_layers": 6, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2},
+}
+MODEL_DIRS = {"tiny": REPO_ROOT / "models" / "tiny-llama", "reference": REPO_ROOT / "models" / "bench-llama-h512-l6"}
 WORDS = "alpha beta gamma delta kappa lambda sigma omega river stone cloud ember maple quartz".split()
 MOVES = re.compile(r"^pd_router_rebalance_moves_total\{([^}]*)\}\s+(\S+)$", re.MULTILINE)
 REQUEST_TIMEOUT_S = 300.0
@@ -163,7 +171,7 @@ async def one_request(
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
+            async for line in asse_lines(response):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[len("data: ") :])
@@ -245,7 +253,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="model dir (built if missing)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="reference", help="model shape (default: reference)")
+    parser.add_argument("--model", type=Path, help="model dir (default: the shape's, built if missing)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds, alternating off / on (default: 6)")
     parser.add_argument("--requests", type=int, default=48, help="requests per round (default: 48)")
     parser.add_argument("--concurrency", type=int, default=8, help="clients at once (default: 8)")
@@ -269,7 +278,7 @@ def main() -> None:
     if args.rounds < 2:
         parser.error(f"--rounds must be at least 2 (one off, one on), got {args.rounds}")
 
-    model = str(make_tiny_model(args.model))
+    model = str(make_tiny_model(args.model or MODEL_DIRS[args.shape], **SHAPES[args.shape]))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rebalance-bench-"))
     say(f"logs in {log_dir}")
     work = prompts(args.seed, args.requests, args.skew, args.prefix_chars)
@@ -317,6 +326,8 @@ def main() -> None:
             "throughput_tok_s": _ratio(on["throughput_tok_s"], off["throughput_tok_s"]),
         },
         "config": {
+            "shape": args.shape,
+            "model": model,
             "requests": args.requests,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,

@@ -61,6 +61,7 @@ from launch.processes import (  # noqa: E402
     wait_all_healthy,
     wait_http_ok,
 )
+from launch.sse import asse_lines  # noqa: E402
 from launch.tiny_model import make_tiny_model  # noqa: E402
 
 POLICIES = ("room", "least-loaded", "cache-aware")
@@ -164,7 +165,7 @@ async def _turn(client: httpx.AsyncClient, url: str, body: dict[str, Any], stats
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-        async for line in response.aiter_lines():
+        async for line in asse_lines(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])

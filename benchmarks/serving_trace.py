@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from launch.sse import asse_lines
+
 #: Token ids a prompt is drawn from (the tiny model's byte tokens; 0-2 are its special tokens).
 PROMPT_TOKEN_IDS = range(3, 259)
 
@@ -165,23 +167,6 @@ def make_trace(rate: float, count: int, seed: int, edges: Sequence[int], output_
     return trace
 
 
-async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
-    """The lines of a server-sent-event stream, split at b"\n" only.
-
-    Not `aiter_lines`: it splits like `str.splitlines`, also at U+0085, U+2028 and other
-    separators that JSON leaves unescaped inside strings, and the random byte tokens of the tiny
-    model do decode to them, which cut an event in two.
-    """
-    buffer = b""
-    async for chunk in resp.aiter_bytes():
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r").decode("utf-8", errors="replace")
-    if buffer:
-        yield buffer.decode("utf-8", errors="replace")
-
-
 class StreamError(Exception):
     """A completion stream's error event (its text, cut to 200 characters, is the message)."""
 
@@ -191,7 +176,7 @@ async def data_events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
 
     Raises :class:`StreamError` at an error event.
     """
-    async for line in sse_lines(resp):
+    async for line in asse_lines(resp):
         if not line.startswith("data:") or line.endswith("[DONE]"):
             continue
         event = json.loads(line[5:])

@@ -38,6 +38,7 @@ from launch.processes import (
     start_pd_stack,
 )
 from launch.real_model import RealModelUnavailable
+from launch.sse import sse_lines
 
 logger = logging.getLogger("launch.local")
 
@@ -84,7 +85,7 @@ def stream_completion(
         if resp.status_code != 200:
             detail = resp.read().decode("utf-8", errors="replace")[:2000]
             raise RuntimeError(f"router answered HTTP {resp.status_code}: {detail}")
-        for line in resp.iter_lines():
+        for line in sse_lines(resp):
             if not line.startswith("data:"):
                 continue
             data = line[len("data:") :].strip()

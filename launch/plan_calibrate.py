@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from launch.sse import asse_lines
 from proxy.planning.step_model import DecodeSample, PrefillSample, StepModel, TransferModel
 
 LENGTHS = (64, 256, 512, 1024, 1900)
@@ -60,7 +61,7 @@ async def _stream_itl_ms(client: httpx.AsyncClient, url: str, model: str, prompt
     times: list[float] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
+        async for line in asse_lines(response):
             if line.startswith("data: ") and line != "data: [DONE]":
                 times.append(time.perf_counter())
     if len(times) < 3:

@@ -51,6 +51,7 @@ from launch.processes import (
     vllm_serve_cmd,
     wait_http_ok,
 )
+from launch.sse import sse_lines
 from proxy.access.admin_token import admin_headers
 from tests.support.metrics import metric
 from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S, wait_kv_free
@@ -263,7 +264,7 @@ def stream_chat(url: str, model: str, room: int, started: list[int], timeout_s: 
         with httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
             with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
                 outcome.status = response.status_code
-                for line in response.iter_lines():
+                for line in sse_lines(response):
                     if line.startswith("data: "):
                         outcome.events.append(line[len("data: ") :])
                         if len(outcome.events) == 2:

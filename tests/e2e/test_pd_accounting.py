@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from launch.processes import PDStack
+from launch.sse import sse_lines
 from pd_connector.metrics import METRIC_NAMES, RECOMPUTE_METRIC, TOKENS_METRIC
 from tests.support.metrics import metric, wait_metric
 from tests.support.serving import BLOCK_SIZE, prompt_of_length
@@ -51,7 +52,7 @@ def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         usages = []
         with client.stream("POST", f"{url}{path}", json=body) as resp:
             assert resp.status_code == 200, resp.read()[:500]
-            for line in resp.iter_lines():
+            for line in sse_lines(resp):
                 if line.startswith("data: {"):
                     event = json.loads(line[6:])
                     if event.get("usage") and event.get("choices") == []:

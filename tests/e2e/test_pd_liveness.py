@@ -36,6 +36,7 @@ import httpx
 import pytest
 
 from launch.processes import ManagedProcess, ProcessGroup, free_ports, signal_group, vllm_env, vllm_serve_cmd
+from launch.sse import sse_lines
 from pd_connector.config import DECODE, DisaggConfig
 from pd_connector.transfer.loads import PeerTiming, lost_wait_s
 from tests.support.serving import (
@@ -134,7 +135,7 @@ def _occupy(url: str, model: str, started: threading.Event, stop: threading.Even
     body = {"model": model, "prompt": "busy", "max_tokens": LONG_GENERATION, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120, trust_env=False) as client:
         with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            for _ in resp.iter_lines():
+            for _ in sse_lines(resp):
                 started.set()
                 if stop.is_set():
                     return

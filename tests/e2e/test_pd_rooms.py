@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from launch.processes import ProcessGroup, free_port
+from launch.sse import sse_lines
 from tests.support.serving import (
     P_ROOM_TIMEOUT_S,
     SAMPLES,
@@ -67,7 +68,7 @@ def test_same_client_room_twice_one_served_one_refused_nothing_held(
                 with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
                     first["status"] = resp.status_code
                     lines = []
-                    for line in resp.iter_lines():
+                    for line in sse_lines(resp):
                         started.set()
                         lines.append(line)
                     first["lines"] = lines

@@ -36,6 +36,7 @@ from launch.processes import (
     wait_http_ok,
 )
 from launch.real_model import DEFAULT_REAL_MODEL_DIR, RealModelUnavailable, build_real_model
+from launch.sse import sse_lines
 from proxy.access.admin_token import admin_headers
 from tests.support.metrics import metric
 from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S, chat, complete
@@ -192,7 +193,7 @@ def test_a_stream_cut_mid_answer_resumes_with_the_same_text(real_stack: RealStac
         client.stream("POST", f"{url}/v1/completions", json=body) as resp,
     ):
         assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
+        for line in sse_lines(resp):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             events.append(json.loads(line[len("data: ") :]))

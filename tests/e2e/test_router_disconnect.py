@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from launch.sse import sse_lines
 from tests.support.serving import P_ROOM_TIMEOUT_S, prompt_of_length, wait_kv_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.both_lines]
@@ -76,7 +77,7 @@ def test_disconnect_mid_stream_aborts_decode_and_frees_kv(pd_stack) -> None:
         with client.stream("POST", f"{pd_stack.router_url}/v1/completions", json=_body(pd_stack, 100, True)) as resp:
             assert resp.status_code == 200
             events = 0
-            for line in resp.iter_lines():
+            for line in sse_lines(resp):
                 if line.startswith("data: "):
                     events += 1
                 if events >= 3:

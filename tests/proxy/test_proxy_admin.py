@@ -10,6 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from launch.sse import sse_lines
 from tests.support.router_rig import (
     HOST,
     Backends,
@@ -305,7 +306,7 @@ def test_a_client_that_hangs_up_after_done_counts_as_served(router_factory: Rout
     body = request_body("/v1/completions", stream=True, bootstrap_room=1)
     with http_client() as client, client.stream("POST", f"{router.url}/v1/completions", json=body) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
+        for line in sse_lines(response):
             if line == "data: [DONE]":
                 break  # close the connection before the stream's end
     endpoint = "/v1/completions"

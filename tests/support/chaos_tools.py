@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import zmq
 
+from launch.sse import sse_lines
 from tests.support.serving import kv_usage, prompt_of_length
 
 #: Seconds one client call may take before it counts as a hang.
@@ -158,7 +159,7 @@ def _classify_body(resp: httpx.Response) -> tuple[Outcome, str]:
 def _classify_stream(resp: httpx.Response, plan: Plan, deadline: float) -> tuple[Outcome, str]:
     events = 0
     finished = False
-    for line in resp.iter_lines():
+    for line in sse_lines(resp):
         if time.monotonic() > deadline:
             return Outcome.HANG, f"stream still open after its deadline ({events} events)"
         if not line.startswith("data: "):

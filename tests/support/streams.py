@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from launch.sse import sse_lines
 from proxy.admin.drain import HELD_METRICS, held_counts
 from tests.support.metrics import metric
 from tests.support.serving import prompt_of_length
@@ -95,7 +96,7 @@ def stream_completion(
         with httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
             with client.stream("POST", f"{url}/v1/completions", json=body) as response:
                 outcome.status = response.status_code
-                for line in response.iter_lines():
+                for line in sse_lines(response):
                     if line.startswith("data: "):
                         outcome.events.append(line[len("data: ") :])
                         if len(outcome.events) == 2:

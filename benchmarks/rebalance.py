@@ -1,10 +1,11 @@
 """Rebalancing benchmark: p99 TPOT and throughput with ``--rebalance on`` vs off, in one run.
 
-Real ``vllm serve`` instances of the tiny model (``launch/tiny_model.py``): one prefiller (core 0)
-and two decoders started with the connector's ``migration`` (each its own bootstrap server, known to
-the Router by ``--decoder-bootstrap-ports``: their streams move by KV), started once. Two Routers in
-front of them, one with ``--rebalance off`` and one with ``--rebalance on``; rounds alternate between
-them (off, on, off, on, ...), the same requests in every round, after one warm-up pass (not counted).
+Real ``vllm serve`` instances of a random Llama (``--shape``, default ``reference``: hidden 512, 6
+layers, so a decoder's step time grows with its batch; ``launch/tiny_model.py``): one prefiller and two
+decoders started with the connector's ``migration`` (each its own bootstrap server, known to the Router
+by ``--decoder-bootstrap-ports``: their streams move by KV), started once. Two Routers in front of them,
+one with ``--rebalance off`` and one with ``--rebalance on``; rounds alternate between them (off, on,
+off, on, ...), the same requests in every round, after one warm-up pass (not counted).
 
 The load is skewed by prefix affinity: two prompt families (a long shared prefix each, a short
 unique tail per request), ``--skew`` of the requests (default 0.7) of family A. Each family sticks to
@@ -13,6 +14,12 @@ rooms (decoder 0) and family B odd rooms (decoder 1), as a prefix-affine decoder
 them (``--routing cache-aware`` chooses P by prefix but D by load, so it would not skew the decoders).
 ``--concurrency`` clients (closed loop) send ``--requests`` streamed completions per round,
 ``--max-tokens`` tokens each (``ignore_eos``).
+
+Placement on a 2-core machine: three instances cannot each have a core. By default P shares core 0
+with decoder 0, the one family A (70%) loads (``--d-cpus 0 1``): that decoder is overloaded (skew and a
+shared core), the other has room. With ``--d-cpus 1 0`` the busy decoder has a core to itself and the
+light one shares P's: on this machine that evens them out (the skew alone does not overload a core at
+24 clients), and the rebalancer should hold still (``--min-gain``).
 
 TPOT of a request: (last token event - first token event) / (completion tokens - 1), from the
 client's side. ``--tpot-ms auto`` (default) sets the rebalancer's target after the first (off) round:
@@ -68,8 +75,13 @@ from launch.tiny_model import make_tiny_model  # noqa: E402
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {},
     "reference": {"num_layers": 6, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2},
+    "large": {"num_layers": 8, "hidden_size": 1024, "num_heads": 16, "num_kv_heads": 4},
 }
-MODEL_DIRS = {"tiny": REPO_ROOT / "models" / "tiny-llama", "reference": REPO_ROOT / "models" / "bench-llama-h512-l6"}
+MODEL_DIRS = {
+    "tiny": REPO_ROOT / "models" / "tiny-llama",
+    "reference": REPO_ROOT / "models" / "bench-llama-h512-l6",
+    "large": REPO_ROOT / "models" / "bench-llama-h1024-l8",
+}
 WORDS = "alpha beta gamma delta kappa lambda sigma omega river stone cloud ember maple quartz".split()
 MOVES = re.compile(r"^pd_router_rebalance_moves_total\{([^}]*)\}\s+(\S+)$", re.MULTILINE)
 REQUEST_TIMEOUT_S = 300.0
@@ -90,13 +102,13 @@ class Stack:
     decoders: list[tuple[int, int]]
 
 
-def start_stack(group: ProcessGroup, model: str, d_cpus: tuple[str, str], timeout: float) -> Stack:
+def start_stack(group: ProcessGroup, model: str, p_cpus: str, d_cpus: tuple[str, str], timeout: float) -> Stack:
     p, bp, d0, b0, d1, b1 = free_ports(6)
     targets = [
         (
             f"http://{LOOPBACK}:{p}/health",
             group.start(
-                "prefill", vllm_serve_cmd(model, p, kv_role="kv_producer", bootstrap_port=bp), env=vllm_env("0")
+                "prefill", vllm_serve_cmd(model, p, kv_role="kv_producer", bootstrap_port=bp), env=vllm_env(p_cpus)
             ),
         )
     ]
@@ -105,7 +117,7 @@ def start_stack(group: ProcessGroup, model: str, d_cpus: tuple[str, str], timeou
             model, port, kv_role="kv_consumer", bootstrap_port=bootstrap, extra_config={"migration": True}
         )
         targets.append((f"http://{LOOPBACK}:{port}/health", group.start(name, cmd, env=vllm_env(cpus))))
-    say(f"starting P :{p} (cpu 0), D0 :{d0} (cpu {d_cpus[0]}), D1 :{d1} (cpu {d_cpus[1]}), both with migration")
+    say(f"starting P :{p} (cpu {p_cpus}), D0 :{d0} (cpu {d_cpus[0]}), D1 :{d1} (cpu {d_cpus[1]}), both with migration")
     wait_all_healthy(targets, timeout)
     return Stack((p, bp), [(d0, b0), (d1, b1)])
 
@@ -256,15 +268,18 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="reference", help="model shape (default: reference)")
     parser.add_argument("--model", type=Path, help="model dir (default: the shape's, built if missing)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds, alternating off / on (default: 6)")
-    parser.add_argument("--requests", type=int, default=48, help="requests per round (default: 48)")
-    parser.add_argument("--concurrency", type=int, default=8, help="clients at once (default: 8)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default: 256)")
+    parser.add_argument("--requests", type=int, default=96, help="requests per round (default: 96)")
+    parser.add_argument("--concurrency", type=int, default=24, help="clients at once (default: 24)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: 128)")
     parser.add_argument("--prefix-chars", type=int, default=600, help="shared prefix per family (default: 600)")
     parser.add_argument("--skew", type=float, default=0.7, help="share of family A, decoder 0 (default: 0.7)")
     parser.add_argument("--tpot-ms", default="auto", help="--rebalance-tpot-ms, or auto (default: auto)")
     parser.add_argument("--max-moves-per-s", type=float, default=4.0, help="--rebalance-max-moves-per-s (default: 4)")
     parser.add_argument("--interval-s", type=float, default=0.2, help="--rebalance-interval-s (default: 0.2)")
-    parser.add_argument("--d-cpus", nargs=2, default=["1", "0"], help="cores of D0 and D1 (default: 1 0)")
+    parser.add_argument("--d-cpus", nargs=2, default=["0", "1"], help="cores of D0 and D1 (default: 0 1)")
+    parser.add_argument("--min-gain", type=float, default=0.25, help="--rebalance-min-gain (default: 0.25)")
+    # P spread over both cores ("0-1") starves the decoder on core 0 (its TPOT p50 was 17x the other's).
+    parser.add_argument("--p-cpus", default="0", help="cores of P (default: 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a temporary folder)")
@@ -287,7 +302,7 @@ def main() -> None:
     started = time.monotonic()
     tpot_ms: float | None = None if args.tpot_ms == "auto" else float(args.tpot_ms)
     with ProcessGroup(log_dir, report=say) as group:
-        stack = start_stack(group, model, (args.d_cpus[0], args.d_cpus[1]), args.start_timeout)
+        stack = start_stack(group, model, args.p_cpus, (args.d_cpus[0], args.d_cpus[1]), args.start_timeout)
         urls = {"off": start_router(group, stack, "router-off", ["--rebalance", "off"])}
         warm = prompts(args.seed + 1, args.concurrency, args.skew, args.prefix_chars)  # not counted
         asyncio.run(run_round(urls["off"], model, warm, args.concurrency, args.max_tokens, 0))
@@ -300,7 +315,7 @@ def main() -> None:
                     tpot_ms = round(sum(measured) / len(measured), 1) if measured else 100.0
                 flags = ["--rebalance", "on", "--rebalance-tpot-ms", str(tpot_ms)]
                 flags += ["--rebalance-max-moves-per-s", str(args.max_moves_per_s), "--rebalance-min-tokens-left", "8"]
-                flags += ["--rebalance-interval-s", str(args.interval_s)]
+                flags += ["--rebalance-interval-s", str(args.interval_s), "--rebalance-min-gain", str(args.min_gain)]
                 urls["on"] = start_router(group, stack, "router-on", flags)
             before = moves(urls[mode])
             results, seconds = asyncio.run(
@@ -336,7 +351,8 @@ def main() -> None:
             "rebalance_tpot_ms": tpot_ms,
             "max_moves_per_s": args.max_moves_per_s,
             "interval_s": args.interval_s,
-            "cpus": {"P": "0", "D0": args.d_cpus[0], "D1": args.d_cpus[1]},
+            "min_gain": args.min_gain,
+            "cpus": {"P": args.p_cpus, "D0": args.d_cpus[0], "D1": args.d_cpus[1]},
             "smoke": args.smoke,
             "eager": args.eager,
         },

@@ -29,6 +29,8 @@ class RebalanceConfig:
     interval_s: float = 0.5
     #: A stream with fewer tokens than this left of its budget is not worth moving.
     min_tokens_left: int = 16
+    #: A stream moves only to a decoder whose ITL is at least this fraction below its source's.
+    min_gain: float = 0.25
 
     def make_policy(self) -> RebalancePolicy:
         return POLICIES[self.policy](self)
@@ -36,7 +38,7 @@ class RebalanceConfig:
 
 #: ``--rebalance-policy`` name -> the policy for a configuration.
 POLICIES: dict[str, Callable[[RebalanceConfig], RebalancePolicy]] = {
-    "tpot": lambda config: TpotPolicy(config.tpot_ms),
+    "tpot": lambda config: TpotPolicy(config.tpot_ms, config.min_gain),
 }
 
 
@@ -78,6 +80,13 @@ def add_rebalance_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds between two looks at the decoders' latency (default: %(default)s)",
     )
     add(
+        "--rebalance-min-gain",
+        type=float,
+        default=defaults.min_gain,
+        help="a stream moves only to a decoder whose inter-token latency is at least this fraction below its "
+        "decoder's (0.25: 25%% faster): a move pauses the stream for its KV move (default: %(default)s)",
+    )
+    add(
         "--rebalance-min-tokens-left",
         type=int,
         default=defaults.min_tokens_left,
@@ -91,6 +100,8 @@ def rebalance_config_from_args(args: argparse.Namespace, parser: argparse.Argume
         value = getattr(args, flag[2:].replace("-", "_"))
         if not value > 0:
             parser.error(f"{flag} must be > 0 (got {value})")
+    if not 0 <= args.rebalance_min_gain < 1:
+        parser.error(f"--rebalance-min-gain must be in [0, 1) (got {args.rebalance_min_gain})")
     if args.rebalance_min_tokens_left < 1:
         parser.error(f"--rebalance-min-tokens-left must be at least 1 (got {args.rebalance_min_tokens_left})")
     return RebalanceConfig(
@@ -100,4 +111,5 @@ def rebalance_config_from_args(args: argparse.Namespace, parser: argparse.Argume
         max_moves_per_s=args.rebalance_max_moves_per_s,
         interval_s=args.rebalance_interval_s,
         min_tokens_left=args.rebalance_min_tokens_left,
+        min_gain=args.rebalance_min_gain,
     )

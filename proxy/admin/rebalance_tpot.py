@@ -3,9 +3,11 @@ is over ``--rebalance-tpot-ms`` onto one with room.
 
 A decoder is *hot* when its ITL is over the target and it has a stream to move; a decoder has
 *room* when its ITL is under the target (or not measured: nothing relayed from it lately), it is
-healthy, and it would still have fewer requests in flight than the hot one after taking a stream
+healthy, it would still have fewer requests in flight than the hot one after taking a stream
 (so a move never makes the target busier than the source was: two decoders never trade a stream
-back and forth). Hot decoders go first by ITL, highest first; each move goes to the decoder with
+back and forth), and its ITL is at least ``--rebalance-min-gain`` below the hot one's (a moved
+stream pauses for its KV move, tens of ms: between two decoders nearly as fast the pause costs
+more than the move gains). Hot decoders go first by ITL, highest first; each move goes to the decoder with
 room that has the fewest requests in flight (then the lowest ITL); loads are updated after each
 move, and at most ``budget`` moves are made.
 """
@@ -22,10 +24,19 @@ class TpotPolicy:
 
     name = "tpot"
 
-    def __init__(self, tpot_ms: float) -> None:
+    def __init__(self, tpot_ms: float, min_gain: float = 0.0) -> None:
         if tpot_ms <= 0:
             raise ValueError(f"--rebalance-tpot-ms must be > 0, got {tpot_ms}")
+        if not 0 <= min_gain < 1:
+            raise ValueError(f"--rebalance-min-gain must be in [0, 1), got {min_gain}")
         self.tpot_ms = tpot_ms
+        self.min_gain = min_gain
+
+    def faster(self, target: DecoderView, source: DecoderView) -> bool:
+        """Whether ``target``'s ITL (unmeasured: idle) is at least ``min_gain`` below ``source``'s."""
+        if target.itl_ms is None or source.itl_ms is None:
+            return True
+        return target.itl_ms <= source.itl_ms * (1 - self.min_gain)
 
     def hot(self, view: DecoderView) -> bool:
         """Whether ``view``'s ITL is over the target."""
@@ -39,7 +50,11 @@ class TpotPolicy:
         moves: list[Move] = []
         for source in sources:
             while len(moves) < budget and left[source.key] > 0:
-                room = [d for d in cool if d.key != source.key and load[d.key] + 1 < load[source.key]]
+                room = [
+                    d
+                    for d in cool
+                    if d.key != source.key and load[d.key] + 1 < load[source.key] and self.faster(d, source)
+                ]
                 if not room:
                     break
                 target = min(room, key=lambda d: (load[d.key], d.itl_ms or 0.0))

@@ -88,6 +88,17 @@ def test_tpot_policy_orders_sources_by_itl_and_targets_by_load() -> None:
         TpotPolicy(0)
 
 
+def test_tpot_policy_moves_only_to_a_clearly_faster_decoder() -> None:
+    policy = TpotPolicy(13.6, min_gain=0.25)
+    hot = _view("d1", 7, 14.8, movable=7)
+    assert policy.decide([hot, _view("d2", 17, 12.4)], budget=5) == []  # busier anyway
+    assert policy.decide([hot, _view("d2", 2, 12.4)], budget=5) == []  # 16% faster: the pause costs more
+    assert policy.decide([hot, _view("d2", 2, 11.1)], budget=1) == [Move("d1", "d2")]  # 25% faster
+    assert policy.decide([hot, _view("d2", 0, None)], budget=1) == [Move("d1", "d2")]  # idle
+    with pytest.raises(ValueError, match="--rebalance-min-gain must be in"):
+        TpotPolicy(10.0, min_gain=1.0)
+
+
 def test_rebalance_flags(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--prefiller-hosts", "h", "--prefiller-ports", "1", "--decoder-hosts", "d", "--decoder-ports", "2"]
     assert parse_config(base).rebalance == RebalanceConfig()
@@ -97,6 +108,10 @@ def test_rebalance_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_config([*base, "--rebalance-max-moves-per-s", "0"])
     assert "--rebalance-max-moves-per-s must be > 0 (got 0.0)" in capsys.readouterr().err
+    assert parse_config([*base, "--rebalance-min-gain", "0.1"]).rebalance.min_gain == 0.1
+    with pytest.raises(SystemExit):
+        parse_config([*base, "--rebalance-min-gain", "-0.5"])
+    assert "--rebalance-min-gain must be in [0, 1) (got -0.5)" in capsys.readouterr().err
 
 
 # -- the rebalancer's rounds, against a fake of the drain's stream table -----------------------------

@@ -277,7 +277,7 @@ def main() -> None:
     parser.add_argument("--max-moves-per-s", type=float, default=4.0, help="--rebalance-max-moves-per-s (default: 4)")
     parser.add_argument("--interval-s", type=float, default=0.2, help="--rebalance-interval-s (default: 0.2)")
     parser.add_argument("--d-cpus", nargs=2, default=["0", "1"], help="cores of D0 and D1 (default: 0 1)")
-    parser.add_argument("--min-gain", type=float, default=0.25, help="--rebalance-min-gain (default: 0.25)")
+    parser.add_argument("--min-gain", type=float, default=0.1, help="--rebalance-min-gain (default: 0.1)")
     # P spread over both cores ("0-1") starves the decoder on core 0 (its TPOT p50 was 17x the other's).
     parser.add_argument("--p-cpus", default="0", help="cores of P (default: 0)")
     parser.add_argument("--seed", type=int, default=0)

@@ -239,6 +239,7 @@ class Exchange:
         loop, room = self.loop, self.progress.room
         p = loop.pick("prefill", self.call, room, ())
         d = loop.pick("decode", self.call, room, ())
+        loop.plan(room, p, d)  # the attempts start on this pair
         return paths.decide(self.call.body, self.call.tokens, p, d, first_token_from_p=first_token)
 
     # -- answers -------------------------------------------------------------------------------

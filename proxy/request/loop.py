@@ -160,6 +160,9 @@ class AttemptLoop:
         self._p_rooms: dict[int, BackendState] = {}
         #: Why the client went away (:meth:`client_left`); None while it is there.
         self._left: str | None = None
+        #: The pair the request's path was chosen for (:meth:`plan`): each role's first pick in that room.
+        self._planned: dict[str, BackendState] = {}
+        self._planned_room: int | None = None
 
     # -- rooms, counts, time ------------------------------------------------------------------
 
@@ -193,11 +196,22 @@ class AttemptLoop:
         if delay > 0:
             await asyncio.sleep(delay)
 
+    def plan(self, room: int, p: BackendState | None, d: BackendState | None) -> None:
+        """The pair the path choice (:mod:`proxy.planning.live`) was made for, picked in ``room``: the
+        first :meth:`pick` of each role in that room returns it (so the request runs where its path was
+        decided, and the routing policy is asked once), unless it is to be avoided or left the pool."""
+        self._planned = {role: s for role, s in (("prefill", p), ("decode", d)) if s is not None}
+        self._planned_room = room
+
     def pick(self, role: str, call: Call, room: int, avoid: Collection[BackendState]) -> BackendState | None:
         """An instance of ``role`` for ``call`` with ``room``, the routing policy's choice (those in
-        ``avoid`` only when nothing else is left; None: the role has no instance). A prefiller picked
-        is noted as the room's (released there if the client leaves)."""
-        picked = self.router.pool.pick(role, room, avoid, RouteRequest(room, call.tokens, call.body))
+        ``avoid`` only when nothing else is left; None: the role has no instance), or the planned one
+        (:meth:`plan`). A prefiller picked is noted as the room's (released there if the client leaves)."""
+        planned = self._planned.pop(role, None) if room == self._planned_room else None
+        if planned is not None and planned not in avoid and planned in self.router.pool.active[role]:
+            picked: BackendState | None = planned
+        else:
+            picked = self.router.pool.pick(role, room, avoid, RouteRequest(room, call.tokens, call.body))
         if role == "prefill" and picked is not None:
             self._p_rooms[room] = picked
         return picked

@@ -183,3 +183,26 @@ def test_p_kv_an_attempt_took_over_is_not_released_by_the_loop(router: Router) -
         assert len(router.tasks) == 0
 
     asyncio.run(main())
+
+
+def test_the_first_pick_in_the_planned_room_is_the_pair_the_path_was_chosen_for() -> None:
+    prefillers = tuple(Backend("prefill", HOST, port, 18800 + port) for port in (2, 3))
+    decoders = tuple(Backend("decode", HOST, port) for port in (4, 5))
+    router = Router(RouterConfig(prefillers, decoders, routing="least-loaded"))
+    try:
+        pool, room = router.pool, router.rooms.fresh()
+        loop = AttemptLoop(router, _call(), room, time.monotonic())
+        policy_p, policy_d = pool.pick("prefill", room), pool.pick("decode", room)  # ties broken by the room
+        other_p = next(s for s in pool.active["prefill"] if s is not policy_p)
+        other_d = next(s for s in pool.active["decode"] if s is not policy_d)
+        loop.plan(room, other_p, other_d)
+        assert loop.pick("prefill", loop.call, room, ()) is other_p
+        assert loop.pick("decode", loop.call, room, ()) is other_d
+        assert loop.pick("decode", loop.call, room, ()) is policy_d  # once: later picks are the policy's
+        loop.plan(room, other_p, other_d)
+        fresh = loop.next_room()
+        assert loop.pick("prefill", loop.call, fresh, ()) is pool.pick("prefill", fresh)  # another room
+        assert loop.pick("decode", loop.call, room, (other_d,)) is policy_d  # a planned instance to avoid
+        loop.close()
+    finally:
+        router.http.close()

@@ -60,19 +60,22 @@ def _view(key: str, in_flight: int, itl: float | None, movable: int = 0, healthy
 def test_tpot_policy_moves_from_the_slow_decoder_to_one_with_room() -> None:
     policy = TpotPolicy(80.0)
     slow, fast = _view("d1", 4, 150.0, movable=4), _view("d2", 1, 20.0)
-    assert policy.decide([slow, fast], budget=10) == [Move("d1", "d2")]  # 4/1 -> 3/2: then no gain
-    assert policy.decide([slow, _view("d2", 0, None)], budget=10) == [Move("d1", "d2")] * 2  # idle: unmeasured
+    # ITL in proportion to streams: 150/20 -> 112.5/40 -> 75/60, and d1 is under the target.
+    assert policy.decide([slow, fast], budget=10) == [Move("d1", "d2")] * 2
+    assert policy.decide([slow, _view("d2", 0, None)], budget=10) == [Move("d1", "d2")] * 2  # unmeasured: 4/0 -> 2/2
     assert policy.decide([slow, fast], budget=0) == []
-    # Every decoder over the target, or the other one as busy: nothing moves.
+    # As busy but faster (its streams cost less): it takes streams too (150/20 -> 112.5/26.7 -> 75/33.3).
+    assert policy.decide([slow, _view("d2", 3, 20.0)], budget=5) == [Move("d1", "d2")] * 2
+    # Over the target after one more stream, or unhealthy: nothing moves.
     assert policy.decide([slow, _view("d2", 0, 90.0)], budget=5) == []
-    assert policy.decide([slow, _view("d2", 3, 20.0)], budget=5) == []
+    assert policy.decide([slow, _view("d2", 2, 60.0)], budget=5) == []  # 90 with a third stream
     assert policy.decide([slow, _view("d2", 0, 20.0, healthy=False)], budget=5) == []
     # Under the target: nothing moves however uneven; no stream movable: nothing moves.
     assert policy.decide([_view("d1", 8, 70.0, movable=8), _view("d2", 0, None)], budget=5) == []
     assert policy.decide([_view("d1", 8, 150.0), _view("d2", 0, None)], budget=5) == []
 
 
-def test_tpot_policy_orders_sources_by_itl_and_targets_by_load() -> None:
+def test_tpot_policy_orders_sources_by_itl_and_targets_by_their_itl_after_the_move() -> None:
     policy = TpotPolicy(80.0)
     views = [
         _view("a", 6, 120.0, movable=6),
@@ -81,20 +84,21 @@ def test_tpot_policy_orders_sources_by_itl_and_targets_by_load() -> None:
         _view("d", 1, 40.0),
     ]
     moves = policy.decide(views, budget=3)
-    assert moves[0] == Move("b", "d")  # the slowest first, to the least busy
-    assert [m.source for m in moves] == ["b", "b", "b"] and len(moves) == 3
-    assert {m.target for m in moves} == {"c", "d"}
+    # The slowest first, each time to the decoder fastest after taking it: c (45, 60, 75) before d (80).
+    assert moves == [Move("b", "c")] * 3
     with pytest.raises(ValueError, match="--rebalance-tpot-ms must be > 0, got 0"):
         TpotPolicy(0)
 
 
 def test_tpot_policy_moves_only_to_a_clearly_faster_decoder() -> None:
-    policy = TpotPolicy(13.6, min_gain=0.25)
-    hot = _view("d1", 7, 14.8, movable=7)
-    assert policy.decide([hot, _view("d2", 17, 12.4)], budget=5) == []  # busier anyway
-    assert policy.decide([hot, _view("d2", 2, 12.4)], budget=5) == []  # 16% faster: the pause costs more
-    assert policy.decide([hot, _view("d2", 2, 11.1)], budget=1) == [Move("d1", "d2")]  # 25% faster
-    assert policy.decide([hot, _view("d2", 0, None)], budget=1) == [Move("d1", "d2")]  # idle
+    hot = _view("d1", 7, 14.8, movable=7)  # 12.7 ms once it gave one up
+    strict, loose = TpotPolicy(13.6, min_gain=0.25), TpotPolicy(13.6)
+    assert strict.decide([hot, _view("d2", 17, 12.4)], budget=5) == []  # 13.1: not 25% under 12.7
+    assert strict.decide([hot, _view("d2", 2, 12.4)], budget=5) == []  # 18.6 with a third: over the target
+    assert strict.decide([hot, _view("d2", 4, 6.0)], budget=1) == [Move("d1", "d2")]  # 7.5
+    assert strict.decide([hot, _view("d2", 8, 9.0)], budget=1) == []  # 10.1: the move gains too little
+    assert loose.decide([hot, _view("d2", 8, 9.0)], budget=1) == [Move("d1", "d2")]
+    assert strict.decide([hot, _view("d2", 0, None)], budget=1) == [Move("d1", "d2")]  # idle
     with pytest.raises(ValueError, match="--rebalance-min-gain must be in"):
         TpotPolicy(10.0, min_gain=1.0)
 

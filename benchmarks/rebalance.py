@@ -4,8 +4,8 @@ Real ``vllm serve`` instances of a random Llama (``--shape``, default ``referenc
 layers, so a decoder's step time grows with its batch; ``launch/tiny_model.py``): one prefiller and two
 decoders started with the connector's ``migration`` (each its own bootstrap server, known to the Router
 by ``--decoder-bootstrap-ports``: their streams move by KV), started once. Two Routers in front of them,
-one with ``--rebalance off`` and one with ``--rebalance on``; rounds alternate between them (off, on,
-off, on, ...), the same requests in every round, after one warm-up pass (not counted).
+one with ``--rebalance off`` and one with ``--rebalance on``, each warmed up by one pass (not counted);
+rounds go to them in the order on, off, off, on (repeated: ``ORDER``), the same requests in every round.
 
 The load is skewed by prefix affinity: two prompt families (a long shared prefix each, a short
 unique tail per request), ``--skew`` of the requests (default 0.7) of family A. Each family sticks to
@@ -22,8 +22,9 @@ light one shares P's: on this machine that evens them out (the skew alone does n
 24 clients), and the rebalancer should hold still (``--min-gain``).
 
 TPOT of a request: (last token event - first token event) / (completion tokens - 1), from the
-client's side. ``--tpot-ms auto`` (default) sets the rebalancer's target after the first (off) round:
-the mean of the two decoders' TPOT p50 there (between the loaded and the idle one).
+client's side. ``--tpot-ms auto`` (default) sets the rebalancer's target from a calibration round
+(off, not counted, before the first): the ITL both decoders would have with the streams spread by their speed, from their TPOT p50 there
+(``balanced_itl_ms``; a user sets their own TPOT objective).
 
 Printed JSON (one object): per round its mode, TPOT p50/p99 (all, and per family), throughput
 (completion tokens / round wall time), requests, failed, and the on-Router's moves in the round;
@@ -126,7 +127,13 @@ def start_router(group: ProcessGroup, stack: Stack, name: str, rebalance: list[s
     port = free_ports(1)[0]
     p, bp = stack.prefiller
     cmd = router_cmd(port, [(LOOPBACK, p, bp)], [(LOOPBACK, d) for d, _ in stack.decoders])
-    cmd += ["--routing", "room", "--trust-client-room", "--log-level", "WARNING"]
+    cmd += [
+        "--routing",
+        "room",
+        "--trust-client-room",
+        "--log-level",
+        os.environ.get("REBALANCE_BENCH_ROUTER_LOG", "WARNING"),
+    ]
     cmd += ["--decoder-bootstrap-ports", *(str(b) for _, b in stack.decoders), *rebalance]
     process = group.start(name, cmd)
     url = f"http://{LOOPBACK}:{port}"
@@ -259,6 +266,20 @@ def stats(results: list[Result], seconds: float) -> dict[str, Any]:
     return out
 
 
+#: Rounds in the order on, off, off, on (repeated): each mode as often first and last, so neither is
+#: favoured by what the machine does over the run.
+ORDER = ("on", "off", "off", "on")
+
+
+def balanced_itl_ms(itl_a: float | None, itl_b: float | None, skew: float) -> float:
+    """The ITL both decoders would have with the streams spread by their speed: each decoder's cost per
+    stream from an unbalanced round (ITL / its share of the streams, ``skew`` on A), and as many
+    streams on each as keeps their ITLs equal: 1 / (skew / ITL_A + (1 - skew) / ITL_B)."""
+    if not itl_a or not itl_b:
+        return round(itl_a or itl_b or 100.0, 1)
+    return round(1.0 / (skew / itl_a + (1.0 - skew) / itl_b), 1)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -267,7 +288,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="reference", help="model shape (default: reference)")
     parser.add_argument("--model", type=Path, help="model dir (default: the shape's, built if missing)")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds, alternating off / on (default: 6)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds, on / off / off / on ... (default: 8)")
     parser.add_argument("--requests", type=int, default=96, help="requests per round (default: 96)")
     parser.add_argument("--concurrency", type=int, default=24, help="clients at once (default: 24)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: 128)")
@@ -277,7 +298,7 @@ def main() -> None:
     parser.add_argument("--max-moves-per-s", type=float, default=4.0, help="--rebalance-max-moves-per-s (default: 4)")
     parser.add_argument("--interval-s", type=float, default=0.2, help="--rebalance-interval-s (default: 0.2)")
     parser.add_argument("--d-cpus", nargs=2, default=["0", "1"], help="cores of D0 and D1 (default: 0 1)")
-    parser.add_argument("--min-gain", type=float, default=0.1, help="--rebalance-min-gain (default: 0.1)")
+    parser.add_argument("--min-gain", type=float, default=0.0, help="--rebalance-min-gain (default: 0)")
     # P spread over both cores ("0-1") starves the decoder on core 0 (its TPOT p50 was 17x the other's).
     parser.add_argument("--p-cpus", default="0", help="cores of P (default: 0)")
     parser.add_argument("--seed", type=int, default=0)
@@ -290,8 +311,8 @@ def main() -> None:
         args.rounds, args.requests, args.concurrency, args.max_tokens, args.eager = 2, 8, 4, 160, True
     if args.eager:
         os.environ[EAGER_ENV] = "1"  # launch.commands.vllm_serve_cmd adds --enforce-eager
-    if args.rounds < 2:
-        parser.error(f"--rounds must be at least 2 (one off, one on), got {args.rounds}")
+    if args.rounds < 2 or args.rounds % 2:
+        parser.error(f"--rounds must be even and at least 2 (as many on as off), got {args.rounds}")
 
     model = str(make_tiny_model(args.model or MODEL_DIRS[args.shape], **SHAPES[args.shape]))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rebalance-bench-"))
@@ -306,17 +327,21 @@ def main() -> None:
         urls = {"off": start_router(group, stack, "router-off", ["--rebalance", "off"])}
         warm = prompts(args.seed + 1, args.concurrency, args.skew, args.prefix_chars)  # not counted
         asyncio.run(run_round(urls["off"], model, warm, args.concurrency, args.max_tokens, 0))
+        # A calibration round (off, not counted) sets the automatic target.
+        results, seconds = asyncio.run(
+            run_round(urls["off"], model, work, args.concurrency, args.max_tokens, 900_000_000)
+        )
+        calibration = {"rebalance": "off", "seconds": round(seconds, 2), **stats(results, seconds)}
+        say(f"calibration round (not counted): {json.dumps(calibration)}")
+        if tpot_ms is None:
+            tpot_ms = balanced_itl_ms(calibration["tpot_ms_p50_A"], calibration["tpot_ms_p50_B"], args.skew)
+        flags = ["--rebalance", "on", "--rebalance-tpot-ms", str(tpot_ms)]
+        flags += ["--rebalance-max-moves-per-s", str(args.max_moves_per_s), "--rebalance-min-tokens-left", "8"]
+        flags += ["--rebalance-interval-s", str(args.interval_s), "--rebalance-min-gain", str(args.min_gain)]
+        urls["on"] = start_router(group, stack, "router-on", flags)
+        asyncio.run(run_round(urls["on"], model, warm, args.concurrency, args.max_tokens, 800_000_000))  # not counted
         for index in range(args.rounds):
-            mode = "off" if index % 2 == 0 else "on"
-            if mode == "on" and "on" not in urls:
-                if tpot_ms is None:
-                    first = rounds[0]
-                    measured = [v for v in (first["tpot_ms_p50_A"], first["tpot_ms_p50_B"]) if v is not None]
-                    tpot_ms = round(sum(measured) / len(measured), 1) if measured else 100.0
-                flags = ["--rebalance", "on", "--rebalance-tpot-ms", str(tpot_ms)]
-                flags += ["--rebalance-max-moves-per-s", str(args.max_moves_per_s), "--rebalance-min-tokens-left", "8"]
-                flags += ["--rebalance-interval-s", str(args.interval_s), "--rebalance-min-gain", str(args.min_gain)]
-                urls["on"] = start_router(group, stack, "router-on", flags)
+            mode = ORDER[index % len(ORDER)]
             before = moves(urls[mode])
             results, seconds = asyncio.run(
                 run_round(urls[mode], model, work, args.concurrency, args.max_tokens, 1_000_000 * (index + 1))
@@ -333,6 +358,7 @@ def main() -> None:
     summary = {mode: p.summary() for mode, p in pooled.items()}
     off, on = summary["off"], summary["on"]
     report = {
+        "calibration": calibration,
         "rounds": rounds,
         "summary": summary,
         "on_vs_off": {

@@ -13,7 +13,10 @@ one decoder: the Routers run ``--routing room --trust-client-room`` and the clie
 rooms (decoder 0) and family B odd rooms (decoder 1), as a prefix-affine decoder choice would place
 them (``--routing cache-aware`` chooses P by prefix but D by load, so it would not skew the decoders).
 ``--concurrency`` clients (closed loop) send ``--requests`` streamed completions per round,
-``--max-tokens`` tokens each (``ignore_eos``).
+``--max-tokens`` tokens each (``ignore_eos``). Both Routers run ``--path-policy always-pd`` by default
+(``--path-policy``): a stream D prefilled itself (the ``local`` path, which ``adaptive`` picks often
+here, the family prefixes being cached on each decoder) cannot move by KV, so ``adaptive`` measures how
+much of the load is movable as much as the rebalancer.
 
 Placement on a 2-core machine: three instances cannot each have a core. By default P shares core 0
 with decoder 0, the one family A (70%) loads (``--d-cpus 0 1``): that decoder is overloaded (skew and a
@@ -23,11 +26,12 @@ light one shares P's: on this machine that evens them out (the skew alone does n
 
 TPOT of a request: (last token event - first token event) / (completion tokens - 1), from the
 client's side. ``--tpot-ms auto`` (default) sets the rebalancer's target from a calibration round
-(off, not counted, before the first): the ITL both decoders would have with the streams spread by their speed, from their TPOT p50 there
-(``balanced_itl_ms``; a user sets their own TPOT objective).
+(off, not counted, before the first): the ITL both decoders would have with the streams spread by
+their speed, from their TPOT p50 there (``balanced_itl_ms``; a user sets their own TPOT objective).
 
 Printed JSON (one object): per round its mode, TPOT p50/p99 (all, and per family), throughput
-(completion tokens / round wall time), requests, failed, and the on-Router's moves in the round;
+(completion tokens / round wall time), requests, failed, the on-Router's moves in the round, and its
+three slowest requests (family, room, first token's time into the round, TPOT);
 ``summary``: per mode, pooled over its rounds, and the ratios on / off.
 
     flock /tmp/pdc-e2e.lock .venv/bin/python benchmarks/rebalance.py            # the measurement
@@ -123,7 +127,7 @@ def start_stack(group: ProcessGroup, model: str, p_cpus: str, d_cpus: tuple[str,
     return Stack((p, bp), [(d0, b0), (d1, b1)])
 
 
-def start_router(group: ProcessGroup, stack: Stack, name: str, rebalance: list[str]) -> str:
+def start_router(group: ProcessGroup, stack: Stack, name: str, rebalance: list[str], path_policy: str) -> str:
     port = free_ports(1)[0]
     p, bp = stack.prefiller
     cmd = router_cmd(port, [(LOOPBACK, p, bp)], [(LOOPBACK, d) for d, _ in stack.decoders])
@@ -134,6 +138,7 @@ def start_router(group: ProcessGroup, stack: Stack, name: str, rebalance: list[s
         "--log-level",
         os.environ.get("REBALANCE_BENCH_ROUTER_LOG", "WARNING"),
     ]
+    cmd += ["--path-policy", path_policy]
     cmd += ["--decoder-bootstrap-ports", *(str(b) for _, b in stack.decoders), *rebalance]
     process = group.start(name, cmd)
     url = f"http://{LOOPBACK}:{port}"
@@ -148,9 +153,12 @@ def start_router(group: ProcessGroup, stack: Stack, name: str, rebalance: list[s
 @dataclass
 class Result:
     family: str
+    room: int = 0
     tokens: int = 0
     tpot_s: float | None = None
     error: str | None = None
+    #: When its first token came (monotonic s), to say where in the round the slowest ones ran.
+    first_at: float | None = None
 
 
 def prompts(seed: int, count: int, skew: float, prefix_chars: int) -> list[tuple[str, str]]:
@@ -174,7 +182,7 @@ def prompts(seed: int, count: int, skew: float, prefix_chars: int) -> list[tuple
 async def one_request(
     client: httpx.AsyncClient, url: str, model: str, family: str, prompt: str, room: int, max_tokens: int
 ) -> Result:
-    result = Result(family)
+    result = Result(family, room)
     body = {
         "model": model,
         "prompt": prompt,
@@ -207,6 +215,7 @@ async def one_request(
         return result
     if first is not None and last is not None and result.tokens > 1:
         result.tpot_s = (last - first) / (result.tokens - 1)
+        result.first_at = first
     return result
 
 
@@ -227,6 +236,9 @@ async def run_round(
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    for result in results:
+        if result.first_at is not None:
+            result.first_at -= start  # from the round's start
     return results, time.monotonic() - start
 
 
@@ -260,6 +272,9 @@ def stats(results: list[Result], seconds: float) -> dict[str, Any]:
         tpots = [r.tpot_s for r in group if r.tpot_s is not None]
         out[f"tpot_ms_p50_{name}"] = ms(percentile(tpots, 0.5))
         out[f"tpot_ms_p99_{name}"] = ms(percentile(tpots, 0.99))
+    slowest = sorted((r for r in ok if r.tpot_s is not None), key=lambda r: -(r.tpot_s or 0.0))[:3]
+    #: The three slowest: family, room (the Router's log names the moved ones), first token (s into the round), TPOT.
+    out["slowest"] = [[r.family, r.room, round(r.first_at or 0.0, 2), ms(r.tpot_s)] for r in slowest]
     errors = [r.error for r in results if r.error]
     if errors:
         out["errors"] = errors[:5]
@@ -298,9 +313,15 @@ def main() -> None:
     parser.add_argument("--max-moves-per-s", type=float, default=4.0, help="--rebalance-max-moves-per-s (default: 4)")
     parser.add_argument("--interval-s", type=float, default=0.2, help="--rebalance-interval-s (default: 0.2)")
     parser.add_argument("--d-cpus", nargs=2, default=["0", "1"], help="cores of D0 and D1 (default: 0 1)")
-    parser.add_argument("--min-gain", type=float, default=0.0, help="--rebalance-min-gain (default: 0)")
+    parser.add_argument("--min-gain", type=float, default=0.1, help="--rebalance-min-gain (default: 0.1)")
     # P spread over both cores ("0-1") starves the decoder on core 0 (its TPOT p50 was 17x the other's).
     parser.add_argument("--p-cpus", default="0", help="cores of P (default: 0)")
+    # A stream D prefilled itself (the local path) carries no migrate room: it cannot move by KV.
+    parser.add_argument(
+        "--path-policy",
+        default="always-pd",
+        help="both Routers' --path-policy (default: always-pd, every stream movable)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a temporary folder)")
@@ -324,7 +345,7 @@ def main() -> None:
     tpot_ms: float | None = None if args.tpot_ms == "auto" else float(args.tpot_ms)
     with ProcessGroup(log_dir, report=say) as group:
         stack = start_stack(group, model, args.p_cpus, (args.d_cpus[0], args.d_cpus[1]), args.start_timeout)
-        urls = {"off": start_router(group, stack, "router-off", ["--rebalance", "off"])}
+        urls = {"off": start_router(group, stack, "router-off", ["--rebalance", "off"], args.path_policy)}
         warm = prompts(args.seed + 1, args.concurrency, args.skew, args.prefix_chars)  # not counted
         asyncio.run(run_round(urls["off"], model, warm, args.concurrency, args.max_tokens, 0))
         # A calibration round (off, not counted) sets the automatic target.
@@ -338,7 +359,7 @@ def main() -> None:
         flags = ["--rebalance", "on", "--rebalance-tpot-ms", str(tpot_ms)]
         flags += ["--rebalance-max-moves-per-s", str(args.max_moves_per_s), "--rebalance-min-tokens-left", "8"]
         flags += ["--rebalance-interval-s", str(args.interval_s), "--rebalance-min-gain", str(args.min_gain)]
-        urls["on"] = start_router(group, stack, "router-on", flags)
+        urls["on"] = start_router(group, stack, "router-on", flags, args.path_policy)
         asyncio.run(run_round(urls["on"], model, warm, args.concurrency, args.max_tokens, 800_000_000))  # not counted
         for index in range(args.rounds):
             mode = ORDER[index % len(ORDER)]
@@ -378,6 +399,7 @@ def main() -> None:
             "max_moves_per_s": args.max_moves_per_s,
             "interval_s": args.interval_s,
             "min_gain": args.min_gain,
+            "path_policy": args.path_policy,
             "cpus": {"P": args.p_cpus, "D0": args.d_cpus[0], "D1": args.d_cpus[1]},
             "smoke": args.smoke,
             "eager": args.eager,

@@ -30,7 +30,7 @@ class RebalanceConfig:
     #: A stream with fewer tokens than this left of its budget is not worth moving.
     min_tokens_left: int = 16
     #: A stream moves only to a decoder whose ITL is at least this fraction below its source's.
-    min_gain: float = 0.0
+    min_gain: float = 0.1
 
     def make_policy(self) -> RebalancePolicy:
         return POLICIES[self.policy](self)
@@ -85,7 +85,7 @@ def add_rebalance_flags(parser: argparse.ArgumentParser) -> None:
         default=defaults.min_gain,
         help="a stream moves only to a decoder whose inter-token latency is at least this fraction below its "
         "decoder's, both taken one move later (0.1: 10%% lower); a move pauses the stream for its KV move "
-        "(default: %(default)s: any gain)",
+        "(default: %(default)s)",
     )
     add(
         "--rebalance-min-tokens-left",

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from launch.processes import LOOPBACK, ManagedProcess, ProcessGroup, router_cmd, wait_all_healthy
+from launch.sse import sse_lines
 from pd_connector.transfer.mooncake import CALL_TIMEOUT_ENV, CALL_TIMEOUT_FLOOR_S, TCP_PROGRESS_ENV, stall_for
 
 #: Seconds a vLLM instance may take to answer /health (each start-up costs about a minute here).
@@ -71,7 +72,7 @@ def complete(url: str, model: str, prompt: str, *, stream: bool, max_tokens: int
         with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.read()[:500]!r}"
             done = False
-            for line in resp.iter_lines():
+            for line in sse_lines(resp):
                 if not line.startswith("data: "):
                     continue
                 data = line[len("data: ") :]
@@ -104,7 +105,7 @@ def chat(url: str, model: str, content: str, *, stream: bool, max_tokens: int = 
         parts = []
         with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.read()[:500]!r}"
-            for line in resp.iter_lines():
+            for line in sse_lines(resp):
                 if line.startswith("data: ") and line != "data: [DONE]":
                     for choice in json.loads(line[6:]).get("choices", []):
                         parts.append(choice.get("delta", {}).get("content") or "")

@@ -322,6 +322,7 @@ def main() -> None:
         default="always-pd",
         help="both Routers' --path-policy (default: always-pd, every stream movable)",
     )
+    parser.add_argument("--by-replay", action="store_true", help="--rebalance-by-replay on the on-Router")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a temporary folder)")
@@ -359,6 +360,7 @@ def main() -> None:
         flags = ["--rebalance", "on", "--rebalance-tpot-ms", str(tpot_ms)]
         flags += ["--rebalance-max-moves-per-s", str(args.max_moves_per_s), "--rebalance-min-tokens-left", "8"]
         flags += ["--rebalance-interval-s", str(args.interval_s), "--rebalance-min-gain", str(args.min_gain)]
+        flags += ["--rebalance-by-replay"] if args.by_replay else []
         urls["on"] = start_router(group, stack, "router-on", flags, args.path_policy)
         asyncio.run(run_round(urls["on"], model, warm, args.concurrency, args.max_tokens, 800_000_000))  # not counted
         for index in range(args.rounds):
@@ -400,6 +402,7 @@ def main() -> None:
             "interval_s": args.interval_s,
             "min_gain": args.min_gain,
             "path_policy": args.path_policy,
+            "by_replay": args.by_replay,
             "cpus": {"P": args.p_cpus, "D0": args.d_cpus[0], "D1": args.d_cpus[1]},
             "smoke": args.smoke,
             "eager": args.eager,

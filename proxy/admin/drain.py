@@ -236,12 +236,15 @@ class Drains:
                 out.append((tracker, stream, request))
         return out
 
-    def rebalance_move(self, d: BackendState, tracker: StreamTracker, target: BackendState) -> bool:
+    def rebalance_move(
+        self, d: BackendState, tracker: StreamTracker, target: BackendState, *, by_replay: bool = False
+    ) -> bool:
         """Cut ``tracker``'s stream on ``d`` so that it goes on on ``target`` with its KV (a
-        rebalance: ``d`` stays in the pool); False when it cannot move (see :meth:`_move`)."""
+        rebalance: ``d`` stays in the pool), or, ``by_replay``, by replay when it has no KV to move;
+        False when it cannot move (see :meth:`_move`)."""
         stream = self._streams.get(d, {}).get(tracker)
-        if stream is None or stream.kv_room is None:
-            return False  # only a move by KV: a replay would prefill it all again
+        if stream is None or (stream.kv_room is None and not by_replay):
+            return False  # by KV only unless asked: a replay prefills it all again
         return self._move(d, tracker, stream, MoveCause.REBALANCE, target)
 
     def planned_target(self, request: RequestContext) -> BackendState | None:

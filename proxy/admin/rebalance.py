@@ -139,7 +139,7 @@ class Rebalancer:
         out = [
             (tracker, stream, request)
             for tracker, stream, request in self.drains.streaming(d)
-            if stream.kv_room is not None
+            if (stream.kv_room is not None or self.config.by_replay)
             and request.progress.resumes == 0
             and request.progress.resumes < limit
             and len(tracker.generated) >= MIN_LEG_TOKENS
@@ -175,7 +175,7 @@ class Rebalancer:
                 continue
             while candidates[source]:
                 tracker, stream, _request = candidates[source].pop(0)
-                if self.drains.rebalance_move(source, tracker, target):
+                if self.drains.rebalance_move(source, tracker, target, by_replay=self.config.by_replay):
                     made += 1
                     self._allowance -= 1
                     logger.info(

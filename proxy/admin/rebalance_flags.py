@@ -31,6 +31,9 @@ class RebalanceConfig:
     min_tokens_left: int = 16
     #: A stream moves only to a decoder whose ITL is at least this fraction below its source's.
     min_gain: float = 0.1
+    #: Also move streams that cannot move by KV (D prefilled them, or their decoder has no migration) by
+    #: replay: the prompt and the tokens so far are prefilled again for the target.
+    by_replay: bool = False
 
     def make_policy(self) -> RebalancePolicy:
         return POLICIES[self.policy](self)
@@ -88,6 +91,13 @@ def add_rebalance_flags(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     add(
+        "--rebalance-by-replay",
+        action="store_true",
+        help="also move streams that cannot move by KV (prefilled on their decoder by the local path, or on a "
+        "decoder without migration) by replay: the prompt and the tokens so far are prefilled again for the target "
+        "(default: off, such streams stay)",
+    )
+    add(
         "--rebalance-min-tokens-left",
         type=int,
         default=defaults.min_tokens_left,
@@ -113,4 +123,5 @@ def rebalance_config_from_args(args: argparse.Namespace, parser: argparse.Argume
         interval_s=args.rebalance_interval_s,
         min_tokens_left=args.rebalance_min_tokens_left,
         min_gain=args.rebalance_min_gain,
+        by_replay=args.rebalance_by_replay,
     )

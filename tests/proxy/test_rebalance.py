@@ -113,6 +113,7 @@ def test_rebalance_flags(capsys: pytest.CaptureFixture[str]) -> None:
         parse_config([*base, "--rebalance-max-moves-per-s", "0"])
     assert "--rebalance-max-moves-per-s must be > 0 (got 0.0)" in capsys.readouterr().err
     assert parse_config([*base, "--rebalance-min-gain", "0.1"]).rebalance.min_gain == 0.1
+    assert parse_config([*base, "--rebalance-by-replay"]).rebalance.by_replay
     with pytest.raises(SystemExit):
         parse_config([*base, "--rebalance-min-gain", "-0.5"])
     assert "--rebalance-min-gain must be in [0, 1) (got -0.5)" in capsys.readouterr().err
@@ -144,7 +145,7 @@ class _FakeDrains:
         stream = SimpleNamespace(kv_room=7, rid="r", room=1)
         return [(t, stream, SimpleNamespace(progress=SimpleNamespace(resumes=0))) for t in self.streams[d]]
 
-    def rebalance_move(self, d: BackendState, tracker: Any, target: BackendState) -> bool:
+    def rebalance_move(self, d: BackendState, tracker: Any, target: BackendState, *, by_replay: bool = False) -> bool:
         self.moved.append((d, target))
         self.streams[d].remove(tracker)
         self.streams[target].append(tracker)
@@ -297,3 +298,18 @@ def test_streams_of_decoders_without_migration_stay(fakes: dict[str, int], fresh
     assert metric(router.url, "pd_router_rebalance_itl_ms", backend=f"{HOST}:{fakes['slow']}") > 80
     text = httpx.get(f"{router.url}/metrics", timeout=5, trust_env=False).text
     assert "pd_router_rebalance_moves_total{" not in text
+
+
+def test_streams_without_kv_to_move_go_by_replay_with_the_flag(
+    fakes: dict[str, int], fresh_router: RouterFactory
+) -> None:
+    router = fresh_router(fakes["p"], (fakes["slow"], fakes["fast"]), *REBALANCE, "--rebalance-by-replay")
+    clients = _two_streams_on_slow(router, fakes, "rebalance-replay")
+    moved = [c for c in clients if records(fakes["fast"], c.rid)]
+    assert len(moved) == 1  # 2/0 -> 1/1, as by KV
+    (client,) = moved
+    (leg,) = records(fakes["fast"], client.rid)
+    assert MIGRATE_ROOM not in leg["body"][KV]  # no KV held on slow: P prefilled the prompt and the tokens again
+    assert len(records(fakes["p"], client.rid)) == 2
+    slow, fast = f"{HOST}:{fakes['slow']}", f"{HOST}:{fakes['fast']}"
+    assert metric(router.url, "pd_router_rebalance_moves_total", **{"from": slow, "to": fast, "mode": "replay"}) == 1

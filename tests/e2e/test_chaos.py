@@ -45,6 +45,7 @@ from launch.processes import (
     vllm_serve_cmd,
     wait_http_ok,
 )
+from pd_connector.bootstrap.client import ROUTE_TTL_S
 from tests.support import chaos_hardening as hardening
 from tests.support import chaos_inputs as inputs
 from tests.support import chaos_tools as ct
@@ -313,6 +314,11 @@ def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
     failover_s = PEER_TIMEOUT_S + LOST_WAIT_S
     assert ct.CLIENT_DEADLINE_S >= failover_s + KV_FREE_SLACK_S, f"client deadline under the {failover_s:g} s failover"
     released_before = count_in_log(stack.decode.log_path, HELD_RELEASE)
+    # D asks P's bootstrap server (in P's process) for the route when its cached one is older than
+    # ROUTE_TTL_S; a frozen P cannot answer that, and D fails such a load at once (nothing held). So the
+    # route the earlier phases left expires first, the load below fetches it anew, and it is still
+    # fresh while P is frozen.
+    time.sleep(ROUTE_TTL_S)
     running = ct.start_load(stack.router_url, stack.model, ct.plans(chaos.rng, 32, 0.0))
     time.sleep(1.5)
     # The tiny model answers that load within the sleep; so that the kill also catches loads D waits on,
@@ -325,27 +331,34 @@ def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
     t_kill = time.monotonic()
     chaos.kill(stack.prefill)
     fig.extra["kill_s"] = round(time.monotonic() - t_kill, 1)  # SIGKILL until the group was reaped
-    results = [*running.result(timeout=ct.CLIENT_DEADLINE_S + 30), *waiting.result(timeout=ct.CLIENT_DEADLINE_S + 30)]
-    fig.add(results)
-    fig.extra["clients_done_after_kill_s"] = round(time.monotonic() - t_kill, 1)
-    ct.assert_all_answered(fig.name, results)
-    # A client answered at once (P's connection reset) leaves D's load waiting out the stop wait.
-    chaos.kv_free(fig, "D", limit=max(KV_WAIT_TIMEOUT_S, failover_s) + KV_FREE_SLACK_S)
-    fig.extra["d_kv_free_after_clients_s"] = fig.kv_free_s["D"]  # the phase's last kv_free overwrites it
+    try:
+        results = [
+            *running.result(timeout=ct.CLIENT_DEADLINE_S + 30),
+            *waiting.result(timeout=ct.CLIENT_DEADLINE_S + 30),
+        ]
+        fig.add(results)
+        fig.extra["clients_done_after_kill_s"] = round(time.monotonic() - t_kill, 1)
+        ct.assert_all_answered(fig.name, results)
+        # A client answered at once (P's connection reset) leaves D's load waiting out the stop wait.
+        chaos.kv_free(fig, "D", limit=max(KV_WAIT_TIMEOUT_S, failover_s) + KV_FREE_SLACK_S)
+        fig.extra["d_kv_free_after_clients_s"] = fig.kv_free_s["D"]  # the phase's last kv_free overwrites it
 
-    def held() -> int:
-        return count_in_log(stack.decode.log_path, HELD_RELEASE) - released_before
+        def held() -> int:
+            return count_in_log(stack.decode.log_path, HELD_RELEASE) - released_before
 
-    ct.wait_until(
-        "D logs a load released after waiting on the killed P (else the phase proved nothing)", lambda: held() >= 1, 5
-    )
-    fig.extra["loads_released_after_the_wait"] = held()
-    chaos.assert_healthy("D")
-    t_restart = time.monotonic()
-    stack.prefill = chaos.restart(stack.prefill, "prefill-restarted", "0")
-    wait_http_ok(f"{stack.prefill_url}/health", START_TIMEOUT_S, stack.prefill)
-    chaos.wait_router_healthy()
-    fig.extra["restart_s"] = round(time.monotonic() - t_restart, 1)
+        ct.wait_until(
+            "D logs a load released after waiting on the killed P (else the phase proved nothing)",
+            lambda: held() >= 1,
+            5,
+        )
+        fig.extra["loads_released_after_the_wait"] = held()
+        chaos.assert_healthy("D")
+    finally:  # the later phases need P back, whatever this one found
+        t_restart = time.monotonic()
+        stack.prefill = chaos.restart(stack.prefill, "prefill-restarted", "0")
+        wait_http_ok(f"{stack.prefill_url}/health", START_TIMEOUT_S, stack.prefill)
+        chaos.wait_router_healthy()
+        fig.extra["restart_s"] = round(time.monotonic() - t_restart, 1)
     after = ct.PhaseFigures("after")
     ct.assert_all_answered(fig.name, chaos.load(16, after))
     assert after.ok == after.requests, f"requests failed after P's restart: {after.sample_errors}"

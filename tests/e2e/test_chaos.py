@@ -45,7 +45,6 @@ from launch.processes import (
     vllm_serve_cmd,
     wait_http_ok,
 )
-from pd_connector.bootstrap.client import ROUTE_TTL_S
 from tests.support import chaos_hardening as hardening
 from tests.support import chaos_inputs as inputs
 from tests.support import chaos_tools as ct
@@ -314,16 +313,12 @@ def test_6_prefill_killed_and_restarted(chaos: Chaos, record_property) -> None:
     failover_s = PEER_TIMEOUT_S + LOST_WAIT_S
     assert ct.CLIENT_DEADLINE_S >= failover_s + KV_FREE_SLACK_S, f"client deadline under the {failover_s:g} s failover"
     released_before = count_in_log(stack.decode.log_path, HELD_RELEASE)
-    # D asks P's bootstrap server (in P's process) for the route when its cached one is older than
-    # ROUTE_TTL_S; a frozen P cannot answer that, and D fails such a load at once (nothing held). So the
-    # route the earlier phases left expires first, the load below fetches it anew, and it is still
-    # fresh while P is frozen.
-    time.sleep(ROUTE_TTL_S)
+    chaos.fresh_route()  # the loads sent while P is frozen wait on P, not on its frozen bootstrap server
     running = ct.start_load(stack.router_url, stack.model, ct.plans(chaos.rng, 32, 0.0))
     time.sleep(1.5)
     # The tiny model answers that load within the sleep; so that the kill also catches loads D waits on,
     # P is frozen first and a few more requests come (the Router asks P and D at once; D asks the frozen
-    # P, its route still fresh), then the frozen P is killed.
+    # P, its route fresh), then the frozen P is killed.
     signal_group(stack.prefill.pid, signal.SIGSTOP)
     todo = [ct.Plan(p.prompt_len, p.salt, False, p.max_tokens) for p in ct.plans(chaos.rng, 8, 0.0)]
     waiting = ct.start_load(stack.router_url, stack.model, todo, concurrency=8)  # not streamed: P and D at once

@@ -37,6 +37,7 @@ import pytest
 
 from launch.processes import ManagedProcess, ProcessGroup, free_ports, signal_group, vllm_env, vllm_serve_cmd
 from launch.sse import sse_lines
+from pd_connector.bootstrap.client import ROUTE_TTL_S
 from pd_connector.config import DECODE, DisaggConfig
 from pd_connector.transfer.loads import PeerTiming, lost_wait_s
 from tests.support.serving import (
@@ -207,7 +208,9 @@ def test_prefiller_frozen_then_killed_clients_get_full_answers_via_the_other(
 ) -> None:
     s = liveness
     indices = [9, 12, 15, 18]  # 33..200 tokens
-    # Odd rooms go to P2 first. A warm-up makes D cache P2's route (P2's bootstrap server freezes too).
+    # Odd rooms go to P2 first. A warm-up makes D cache P2's route (P2's bootstrap server freezes too): the
+    # route an earlier test left expires first (a request does not refresh a route that has not expired).
+    time.sleep(ROUTE_TTL_S)
     assert complete(s.two_p_router, s.model, prompts()[0], stream=False, bootstrap_room=1)["token_ids"]
     lost_before = count_in_log(s.decode_log, r"silent for")
     signal_group(s.p2.pid, signal.SIGSTOP)

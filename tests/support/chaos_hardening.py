@@ -42,7 +42,6 @@ from pd_connector import messages as proto
 from tests.support import chaos_tools as ct
 from tests.support.chaos_attacks import Flood, FramePeer, LogWatch, metric_total, slowloris
 from tests.support.chaos_stack import FREEZE_S, HEADER_TIMEOUT_S, PEER_TIMEOUT_S, STOP_WAIT_S, Chaos
-from tests.support.serving import complete, prompt_of_length
 
 REFUSED_METRIC = "vllm:pd_kv_auth_refused"
 REPLAY_LINE = r"refusing ZMQ frame.*(?:repeats or precedes|replay)"
@@ -213,11 +212,8 @@ def _frozen_prefill_detected(chaos: Chaos, fig: ct.PhaseFigures, d_watch: LogWat
     # D watches P only while a load waits on it. The tiny model prefills a few hundred tokens in
     # milliseconds, so a load started before the freeze may be over by then (CI saw D watch nothing and
     # declare nothing); so P is frozen first and the requests come after: D, asked at the same time as P,
-    # sends its TransferRequests to the frozen ranks and waits. D keeps P's route for ROUTE_TTL_S (10 s);
-    # an expired one is read from P's bootstrap server, which the freeze stops too, so one answered
-    # request right before keeps the route fresh through the freeze.
-    warm = complete(stack.router_url, stack.model, prompt_of_length(40, salt=5), stream=False, max_tokens=2)
-    assert warm["token_ids"], warm
+    # sends its TransferRequests to the frozen ranks and waits, its route to P fresh (Chaos.fresh_route).
+    chaos.fresh_route()
     todo = [ct.Plan(chaos.rng.randint(200, 300), chaos.rng.randint(0, 150), False, 4) for _ in range(8)]
     t_stop = time.monotonic()
     signal_group(stack.prefill.pid, signal.SIGSTOP)
@@ -276,8 +272,9 @@ def cancel_while_prefill_frozen(chaos: Chaos, fig: ct.PhaseFigures) -> None:
             for _ in range(n)
         ]
 
+    chaos.fresh_route()  # D's loads sent while P is frozen wait on it, not on its bootstrap server
     try:
-        before = ct.start_load(stack.router_url, stack.model, leaving(6))  # P alive: D's route is fresh
+        before = ct.start_load(stack.router_url, stack.model, leaving(6))
         time.sleep(0.3)
         t_stop = time.monotonic()
         signal_group(stack.prefill.pid, signal.SIGSTOP)

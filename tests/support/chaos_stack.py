@@ -18,11 +18,12 @@ from pathlib import Path
 import httpx
 
 from launch.processes import ManagedProcess, PDStack, ProcessGroup, signal_group, vllm_env
+from pd_connector.bootstrap.client import ROUTE_TTL_S
 from pd_connector.bootstrap.signing import signed_headers
 from pd_connector.config import DECODE, DisaggConfig
 from pd_connector.transfer.loads import PeerTiming, lost_wait_s, stop_wait_s
 from tests.support import chaos_tools as ct
-from tests.support.serving import FAST_BATCH_STALL_S, FAST_TRANSFER_ENV
+from tests.support.serving import FAST_BATCH_STALL_S, FAST_TRANSFER_ENV, complete, prompt_of_length
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,19 @@ class Chaos:
     def wait_router_healthy(self, timeout: float = 60.0) -> float:
         """The Router's /health probes P and D itself: 200 once both answer."""
         return ct.wait_until("the Router sees P and D healthy", lambda: ct.healthy(self.stack.router_url), timeout)
+
+    def fresh_route(self) -> None:
+        """Have D hold a route to P fetched just now, good for ROUTE_TTL_S. D keeps a route that long
+        (``pd_connector.bootstrap.client``) and reads an expired one from P's bootstrap server, which runs in
+        P's process: a freeze stops it too, and D fails a load whose route it cannot read at once, holding
+        nothing. A phase whose loads must wait on a frozen P calls this first: the route the earlier phases
+        left expires, and one answered request fetches it anew (a request does not refresh a route that
+        has not expired)."""
+        time.sleep(ROUTE_TTL_S)
+        warm = complete(
+            self.stack.router_url, self.stack.model, prompt_of_length(40, salt=5), stream=False, max_tokens=2
+        )
+        assert warm["token_ids"], warm
 
     def load(self, n: int, fig: ct.PhaseFigures, disconnect_share: float = 0.0) -> list[ct.Result]:
         todo = ct.plans(self.rng, n, disconnect_share)

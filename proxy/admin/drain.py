@@ -147,6 +147,11 @@ class TrackedStream:
     room: int
     kv_room: int | None
 
+    def rebalance_may_move(self, by_replay: bool) -> bool:
+        """Whether a rebalance may move it: by its KV, or, ``by_replay`` (``--rebalance-by-replay``), by
+        replay when it has no KV to move (a replay prefills it all again on P)."""
+        return self.kv_room is not None or by_replay
+
 
 @dataclass(slots=True)
 class _Cut:
@@ -243,8 +248,8 @@ class Drains:
         rebalance: ``d`` stays in the pool), or, ``by_replay``, by replay when it has no KV to move;
         False when it cannot move (see :meth:`_move`)."""
         stream = self._streams.get(d, {}).get(tracker)
-        if stream is None or (stream.kv_room is None and not by_replay):
-            return False  # by KV only unless asked: a replay prefills it all again
+        if stream is None or not stream.rebalance_may_move(by_replay):
+            return False
         return self._move(d, tracker, stream, MoveCause.REBALANCE, target)
 
     def planned_target(self, request: RequestContext) -> BackendState | None:

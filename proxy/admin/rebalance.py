@@ -139,7 +139,7 @@ class Rebalancer:
         out = [
             (tracker, stream, request)
             for tracker, stream, request in self.drains.streaming(d)
-            if (stream.kv_room is not None or self.config.by_replay)
+            if stream.rebalance_may_move(self.config.by_replay)
             and request.progress.resumes == 0
             and request.progress.resumes < limit
             and len(tracker.generated) >= MIN_LEG_TOKENS

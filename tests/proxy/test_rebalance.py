@@ -15,13 +15,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
 from pd_connector.kv_params import MIGRATE_ROOM
+from proxy.admin.drain import TrackedStream
 from proxy.admin.rebalance import Rebalancer
 from proxy.admin.rebalance_flags import RebalanceConfig
 from proxy.admin.rebalance_policy import DecoderView, Move
@@ -142,7 +143,7 @@ class _FakeDrains:
         self.moved: list[tuple[BackendState, BackendState]] = []
 
     def streaming(self, d: BackendState) -> list[tuple[Any, Any, Any]]:
-        stream = SimpleNamespace(kv_room=7, rid="r", room=1)
+        stream = TrackedStream(cast(Any, None), cast(Any, None), rid="r", room=1, kv_room=7)
         return [(t, stream, SimpleNamespace(progress=SimpleNamespace(resumes=0))) for t in self.streams[d]]
 
     def rebalance_move(self, d: BackendState, tracker: Any, target: BackendState, *, by_replay: bool = False) -> bool:

@@ -44,6 +44,7 @@ from pd_connector.api_server.usage import AccountedSend, collecting, hook_engine
 from pd_connector.ascend.metaserver import UNTRUSTED_STATUS as METASERVER_STATUS
 from pd_connector.ascend.metaserver import UNTRUSTED_TYPE as METASERVER_TYPE
 from pd_connector.ascend.metaserver import metaserver_of, refusal, trusted_of_app
+from pd_connector.bootstrap.client import ROUTE_TTL_S as CONNECTOR_ROUTE_TTL_S
 from pd_connector.bootstrap.client import BootstrapBusy, BootstrapError, BootstrapUntrusted, RouteCache
 from pd_connector.compat import kv_dtype_name, model_fingerprint, route_mismatch
 from pd_connector.config import ConfigError, parse_config
@@ -64,8 +65,10 @@ INCOMPATIBLE_TYPE = "kv_transfer_incompatible"
 #: A request naming a bootstrap host this instance does not trust, and one whose server cannot be used.
 UNTRUSTED_STATUS, UNTRUSTED_TYPE = 403, "kv_transfer_untrusted_bootstrap"
 UNREACHABLE_STATUS, UNREACHABLE_TYPE = 502, "kv_transfer_bootstrap_unreachable"
-#: How long a route read from a bootstrap server is trusted, and how long a failed read is not retried.
-ROUTE_TTL_S = 30.0
+#: How long a route read from a bootstrap server is trusted (as long as the connector's own cache trusts
+#: one, so the check and the load go stale together after P restarts), and how long a failed read is not
+#: retried.
+ROUTE_TTL_S = CONNECTOR_ROUTE_TTL_S
 ROUTE_FAILURE_TTL_S = 1.0
 ROUTE_TIMEOUT_S = 5.0
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from launch.processes import ManagedProcess, PDStack, ProcessGroup, signal_group, vllm_env
+from pd_connector.api_server.validation import ROUTE_TTL_S as CHECK_ROUTE_TTL_S
 from pd_connector.bootstrap.client import ROUTE_TTL_S
 from pd_connector.bootstrap.signing import signed_headers
 from pd_connector.config import DECODE, DisaggConfig
@@ -145,13 +146,14 @@ class Chaos:
         return ct.wait_until("the Router sees P and D healthy", lambda: ct.healthy(self.stack.router_url), timeout)
 
     def fresh_route(self) -> None:
-        """Have D hold a route to P fetched just now, good for ROUTE_TTL_S. D keeps a route that long
-        (``pd_connector.bootstrap.client``) and reads an expired one from P's bootstrap server, which runs in
-        P's process: a freeze stops it too, and D fails a load whose route it cannot read at once, holding
-        nothing. A phase whose loads must wait on a frozen P calls this first: the route the earlier phases
-        left expires, and one answered request fetches it anew (a request does not refresh a route that
-        has not expired)."""
-        time.sleep(ROUTE_TTL_S)
+        """Have D hold a route to P fetched just now, good for ROUTE_TTL_S. D's connector
+        (``pd_connector.bootstrap.client``) and its API server's request check
+        (``pd_connector.api_server.validation``, the same TTL) each keep a route that long and read an
+        expired one from P's bootstrap server, which runs in P's process: a freeze stops it too, and D
+        answers such a request (502) or fails its load at once, holding nothing. A phase whose loads must
+        wait on a frozen P calls this first: the routes the earlier phases left expire, and one answered
+        request fetches them anew (a request does not refresh a route that has not expired)."""
+        time.sleep(max(ROUTE_TTL_S, CHECK_ROUTE_TTL_S))
         warm = complete(
             self.stack.router_url, self.stack.model, prompt_of_length(40, salt=5), stream=False, max_tokens=2
         )

@@ -145,7 +145,7 @@ def run_workloads(
         before = target.scrape()
         stats: RunStats = asyncio.run(run_paced(target.url, model, trace, rate))
         run = stats.summary(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-        run["goodput_by_ttft_slo_ms"] = goodput_sweep(stats.results, stats.duration_s, args.slo_tpot_ms)
+        run["goodput_by_ttft_slo_ms"] = goodput_sweep(stats.results, stats.offered_s, args.slo_tpot_ms)
         for key in ("requests_ttft_ms", "requests_bucket", "buckets"):
             run.pop(key, None)
         out["traces"][name] = _with_paths(target, before, run)

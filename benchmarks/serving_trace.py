@@ -59,6 +59,16 @@ class RunStats:
     duration_s: float
     results: list[Result] = field(default_factory=list)
 
+    @property
+    def offered_s(self) -> float:
+        """The span the load was offered over: requests / rate (the measured duration when unpaced).
+
+        Goodput divides by it, not by ``duration_s`` (first send to last answer): goodput is the offered
+        rate times the share of requests meeting the SLOs, so two systems that both meet them for every
+        request of a trace have the same goodput, whatever the last answer's decode took.
+        """
+        return len(self.results) / self.rate if self.rate > 0 and self.results else self.duration_s
+
     def summary(self, slo_ttft_s: float, slo_tpot_s: float, edges: Sequence[int] = ()) -> dict[str, Any]:
         """Overall statistics, plus `buckets` (label -> requests, TTFT and TPOT p50/p99) when `edges` are given."""
         ok = [r for r in self.results if not r.error]
@@ -75,7 +85,7 @@ class RunStats:
             "tpot_ms": {"p50": ms(percentile(tpot, 0.5)), "p99": ms(percentile(tpot, 0.99))},
             "throughput_rps": round(len(ok) / self.duration_s, 3),
             "throughput_output_tok_s": round(sum(r.output_tokens for r in ok) / self.duration_s, 1),
-            "goodput_rps": round(len(good) / self.duration_s, 3),
+            "goodput_rps": round(len(good) / self.offered_s, 3),
             "slo_attained": round(len(good) / len(self.results), 3) if self.results else None,
             "duration_s": round(self.duration_s, 2),
             "buckets": bucket_stats(self.results, edges) if edges else {},

@@ -102,7 +102,9 @@ def test_summary_percentiles_goodput_and_failures() -> None:
     summary = RunStats(rate=1.0, duration_s=10.0, results=results).summary(slo_ttft_s=0.5, slo_tpot_s=0.05)
     assert summary["failed"] == 1 and summary["errors"] == ["HTTP 500: x"]
     assert summary["ttft_ms"] == {"p50": 500.0, "p99": 1000.0}
-    assert summary["goodput_rps"] == 0.5  # 5 of 10 met the TTFT SLO, in 10 s
+    assert summary["goodput_rps"] == round(5 / 11, 3)  # 5 of the 11 offered at 1/s (11 s) met the TTFT SLO
+    later = RunStats(rate=1.0, duration_s=30.0, results=results).summary(slo_ttft_s=0.5, slo_tpot_s=0.05)
+    assert later["goodput_rps"] == summary["goodput_rps"]  # the last answer's time does not count
     assert summary["throughput_rps"] == 1.0 and summary["throughput_output_tok_s"] == 8.0
 
 

@@ -32,6 +32,9 @@ from launch.plan_trace import TraceRequest  # noqa: E402
 from proxy.planning.step_model import PrefillSample, StepModel, TransferModel, solve_least_squares  # noqa: E402
 
 SYSTEMS = {"always-pd": (1, 1, 0), "colocated": (0, 0, 2)}
+#: The share of a prefill's fixed cost over a decode step's that the fit puts outside the engine
+#: (``Models.overhead_ms``; see ``fit_from_run``).
+OVERHEAD_SHARE = 0.5
 
 
 def _point(summary: dict[str, Any], system: str, length: int, concurrency: int) -> dict[str, Any] | None:
@@ -55,7 +58,13 @@ def fit_from_run(summary: dict[str, Any], lengths: list[int], output: int) -> Mo
         step = sorted(tpots)[len(tpots) // 2]
         model.e = default.e * step / (default.d + default.e)
         model.d = step - model.e
-    return Models(p=model, d=model, c=model, transfer=fit_transfer(summary, lengths, output))
+    # A client's TTFT alone has a fixed part ``a``: the engine step's own (about a decode step's, ``d``)
+    # and the request's way through the front end and the API server, which runs beside the other
+    # requests' engine steps. The part over ``d`` is both; with nothing here to tell them apart, half
+    # of it is taken as time outside the engine (OVERHEAD_SHARE).
+    overhead = max(0.0, model.a - model.d) * OVERHEAD_SHARE
+    model.a -= overhead
+    return Models(p=model, d=model, c=model, transfer=fit_transfer(summary, lengths, output), overhead_ms=overhead)
 
 
 def fit_transfer(summary: dict[str, Any], lengths: list[int], output: int) -> TransferModel:
@@ -73,6 +82,17 @@ def fit_transfer(summary: dict[str, Any], lengths: list[int], output: int) -> Tr
         transfer.fixed_ms = max(0.0, fixed)
         if per_token > 0:
             transfer.push_bytes_per_s = transfer.bytes_per_token * 1e3 / per_token
+    # P's own time per pushed token: at concurrency 1 the next request arrives with P's first token and
+    # its prefill runs beside the previous push on P's core, so 1P1D's TTFT over colocated's grows with
+    # the prompt by that much (the slope; the intercept is the two front ends' difference).
+    extra = []
+    for length in lengths:
+        pd, colocated = _point(summary, "always-pd", length, 1), _point(summary, "colocated", length, 1)
+        if pd and colocated and pd.get("ttft_ms_p50") and colocated.get("ttft_ms_p50"):
+            extra.append((float(length), pd["ttft_ms_p50"] - colocated["ttft_ms_p50"]))
+    if len(extra) >= 2:
+        _, slope = solve_least_squares([[1.0, x] for x, _ in extra], [y for _, y in extra], [1.0] * len(extra))
+        transfer.sender_ms_per_token = max(0.0, slope)
     return transfer
 
 

@@ -7,7 +7,8 @@ requests at once. A step's time comes from the instance's ``StepModel`` (the Rou
 ``proxy.planning.step_model``); a KV push's from the ``TransferModel``.
 
 - P only prefills. When a prompt is done, P's first token is the request's first token (the
-  first-token path) and the KV is pushed; when the push ends the request joins D's batch.
+  first-token path) and the KV is pushed; when the push ends the request joins D's batch. P's
+  next step waits ``TransferModel.sender_ms`` of the pushes (its cores copying the KV out).
 - D decodes; a request on the LOCAL path prefills on D, beside D's running decodes.
 - C (colocated) prefills and decodes every request it gets.
 
@@ -52,6 +53,7 @@ class _Event(enum.IntEnum):
     ARRIVAL = 0
     STEP_END = 1
     PUSH_DONE = 2
+    ADMIT = 3
 
 
 @dataclass
@@ -76,6 +78,10 @@ class Models:
     d: StepModel = field(default_factory=StepModel)
     c: StepModel = field(default_factory=StepModel)
     transfer: TransferModel = field(default_factory=TransferModel)
+    #: A request's time outside the engines, in ms: the front end, HTTP, the API server's input and
+    #: output processing. The simulator spends it between the routing decision and the instance's queue
+    #: (in a closed loop, where it sits between one first token and the next admission does not matter).
+    overhead_ms: float = 0.0
 
     def of(self, role: Role) -> StepModel:
         return {Role.P: self.p, Role.D: self.d, Role.C: self.c}[role]
@@ -201,12 +207,19 @@ class Instance:
             r.left -= chunk
             self.queued_tokens -= chunk
         self.chunks = []
+        sending = 0.0
         while self.waiting and self.waiting[0].left == 0:
-            self._prefilled(self.waiting.popleft(), now)
+            r = self.waiting.popleft()
+            self._prefilled(r, now)
+            if self.role is Role.P and r.output > 1:
+                sending += self.sim.models.transfer.sender_ms(r.pushed)
         while self.running and self.running[0][0] <= self.steps:
             _, _, r = heapq.heappop(self.running)
             self.ctx -= r.prompt + r.output
             self.sim.finish(r, now)
+        if sending > 0:  # P's cores put the KV on the wire before its next step (a step of no tokens)
+            self._schedule(now, 1, sending, 0.0)
+            return
         self.start(now)
 
     def _prefilled(self, r: Req, now: float) -> None:
@@ -277,6 +290,7 @@ class Simulator:
         self.done: list[Req] = []
         self.pending: deque[TraceRequest] = deque()
         self.paths: dict[str, int] = {}
+        self.rr = 0
 
     def push(self, t: float, kind: _Event, obj: object, version: int) -> None:
         self.seq += 1
@@ -312,6 +326,9 @@ class Simulator:
                 obj.step_end(now, version)  # type: ignore[attr-defined]
             elif kind is _Event.ARRIVAL:
                 self.route(obj, now)  # type: ignore[arg-type]
+            elif kind is _Event.ADMIT:
+                inst, req = obj  # type: ignore[misc]
+                inst.enqueue_prefill(req, now)
             else:
                 r: Req = obj  # type: ignore[assignment]
                 assert r.d is not None
@@ -331,20 +348,29 @@ class Simulator:
     # --- routing ------------------------------------------------------------------------
     def route(self, r: Req, now: float) -> None:
         if self.cs:
-            c = min(self.cs, key=lambda i: self._local_ttft(i, r))
+            # round robin, as a plain load balancer in front of colocated instances (and the benchmarks') does
+            c = self.cs[self.rr % len(self.cs)]
+            self.rr += 1
             self._count(Path.LOCAL)
-            c.enqueue_prefill(r, now)
+            self._admit(c, r, now)
             return
         d = min(self.ds, key=lambda i: (i.load(), -i.cached_tokens(r)))
         p = min(self.ps, key=lambda i: self._p_ms(i, r))
         r.path = self.choose(r, p, d)
         self._count(r.path)
         if r.path is Path.LOCAL:
-            d.enqueue_prefill(r, now)
+            self._admit(d, r, now)
             return
         r.d = d
         r.pushed = r.prompt if r.path is Path.PD else r.prompt - min(d.cached_tokens(r), r.prompt - 1)
-        p.enqueue_prefill(r, now)
+        self._admit(p, r, now)
+
+    def _admit(self, inst: Instance, r: Req, now: float) -> None:
+        """``r`` joins ``inst``'s queue once its time outside the engines (``Models.overhead_ms``) is spent."""
+        if self.models.overhead_ms > 0:
+            self.push(now + self.models.overhead_ms, _Event.ADMIT, (inst, r), 0)
+        else:
+            inst.enqueue_prefill(r, now)
 
     def _count(self, path: Path) -> None:
         self.paths[path.value] = self.paths.get(path.value, 0) + 1

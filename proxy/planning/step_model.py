@@ -230,12 +230,19 @@ class TransferModel:
     bytes_per_token: int = 3072
     push_bytes_per_s: float = 500e6
     fixed_ms: float = 5.0
+    #: The prefiller's own time per pushed token (copying the KV onto the wire on its cores, which its
+    #: next engine step waits for where they are the same cores: a CPU instance). 0: the push is off them.
+    sender_ms_per_token: float = 0.0
     forgetting: float = 0.9
 
     def push_ms(self, tokens: int) -> float:
         if tokens <= 0:
             return 0.0
         return self.fixed_ms + tokens * self.bytes_per_token / self.push_bytes_per_s * 1e3
+
+    def sender_ms(self, tokens: int) -> float:
+        """The prefiller's engine time a push of ``tokens`` takes (``sender_ms_per_token``)."""
+        return max(0, tokens) * self.sender_ms_per_token
 
     def observe(self, nbytes: int, ms: float) -> None:
         data_ms = ms - self.fixed_ms
@@ -249,11 +256,12 @@ class TransferModel:
             "bytes_per_token": self.bytes_per_token,
             "push_bytes_per_s": self.push_bytes_per_s,
             "fixed_ms": self.fixed_ms,
+            "sender_ms_per_token": self.sender_ms_per_token,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TransferModel:
-        known = {"bytes_per_token", "push_bytes_per_s", "fixed_ms", "forgetting"}
+        known = {"bytes_per_token", "push_bytes_per_s", "fixed_ms", "sender_ms_per_token", "forgetting"}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"transfer model: unknown keys {sorted(unknown)} (known: {sorted(known)})")

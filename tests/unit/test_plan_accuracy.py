@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import plan_accuracy
 from launch.plan_sim import Models
 from proxy.planning.step_model import StepModel
@@ -46,3 +48,16 @@ def test_fitting_from_the_run_judges_only_the_other_points(tmp_path: Path) -> No
     unjudged = [r["point"] for r in out["points"] if not r["judged"]]
     assert unjudged == [f"{n}x1" for n in LENGTHS] * 2
     assert out["step"]["b"] > 0
+
+
+def test_the_fit_puts_part_of_the_fixed_cost_outside_the_engine_and_a_push_cost_on_p() -> None:
+    report = _report(StepModel(a=20.0, b=0.15, c=2e-5, d=4.0, e=0.2))
+    before = plan_accuracy.fit_from_run(report["summary"], LENGTHS, OUTPUT).transfer.sender_ms_per_token
+    for length, extra in zip(LENGTHS, (1.0, 11.0, 20.0), strict=True):  # 1P1D's TTFT grows ~0.01 ms a token
+        report["summary"]["always-pd"][f"closed {length}x1"]["ttft_ms_p50"] += extra
+    models = plan_accuracy.fit_from_run(report["summary"], LENGTHS, OUTPUT)
+    assert models.overhead_ms > 0 and models.p.a + models.overhead_ms > models.p.d
+    assert models.overhead_ms == pytest.approx(
+        (models.p.a + models.overhead_ms - models.p.d) * plan_accuracy.OVERHEAD_SHARE
+    )
+    assert models.transfer.sender_ms_per_token - before == pytest.approx(0.0103, rel=0.05)

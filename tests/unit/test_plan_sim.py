@@ -163,3 +163,40 @@ def test_cli_plans_a_generated_trace() -> None:
     least = min(r["instances"] for r in out["results"] if r["attainment"] >= 0.9)
     assert rec["instances"] == least
     assert "rough defaults" in out["models"]["source"]
+
+
+def test_time_outside_the_engines_adds_to_ttft() -> None:
+    base = _one(300, 5, c=1)
+    sim = Simulator(
+        models=Models(MODELS.p, MODELS.d, MODELS.c, MODELS.transfer, overhead_ms=12.0),
+        instance=InstanceConfig(budget=BUDGET),
+        c=1,
+    )
+    sim.run([TraceRequest(0.0, 300, 5)], 1e9, 1e9)
+    late = sim.done[0]
+    assert late.first_t - late.arrival == pytest.approx(base.first_t - base.arrival + 12.0)
+    assert late.finish_t - late.first_t == pytest.approx(base.finish_t - base.first_t)
+
+
+def test_prefiller_sends_the_kv_before_its_next_step() -> None:
+    """Two prompts at once on one P (budget for one at a time): the second waits for the first's step
+    and, with a sender cost, for the first push's copy on P's cores too."""
+    sender = TransferModel(bytes_per_token=3072, push_bytes_per_s=2e8, fixed_ms=4.0, sender_ms_per_token=0.01)
+    firsts = []
+    for transfer in (MODELS.transfer, sender):
+        sim = Simulator(
+            models=Models(MODELS.p, MODELS.d, MODELS.c, transfer), instance=InstanceConfig(budget=1000), p=1, d=1
+        )
+        sim.run([TraceRequest(0.0, 1000, 4), TraceRequest(0.0, 1000, 4)], 1e9, 1e9)
+        firsts.append(sorted(r.first_t for r in sim.done))
+    assert firsts[1][0] == pytest.approx(firsts[0][0])  # the first prompt's token is not delayed
+    assert firsts[1][1] == pytest.approx(firsts[0][1] + 1000 * 0.01)  # the second waits for the copy
+
+
+def test_colocated_instances_take_requests_in_turn() -> None:
+    sim = Simulator(models=MODELS, instance=InstanceConfig(budget=BUDGET), c=2)
+    sim.run([TraceRequest(0.0, 300, 2) for _ in range(4)], 1e9, 1e9)
+    firsts = sorted(r.first_t for r in sim.done)
+    # two at a time: each instance starts on its first request at once and takes its second after it
+    assert firsts[0] == pytest.approx(firsts[1]) and firsts[2] == pytest.approx(firsts[3])
+    assert firsts[2] > firsts[1] + 1.0

@@ -10,11 +10,13 @@ requests at once. A step's time comes from the instance's ``StepModel`` (the Rou
   first-token path) and the KV is pushed; when the push ends the request joins D's batch. P's
   next step waits ``TransferModel.sender_ms`` of the pushes (its cores copying the KV out).
 - D decodes; a request on the LOCAL path prefills on D, beside D's running decodes.
-- C (colocated) prefills and decodes every request it gets.
+- C (colocated) prefills and decodes every request it gets; colocated instances take requests in turn
+  (round robin, as a plain load balancer does).
 
 Each instance has an LRU prefix cache of trace prefixes (``prefix_id``): a prefix is cached on
-an instance once it prefilled it or received its KV. Not modelled: KV memory limits and
-preemption, push contention between requests, the Router's own latency.
+an instance once it prefilled it or received its KV. A request reaches its instance's queue
+``Models.overhead_ms`` after the routing decision (front end, HTTP, API server). Not modelled:
+KV memory limits and preemption, push contention between requests, the Router's own latency.
 
 Speed: a run of decode-only steps with a fixed batch is one event (its end is computed in
 closed form); an arrival that brings work cuts it at the end of the step in progress.
@@ -284,7 +286,6 @@ class Simulator:
         self.ds = [Instance(self, Role.D, i, self.models.d, cfg) for i in range(d)]
         self.cs = [Instance(self, Role.C, i, self.models.c, cfg) for i in range(c)]
         self.path_model = PathModel(self.models.p, self.models.d, self.models.transfer)
-        self.local_model = PathModel(self.models.c, self.models.c, self.models.transfer)
         self.events: list[tuple[float, int, int, object, int]] = []
         self.seq = 0
         self.done: list[Req] = []
@@ -328,6 +329,7 @@ class Simulator:
                 self.route(obj, now)  # type: ignore[arg-type]
             elif kind is _Event.ADMIT:
                 inst, req = obj  # type: ignore[misc]
+                inst.queued_tokens -= req.prompt  # counted from the decision on (_admit); the queue counts it now
                 inst.enqueue_prefill(req, now)
             else:
                 r: Req = obj  # type: ignore[assignment]
@@ -368,6 +370,7 @@ class Simulator:
     def _admit(self, inst: Instance, r: Req, now: float) -> None:
         """``r`` joins ``inst``'s queue once its time outside the engines (``Models.overhead_ms``) is spent."""
         if self.models.overhead_ms > 0:
+            inst.queued_tokens += r.prompt  # the next decisions see it on its way
             self.push(now + self.models.overhead_ms, _Event.ADMIT, (inst, r), 0)
         else:
             inst.enqueue_prefill(r, now)
@@ -379,11 +382,6 @@ class Simulator:
         cached = min(inst.cached_tokens(r), r.prompt - 1)
         m, budget = inst.model, inst.cfg.budget
         return m.drain_ms(inst.queued_tokens, budget) + m.chunked_prefill_ms(r.prompt - cached, cached, budget)
-
-    def _local_ttft(self, inst: Instance, r: Req) -> float:
-        view = RequestView(r.prompt, 0, min(inst.cached_tokens(r), r.prompt - 1), max(1, r.output - 1))
-        state = PairState(view, PrefillerLoad(), _decoder_load(inst))
-        return self.local_model.predict(Path.LOCAL, state).ttft_ms
 
     def choose(self, r: Req, p: Instance, d: Instance) -> Path:
         """The path the Router's policy (``proxy.planning.path_policy``, the same table) picks for ``r``."""

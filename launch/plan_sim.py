@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from launch.plan_trace import TraceRequest
+from proxy.planning.duty import PrefillDuty
 from proxy.planning.path_policy import PATH_POLICIES, PathOptions
 from proxy.planning.predict import DecoderLoad, PairState, Path, PathModel, PrefillerLoad, RequestView
 from proxy.planning.step_model import StepModel, TransferModel
@@ -120,6 +121,7 @@ class Instance:
         self.busy = False
         self.run: tuple[float, int, float, float] = (0.0, 0, 0.0, 0.0)  # start, k, first step ms, growth
         self.chunks: list[tuple[Req, int]] = []
+        self.duty = PrefillDuty()  # D: the local prefills sent to it lately, as the Router records them
 
     def cached_tokens(self, r: Req) -> int:
         return r.prefix_tokens if r.prefix_id is not None and r.prefix_id in self.cache else 0
@@ -358,9 +360,11 @@ class Simulator:
             return
         d = min(self.ds, key=lambda i: (i.load(), -i.cached_tokens(r)))
         p = min(self.ps, key=lambda i: self._p_ms(i, r))
-        r.path = self.choose(r, p, d)
+        r.path = self.choose(r, p, d, now)
         self._count(r.path)
         if r.path is Path.LOCAL:
+            cached = min(d.cached_tokens(r), r.prompt - 1)
+            d.duty.add(now, d.model.prefill_ms(r.prompt - cached, cached))
             self._admit(d, r, now)
             return
         r.d = d
@@ -383,17 +387,18 @@ class Simulator:
         m, budget = inst.model, inst.cfg.budget
         return m.drain_ms(inst.queued_tokens, budget) + m.chunked_prefill_ms(r.prompt - cached, cached, budget)
 
-    def choose(self, r: Req, p: Instance, d: Instance) -> Path:
+    def choose(self, r: Req, p: Instance, d: Instance, now: float) -> Path:
         """The path the Router's policy (``proxy.planning.path_policy``, the same table) picks for ``r``."""
         cached_d = min(d.cached_tokens(r), r.prompt - 1)
         cached_p = min(p.cached_tokens(r), r.prompt - 1)
         state = PairState(
             RequestView(r.prompt, cached_p, cached_d, max(1, r.output - 1)),
             PrefillerLoad(p.queued_tokens, 0, p.cfg.budget),
-            _decoder_load(d),
+            _decoder_load(d, now),
         )
         return PATH_POLICIES[self.policy.value](state, self.options, self.path_model).path
 
 
-def _decoder_load(inst: Instance) -> DecoderLoad:
-    return DecoderLoad(len(inst.running) + len(inst.joins), inst.ctx, inst.queued_tokens, None, inst.cfg.budget)
+def _decoder_load(inst: Instance, now: float) -> DecoderLoad:
+    running = len(inst.running) + len(inst.joins)
+    return DecoderLoad(running, inst.ctx, inst.queued_tokens, None, inst.cfg.budget, inst.duty.recent_ms(now))

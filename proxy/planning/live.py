@@ -5,8 +5,9 @@ backend call. The chooser reads, with no I/O:
 
 - P's load: its prompt tokens queued and in flight (the pool's leases, ``in_flight_tokens``);
 - D's load: its requests in flight (the running batch), the prompt tokens of requests it is
-  prefilling itself that have not answered yet, and its recent inter-token latency (measured
-  on the streams the Router relays);
+  prefilling itself that have not answered yet, the predicted time of the prefills it was sent
+  lately (:class:`proxy.planning.duty.PrefillDuty`: how much of its time went to prefilling), and
+  its recent inter-token latency (measured on the streams the Router relays);
 - the prompt's cached part on P and on D: an approximate prefix index per instance
   (:class:`proxy.upstream.prefix_tree.PrefixTree`) of the prompts each has computed (recorded when
   a request ends well, so requests sent together do not count each other as cached), counted in
@@ -29,10 +30,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.planning.duty import PrefillDuty
 from proxy.planning.path_policy import PATH_POLICIES, PathChoice, PathOptions
 from proxy.planning.predict import DecoderLoad, PairState, Path, PathModel, PrefillerLoad, RequestView
 from proxy.planning.step_model import StepModel, TransferModel, calibration_models
@@ -90,6 +93,8 @@ class Decided:
     d: BackendState | None
     key: str
     tokens: int
+    #: LOCAL: D's predicted time to prefill it (what it adds to D's prefill duty).
+    local_ms: float = 0.0
 
 
 class PathChooser:
@@ -102,6 +107,7 @@ class PathChooser:
         models: ModelSet,
         metrics: Any = None,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in PATH_POLICIES:
             raise ValueError(f"--path-policy {policy!r}: unknown (choose from {', '.join(PATH_POLICIES)})")
@@ -120,6 +126,9 @@ class PathChooser:
         self._local_pending: dict[BackendState, int] = {}
         #: D: running average of the inter-token latency of the streams relayed from it (ms).
         self._itl: dict[BackendState, float] = {}
+        #: D: the predicted time of the local prefills sent to it lately, decayed.
+        self._duty: dict[BackendState, PrefillDuty] = {}
+        self._clock = clock
 
     # -- the decision --------------------------------------------------------------------------
 
@@ -139,13 +148,23 @@ class PathChooser:
         if p is None:
             return self._count(Decided(PathChoice(Path.LOCAL, "no_prefiller"), p, d, key, tokens))
         prompt = max(1, tokens)
+        duty = self._duty.get(d)
+        cached_d = self._cached(d, key, prompt)
         state = PairState(
-            RequestView(prompt, self._cached(p, key, prompt), self._cached(d, key, prompt), _horizon(body)),
+            RequestView(prompt, self._cached(p, key, prompt), cached_d, _horizon(body)),
             PrefillerLoad(0, p.in_flight_tokens),
-            DecoderLoad(d.in_flight, 0, self._local_pending.get(d, 0), self._itl.get(d)),
+            DecoderLoad(
+                d.in_flight,
+                0,
+                self._local_pending.get(d, 0),
+                self._itl.get(d),
+                recent_prefill_ms=duty.recent_ms(self._now_ms()) if duty is not None else 0.0,
+            ),
         )
         model = PathModel(self.model(p), self.model(d), self.defaults.transfer, first_token_from_p)
-        return self._count(Decided(self.policy(state, self.options, model), p, d, key, tokens))
+        choice = self.policy(state, self.options, model)
+        local_ms = model.d_model.prefill_ms(prompt - cached_d, cached_d) if choice.local else 0.0
+        return self._count(Decided(choice, p, d, key, tokens, local_ms))
 
     def pd_only(self) -> Decided:
         """The decision of ``always-pd`` (counted), made without reading any signal."""
@@ -192,6 +211,13 @@ class PathChooser:
         """The request went out to ``d`` to prefill locally: its prompt tokens wait on D until it answers."""
         if decided.choice.local:
             self._local_pending[d] = self._local_pending.get(d, 0) + decided.tokens
+            duty = self._duty.get(d)
+            if duty is None:
+                duty = self._duty[d] = PrefillDuty()
+            duty.add(self._now_ms(), decided.local_ms)
+
+    def _now_ms(self) -> float:
+        return self._clock() * 1000.0
 
     def computed(self, decided: Decided, p: BackendState | None, d: BackendState | None) -> None:
         """The request ended well on ``p`` (None: D prefilled it) and ``d``: their prefix caches hold its prompt."""
@@ -232,7 +258,7 @@ class PathChooser:
 
     def forget(self, state: BackendState) -> None:
         """``state`` left the pool."""
-        for table in (self._models, self._scale, self._index, self._local_pending, self._itl):
+        for table in (self._models, self._scale, self._index, self._local_pending, self._itl, self._duty):
             table.pop(state, None)  # type: ignore[attr-defined]
 
     def _tree(self, state: BackendState) -> PrefixTree:

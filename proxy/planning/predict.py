@@ -15,11 +15,15 @@ Equations (ms; ``m`` the StepModel of the instance named, ``B`` its token budget
 - LOCAL: TTFT = residual of D's current step (half a step) + ``m_D.drain_ms(D's queued prefill tokens)``
   + ``m_D.chunked_prefill_ms(L - cached_D, cached_D, B_D, batch, context)``, all beside D's batch;
   the running requests each wait the extra step time of every prefill D has ahead, queued ones included
-  (``stall_ms``).
+  (``stall_ms``);
+- D's share of time prefilling (``duty``): its recent local prefill time (``DecoderLoad.recent_prefill_ms``,
+  :mod:`proxy.planning.duty`) plus this prefill's own, over the duty window (capped at :data:`MAX_DUTY`).
+  Prefills arriving back to back leave D's streams only the time between them.
 
 ``Prediction.tpot_ms`` is the mean TPOT D's requests see over the next ``horizon_tokens`` tokens:
 one decode step (``recent_itl_ms`` scaled by the model's step ratio when given) plus the
-stall or first gap spread over the horizon. Every call is pure O(1) arithmetic.
+stall or first gap spread over the horizon; for LOCAL at least one decode step / (1 - duty).
+Every call is pure O(1) arithmetic.
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from proxy.planning.duty import DUTY_WINDOW_MS
 from proxy.planning.step_model import StepModel, TransferModel
+
+#: The largest share of D's time the LOCAL prediction counts as prefilling (keeps step / (1 - duty) finite).
+MAX_DUTY = 0.95
 
 
 class Path(enum.Enum):
@@ -54,6 +62,7 @@ class DecoderLoad:
     queued_prefill_tokens: int = 0  # local prefills waiting on D
     recent_itl_ms: float | None = None
     budget: int = 2048
+    recent_prefill_ms: float = 0.0  # local prefill time D spent lately, decayed (proxy.planning.duty)
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,8 @@ class PathModel:
                 if d.running_batch
                 else 0.0
             )
-            return Prediction(path, ttft, step_d + stall / horizon, stall)
+            duty = min(MAX_DUTY, (d.recent_prefill_ms + own) / DUTY_WINDOW_MS)  # queued ones are in recent
+            return Prediction(path, ttft, max(step_d + stall / horizon, step_d / (1.0 - duty)), stall)
         uncached_p = prompt - req.cached_on_p
         wait_p = self.p_model.drain_ms(p.queued_tokens + p.in_flight_tokens, p.budget)
         own_p = self.p_model.chunked_prefill_ms(uncached_p, req.cached_on_p, p.budget)

@@ -3,11 +3,13 @@ request on D alone (an ordinary vLLM request: no P, no ``kv_transfer_params``)."
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
 import pytest
 
+from proxy.planning.duty import DUTY_WINDOW_MS, PrefillDuty
 from proxy.planning.live import ModelSet, PathChooser
 from proxy.planning.path_policy import PATH_POLICIES, PathOptions, adaptive, non_cached, threshold
 from proxy.planning.predict import DecoderLoad, PairState, Path, PathModel, PrefillerLoad, RequestView
@@ -157,6 +159,53 @@ def test_chooser_rescales_prefill_times_from_idle_answers_p_and_d_alike() -> Non
         chooser.observe_prefill(d, tokens, 2 * StepModel().prefill_ms(tokens))
     assert chooser.model(d).prefill_ms(1000) == pytest.approx(2 * before, rel=0.05)
     assert chooser.model(p).prefill_ms(1000) == pytest.approx(3 * before, rel=0.05)
+
+
+def test_prefill_duty_decays_with_the_age_of_each_prefill() -> None:
+    duty = PrefillDuty()
+    assert duty.recent_ms(5.0) == 0.0
+    duty.add(1000.0, 400.0)
+    assert duty.recent_ms(1000.0) == pytest.approx(400.0)
+    assert duty.recent_ms(1000.0 + DUTY_WINDOW_MS) == pytest.approx(400.0 / math.e)
+    duty.add(1000.0 + DUTY_WINDOW_MS, 400.0)  # the older one decayed, the new one whole
+    assert duty.recent_ms(1000.0 + DUTY_WINDOW_MS) == pytest.approx(400.0 * (1 + 1 / math.e))
+
+
+def test_local_tpot_counts_prefills_back_to_back() -> None:
+    # One stream decoding; D prefilled a lot lately: its streams get only the time between prefills.
+    quiet = _state(1024, d_batch=1)
+    busy = PairState(quiet.request, quiet.p, DecoderLoad(running_batch=1, recent_prefill_ms=0.8 * DUTY_WINDOW_MS))
+    step = MODEL.d_step_ms(quiet.d, 1, 1024)
+    assert MODEL.predict(Path.LOCAL, busy).tpot_ms >= step / (1 - 0.8)
+    assert MODEL.predict(Path.LOCAL, busy).tpot_ms > MODEL.predict(Path.LOCAL, quiet).tpot_ms
+    assert MODEL.predict(Path.PD, busy).tpot_ms == MODEL.predict(Path.PD, quiet).tpot_ms
+
+
+def test_chooser_stops_prefilling_on_d_when_its_prefills_come_back_to_back() -> None:
+    # P always busy, so D's prefill is faster; each local prefill the Router sends adds to D's duty.
+    _, p, d = _pool()
+    now = [0.0]
+    options = PathOptions(tpot_slo_ms=4 * StepModel().decode_step_ms(2, 1024))
+    chooser = PathChooser("adaptive", options, ModelSet(), clock=lambda: now[0])
+    body = {"prompt": "x" * 4000, "max_tokens": 32}
+    p.in_flight_tokens = 4000
+    d.in_flight = 1
+    paths = []
+    for _ in range(30):
+        decided = chooser.decide(body, 1000, p, d, first_token_from_p=True)
+        paths.append(decided.choice.path)
+        if decided.choice.local:
+            chooser.sent(decided, d)
+            assert decided.local_ms == pytest.approx(chooser.model(d).prefill_ms(1000))
+        now[0] += chooser.model(d).prefill_ms(1000) / 1000  # the next one as soon as this one is done
+        if decided.choice.local:
+            chooser.local_answered(decided, d)
+    assert paths[0] is Path.LOCAL
+    assert Path.PD in paths  # the duty rose past what the SLO allows
+    share = paths.count(Path.LOCAL) / len(paths)
+    assert 0.3 < share < 0.95, paths
+    chooser.forget(d)
+    assert d not in chooser._duty
 
 
 def test_chooser_without_a_prefiller_goes_local() -> None:

@@ -101,12 +101,12 @@ def test_threshold_and_non_cached_rules() -> None:
         return Req(TraceRequest(0.0, prompt, 4, "sys" if prefix else None, prefix))
 
     d.remember(req(2000, 1000))  # D holds the 1000-token prefix "sys"
-    assert sim.choose(req(2000, 1000), p, d) is Path.LOCAL  # 1000 uncached < 2048, ratio 0.5 < 0.7
-    assert sim.choose(req(4000, 1000), p, d) is Path.DELTA  # 3000 uncached >= 2048
-    assert sim.choose(req(1500, 0), p, d) is Path.PD  # nothing cached: ratio 1.0
+    assert sim.choose(req(2000, 1000), p, d, 0.0) is Path.LOCAL  # 1000 uncached < 2048, ratio 0.5 < 0.7
+    assert sim.choose(req(4000, 1000), p, d, 0.0) is Path.DELTA  # 3000 uncached >= 2048
+    assert sim.choose(req(1500, 0), p, d, 0.0) is Path.PD  # nothing cached: ratio 1.0
     sim.policy = Policy.NON_CACHED
-    assert sim.choose(req(1400, 1000), p, d) is Path.LOCAL  # 400 non-cached <= 512
-    assert sim.choose(req(1600, 1000), p, d) is Path.DELTA
+    assert sim.choose(req(1400, 1000), p, d, 0.0) is Path.LOCAL  # 400 non-cached <= 512
+    assert sim.choose(req(1600, 1000), p, d, 0.0) is Path.DELTA
 
 
 def test_prefix_cache_shortens_the_second_prefill() -> None:

@@ -67,8 +67,15 @@ pytestmark = [
 
 #: vLLM's CPU MLA backend only runs 16-token blocks (vllm/platforms/cpu.py overrides --block-size).
 MLA_BLOCK_SIZE = 16
-#: vLLM's PyTorch rotary embedding instead of the CPU kernel that misreads MLA's strided q_pe / k_pe.
-NATIVE_ROPE = ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+#: vLLM's PyTorch rotary embedding instead of the CPU kernel that misreads MLA's strided q_pe / k_pe, and
+#: CPU_MLA named: on an x86 CPU with AMX tiles vLLM otherwise picks AMX_MLA, which takes bfloat16 weights
+#: only and stops the float32 test model at load ("expect weight to be bfloat16 ...", platforms/cpu.py).
+MLA_SERVE_ARGS = [
+    "--compilation-config",
+    json.dumps({"custom_ops": ["-rotary_embedding"]}),
+    "--attention-backend",
+    "CPU_MLA",
+]
 #: 1 token, one and two blocks exactly, a block and a token, many blocks.
 SAMPLE = [i for i, n in enumerate(PROMPT_LENGTHS) if n in (1, 32, 33, 129, 300)]
 
@@ -79,7 +86,9 @@ def mla_reference(tiny_mla_model: Path, tmp_path_factory: pytest.TempPathFactory
     t0 = time.monotonic()
     with ProcessGroup(tmp_path_factory.mktemp("mla-reference-logs")) as group:
         port = free_port()
-        proc = group.start("colocated", vllm_serve_cmd(tiny_mla_model, port, extra_args=NATIVE_ROPE), env=vllm_env("0"))
+        proc = group.start(
+            "colocated", vllm_serve_cmd(tiny_mla_model, port, extra_args=MLA_SERVE_ARGS), env=vllm_env("0")
+        )
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(f"{url}/health", START_TIMEOUT_S, proc)
         all_prompts, model = prompts(), str(tiny_mla_model)
@@ -109,8 +118,8 @@ def test_mla_pd_is_token_identical_and_moves_latent_kv_once(
             group, model,
             extra_p_config={"room_timeout_s": 60, "transfer_mode": mode},
             extra_d_config={"kv_wait_timeout_s": 60, "transfer_mode": mode},
-            p_args=[*NATIVE_ROPE, "--tensor-parallel-size", str(p_tp)],
-            d_args=[*NATIVE_ROPE, "--tensor-parallel-size", str(d_tp)],
+            p_args=[*MLA_SERVE_ARGS, "--tensor-parallel-size", str(p_tp)],
+            d_args=[*MLA_SERVE_ARGS, "--tensor-parallel-size", str(d_tp)],
             p_cpus="|".join(["0"] * p_tp), d_cpus="|".join(["1"] * d_tp),  # P and D on their own core
             timeout=START_TIMEOUT_S,
         )  # fmt: skip

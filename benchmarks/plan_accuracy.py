@@ -67,32 +67,39 @@ def fit_from_run(summary: dict[str, Any], lengths: list[int], output: int) -> Mo
     return Models(p=model, d=model, c=model, transfer=fit_transfer(summary, lengths, output), overhead_ms=overhead)
 
 
+def _pd_over_colocated_line(
+    summary: dict[str, Any], lengths: list[int], metric: str, scale: float
+) -> tuple[float, float] | None:
+    """Intercept and slope over the prompt length of (1P1D's ``metric`` - colocated's) x ``scale`` at
+    concurrency 1; None with fewer than two lengths measured by both."""
+    points = []
+    for length in lengths:
+        pd, colocated = _point(summary, "always-pd", length, 1), _point(summary, "colocated", length, 1)
+        if pd and colocated and pd.get(metric) and colocated.get(metric):
+            points.append((float(length), (pd[metric] - colocated[metric]) * scale))
+    if len(points) < 2:
+        return None
+    intercept, slope = solve_least_squares([[1.0, x] for x, _ in points], [y for _, y in points], [1.0] * len(points))
+    return intercept, slope
+
+
 def fit_transfer(summary: dict[str, Any], lengths: list[int], output: int) -> TransferModel:
     """The KV hand-over's cost from the concurrency-1 points: 1P1D's TPOT over colocated's, times the
     tokens after the first, is the gap between P's token 1 and D's token 2 (push, D's admission and
     first step); a line over the prompt lengths gives its fixed part and its per-token part."""
     transfer = TransferModel()
-    gaps = []
-    for length in lengths:
-        pd, colocated = _point(summary, "always-pd", length, 1), _point(summary, "colocated", length, 1)
-        if pd and colocated and pd.get("tpot_ms_p50") and colocated.get("tpot_ms_p50"):
-            gaps.append((float(length), (pd["tpot_ms_p50"] - colocated["tpot_ms_p50"]) * max(1, output - 1)))
-    if len(gaps) >= 2:
-        fixed, per_token = solve_least_squares([[1.0, x] for x, _ in gaps], [y for _, y in gaps], [1.0] * len(gaps))
+    gap = _pd_over_colocated_line(summary, lengths, "tpot_ms_p50", max(1, output - 1))
+    if gap is not None:
+        fixed, per_token = gap
         transfer.fixed_ms = max(0.0, fixed)
         if per_token > 0:
             transfer.push_bytes_per_s = transfer.bytes_per_token * 1e3 / per_token
     # P's own time per pushed token: at concurrency 1 the next request arrives with P's first token and
     # its prefill runs beside the previous push on P's core, so 1P1D's TTFT over colocated's grows with
     # the prompt by that much (the slope; the intercept is the two front ends' difference).
-    extra = []
-    for length in lengths:
-        pd, colocated = _point(summary, "always-pd", length, 1), _point(summary, "colocated", length, 1)
-        if pd and colocated and pd.get("ttft_ms_p50") and colocated.get("ttft_ms_p50"):
-            extra.append((float(length), pd["ttft_ms_p50"] - colocated["ttft_ms_p50"]))
-    if len(extra) >= 2:
-        _, slope = solve_least_squares([[1.0, x] for x, _ in extra], [y for _, y in extra], [1.0] * len(extra))
-        transfer.sender_ms_per_token = max(0.0, slope)
+    extra = _pd_over_colocated_line(summary, lengths, "ttft_ms_p50", 1)
+    if extra is not None:
+        transfer.sender_ms_per_token = max(0.0, extra[1])
     return transfer
 
 

@@ -62,6 +62,7 @@ class DecodeSide:
         self._loads: dict[str, Load] = {}
         self._hello_sent: set[str] = set()
         self._hello_lock = threading.Lock()
+        self._ask_lock = threading.Lock()  # orders a load's TransferRequest before its TransferCancel
         self._routes = RouteCache.for_config(self._cfg)  # its token, CA bundle, trusted hosts
         self._dp_wait = DpRankWait(self._routes, self._dp_rank_found)
         self._ranks = PrefillRanks(self._cfg, self._spec, self._routes)  # which P ranks to ask
@@ -119,31 +120,39 @@ class DecodeSide:
             dst_groups=[list(g) for g in job.dst_group_block_ids],
             want_checksum=self._cfg.verify_kv,
         )
-        with self._lock:
-            load = self._loads.get(job.req_id)
-            if load is not None and load.cancelled:  # aborted while resolving: P gets only the cancel
-                del self._loads[job.req_id]
         endpoints = asked.endpoints
+        # Under the ask lock from the state change to the last send: a cancel that sees AWAITING_KV sends
+        # its TransferCancel only after this request left (cancel, _fail), so P never gets it first.
+        ask = False
+        with self._ask_lock:
+            with self._lock:
+                load = self._loads.get(job.req_id)
+                if load is not None and load.cancelled:  # aborted while resolving: P gets only the cancel
+                    del self._loads[job.req_id]
+                elif load is not None:
+                    ask = True
+                    load.endpoints, load.rank_at = list(endpoints), endpoints
+                    load.p_tp, load.timing = asked.p_tp, asked.timing
+                    if self._ctx.reshuffle is not None:  # the parts of D's blocks P's ranks write (nhd_reshuffle)
+                        load.slices = plan_slices(
+                            self._spec, asked.p_tp, self._spec.tp_size, self._spec.tp_rank, job.room
+                        )
+                    load.state = LoadState.AWAITING_KV
+                    load.handshake_s = time.monotonic() - load.started
+            if ask:
+                for endpoint in endpoints:
+                    with self._hello_lock:  # the hello must leave before any request to that endpoint
+                        if endpoint not in self._hello_sent:
+                            self._ctx.send(endpoint, self._hello())
+                            self._hello_sent.add(endpoint)
+                    self._ctx.send(endpoint, request)
         if load is None:  # failed (timeout) while resolving: P is told to free the room
             self._cancel_at(endpoints, job.room, job.req_id)
             return
-        if load.cancelled:
+        if not ask:  # aborted while resolving
             self._cancel_at(endpoints, job.room, job.req_id)
             self._release(load, "request aborted before prefill was asked", "aborted")
             return
-        with self._lock:
-            load.endpoints, load.rank_at = list(endpoints), endpoints
-            load.p_tp, load.timing = asked.p_tp, asked.timing
-            if self._ctx.reshuffle is not None:  # the parts of D's blocks P's ranks write (nhd_reshuffle)
-                load.slices = plan_slices(self._spec, asked.p_tp, self._spec.tp_size, self._spec.tp_rank, job.room)
-            load.state = LoadState.AWAITING_KV
-            load.handshake_s = time.monotonic() - load.started
-        for endpoint in endpoints:
-            with self._hello_lock:  # the hello must leave before any request to that endpoint
-                if endpoint not in self._hello_sent:
-                    self._ctx.send(endpoint, self._hello())
-                    self._hello_sent.add(endpoint)
-            self._ctx.send(endpoint, request)
         self._ctx.traces.get(job.req_id, job.room).mark("asked_p")
         logger.debug(
             "room=%d req=%s: asked %s for %d blocks", job.room, job.req_id, list(endpoints), len(job.dst_block_ids)
@@ -177,8 +186,9 @@ class DecodeSide:
     def _cancel_at(self, endpoints: Iterable[str], room: int, req_id: str) -> None:
         """Tell these P ranks to stop serving (or never serve) ``req_id``'s part of ``room``."""
         cancel = proto.TransferCancel(room=room, request_id=req_id, peer_id=self._peer_id)
-        for endpoint in endpoints:
-            self._ctx.send(endpoint, cancel)
+        with self._ask_lock:  # after the request, if _start is sending it now
+            for endpoint in endpoints:
+                self._ctx.send(endpoint, cancel)
 
     # ------------------------------------------------------------- outcomes
 

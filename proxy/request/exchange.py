@@ -300,6 +300,9 @@ class Exchange:
         """The client got the answer's first byte now (``source``: who sent its first token)."""
         if self.progress.ttfb is None:
             self.progress.ttfb = time.monotonic() - self.t0
+            decided = self.decided
+            if decided is not None and self.call.stream and 0 < self.status < 300 and self.progress.attempts == 1:
+                self.router.paths.observe_ttft(decided, self.progress.ttfb * 1000)  # the path's TTFT correction
         if source is not None:
             self.progress.first_token_from = source
 

